@@ -1,0 +1,221 @@
+"""Corpora and the byte-level BPE tokenizer.
+
+Every corpus is an iterator of documents (strings). The tokenizer is HuggingFace `tokenizers`'
+byte-level BPE, saved as a standard tokenizer.json that `tokenizers.Tokenizer.from_file` and
+transformers' fast tokenizer load unchanged.
+
+    python tokenizer.py train --corpus stdlib --vocab 32768 --out cache/stdlib-32768
+    python tokenizer.py stats --tokenizer cache/stdlib-32768/tokenizer.json --corpus stdlib
+"""
+
+import argparse
+import hashlib
+import json
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+EOT = "<|endoftext|>"  # separates documents; always token id 0
+CORPORA = ("stdlib", "tinystories", "fineweb-edu")  # or a path to local .txt / .jsonl / .parquet files
+HUB = {  # name -> (dataset, config, split, text field), read with streaming as seed 002 chose
+    "tinystories": ("roneneldan/TinyStories", None, "train", "text"),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", "text"),
+}
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be read: the message names the input and how to fix it."""
+
+
+# --- Corpora -------------------------------------------------------------------------------
+
+def stdlib_files() -> list[Path]:
+    """The running Python's standard library sources: about 30 MB of code and English docstrings
+    that every machine with Python has, so the project trains offline on a fresh machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def stdlib_documents() -> Iterator[str]:
+    for path in stdlib_files():
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        if text.strip():
+            yield text
+
+
+def hub_documents(name: str, limit: int | None = None) -> Iterator[str]:
+    """Stream a HuggingFace dataset. With no network this fails with one clear message."""
+    import datasets
+    path, config, split, field = HUB[name]
+    try:
+        stream = datasets.load_dataset(path, config, split=split, streaming=True)
+        yield from _texts(stream, field, f"{path} ({name})", limit)
+    except CorpusError:
+        raise
+    except Exception as e:  # the hub raises many types for "offline"; all mean the same here
+        raise CorpusError(
+            f"could not stream {path} from the HuggingFace hub ({type(e).__name__}: {str(e)[:200]}). "
+            f"Without network access, download the files elsewhere and pass them as a local corpus, "
+            f"e.g. --corpus /path/to/shards/*.parquet --text-field {field}") from None
+
+
+def local_documents(pattern: str, field: str = "text", limit: int | None = None) -> Iterator[str]:
+    """Local .txt files (one document per file) or .jsonl / .parquet files (one per record),
+    read through the same `datasets` call path as the hub corpora."""
+    files = sorted(Path().glob(pattern)) if any(c in pattern for c in "*?[") else [Path(pattern)]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise CorpusError(f"corpus {pattern!r}: no such file; give one of {CORPORA} or a path to "
+                          f".txt, .jsonl or .parquet files")
+    kinds = {f.suffix for f in files}
+    if kinds == {".txt"}:
+        for f in files:
+            yield f.read_text(encoding="utf-8", errors="replace")
+        return
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+    if len(kinds) != 1 or next(iter(kinds)) not in builder:
+        raise CorpusError(f"corpus {pattern!r}: files must all be .txt, .jsonl or .parquet, got {sorted(kinds)}")
+    import datasets
+    stream = datasets.load_dataset(builder[next(iter(kinds))], data_files=[str(f) for f in files],
+                                   split="train", streaming=True)
+    yield from _texts(stream, field, pattern, limit)
+
+
+def _texts(stream, field: str, source: str, limit: int | None) -> Iterator[str]:
+    for i, record in enumerate(stream):
+        if limit is not None and i >= limit:
+            return
+        if field not in record:
+            raise CorpusError(f"{source}: record {i} has no text field {field!r} (fields: {sorted(record)}); "
+                              f"pass the right one with --text-field")
+        if record[field]:
+            yield record[field]
+
+
+def documents(corpus: str, text_field: str = "text", limit: int | None = None) -> Iterator[str]:
+    """The documents of a corpus by name, or of local files by path or glob. Refuses an empty one."""
+    if corpus == "stdlib":
+        docs = stdlib_documents()
+    elif corpus in HUB:
+        docs = hub_documents(corpus, limit)
+    else:
+        docs = local_documents(corpus, text_field, limit)
+    empty = True
+    for i, doc in enumerate(docs):
+        if limit is not None and i >= limit:
+            return
+        empty = False
+        yield doc
+    if empty:
+        raise CorpusError(f"corpus {corpus!r} has no documents (field {text_field!r}): nothing to train on")
+
+
+# --- The tokenizer -------------------------------------------------------------------------
+
+def new_bpe():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.BPE())
+    # GPT-2's byte-level scheme: any UTF-8 text maps to bytes, so nothing is ever unknown and
+    # decode(encode(text)) == text exactly. No prefix space: it would change the text.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(docs: Iterator[str], vocab_size: int, out: Path, show_progress: bool = True):
+    """Train byte-level BPE on docs and write out/tokenizer.json atomically."""
+    from tokenizers import pre_tokenizers, trainers
+    if not 256 + 1 <= vocab_size <= 2**16:
+        raise ValueError(f"vocab size {vocab_size} must be between 257 (bytes + end-of-text) and 65,536 "
+                         f"(token ids are stored as uint16)")
+    tok = new_bpe()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=show_progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "tokenizer.json.tmp"
+    tok.save(str(tmp))
+    tmp.replace(out / "tokenizer.json")
+    return tok
+
+
+def load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"tokenizer {path} does not exist: train one with "
+                                f"`python tokenizer.py train --corpus stdlib --out {Path(path).parent}`")
+    tok = Tokenizer.from_file(str(path))
+    if tok.token_to_id(EOT) is None:
+        raise ValueError(f"tokenizer {path} has no {EOT} token: it was not trained by this project")
+    return tok
+
+
+def tokenizer_hash(path: Path) -> str:
+    """sha256 of tokenizer.json, first 16 hex digits: shards and checkpoints carry it, so data
+    tokenized one way is never read by a model trained on another."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def bytes_per_token(tok, docs: list[str]) -> float:
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    n_tokens = sum(len(e.ids) for e in tok.encode_batch(docs))
+    return n_bytes / max(n_tokens, 1)
+
+
+def is_val(index: int, val_fraction: float) -> bool:
+    """Document `index` belongs to the validation split: every (1/val_fraction)-th document.
+    Deterministic, so the tokenizer, the shards and the stats agree on what is held out."""
+    return val_fraction > 0 and index % max(1, round(1 / val_fraction)) == 0
+
+
+def train_documents(corpus: str, text_field: str, val_fraction: float, limit: int | None = None):
+    return (d for i, d in enumerate(documents(corpus, text_field, limit)) if not is_val(i, val_fraction))
+
+
+def held_out(corpus: str, text_field: str, val_fraction: float, n: int = 200) -> list[str]:
+    """Up to n validation documents, which the tokenizer never saw in training."""
+    docs = []
+    for i, d in enumerate(documents(corpus, text_field)):
+        if is_val(i, val_fraction):
+            docs.append(d)
+            if len(docs) == n:
+                break
+    return docs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Train or inspect the byte-level BPE tokenizer.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a tokenizer on a corpus")
+    train.add_argument("--corpus", default="stdlib", help=f"one of {CORPORA} or a path/glob of local files")
+    train.add_argument("--text-field", default="text")
+    train.add_argument("--vocab", type=int, default=32768)
+    train.add_argument("--limit", type=int, default=None, help="use at most this many documents")
+    train.add_argument("--out", type=Path, required=True, help="folder to write tokenizer.json into")
+    train.add_argument("--val-fraction", type=float, default=0.05, help="documents held out (never trained on)")
+    stats = sub.add_parser("stats", help="bytes per token on held-out documents")
+    stats.add_argument("--tokenizer", type=Path, required=True)
+    stats.add_argument("--corpus", default="stdlib")
+    stats.add_argument("--text-field", default="text")
+    stats.add_argument("--val-fraction", type=float, default=0.05)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            docs = tqdm(train_documents(args.corpus, args.text_field, args.val_fraction, args.limit),
+                        desc="documents", unit="doc")
+            train_tokenizer(docs, args.vocab, args.out)
+            print(f"wrote {args.out / 'tokenizer.json'} (hash {tokenizer_hash(args.out / 'tokenizer.json')})")
+        else:
+            tok = load_tokenizer(args.tokenizer)
+            docs = held_out(args.corpus, args.text_field, args.val_fraction)
+            print(json.dumps({"tokenizer": str(args.tokenizer), "vocab": tok.get_vocab_size(),
+                              "documents": len(docs), "bytes_per_token": round(bytes_per_token(tok, docs), 3)}))
+    except (CorpusError, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
