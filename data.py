@@ -1,0 +1,400 @@
+"""Text to token shards, and shards to micro-batches.
+
+    python data.py prepare --corpus stdlib --vocab 4096      # tokenizer + shards in the cache
+
+A shard is one file: a fixed 256-byte little-endian header, the tokens as uint16, then the
+document-start index as uint64 offsets into the tokens. Readers check every header field
+before trusting a byte; writers write a temporary file and rename it, so an interrupted
+prepare never leaves a shard that loads. A manifest.json, written last, marks a finished
+prepare; rerunning an unfinished one does the whole job again.
+
+ShardLoader memory-maps the shards and serves (x, y) micro-batches of B x T windows in a
+seeded order without replacement, with an exact resumable cursor.
+"""
+
+import argparse
+import json
+import os
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import tokenizer as tk
+
+MAGIC = b"ONEGPUTK"
+VERSION = 1
+HEADER_SIZE = 256  # bytes; keeps the token array 256-byte aligned in the file
+# magic, version, bytes per token, vocab size, reserved, tokenizer hash (16 hex digits),
+# token count, document count, UTF-8 bytes of the source text (for bits per byte)
+HEADER = struct.Struct("<8sIIII16sQQQ")
+TOKEN_DTYPE = np.dtype("<u2")  # uint16: vocabularies up to 65,536
+DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "stdlib"  # stdlib | tinystories | fineweb-edu | path or glob of .txt/.jsonl/.parquet
+    text_field: str = "text"  # field holding the text in .jsonl/.parquet records
+    vocab_size: int = 32768  # BPE vocabulary trained for this corpus; must equal model.vocab_size
+    val_fraction: float = 0.05  # share of documents held out for validation
+    max_documents: int = 0  # stop reading the corpus after this many documents (0: all of it)
+    shard_tokens: int = 100_000_000  # tokens per shard file (about 200 MB)
+    cache_dir: str = ""  # tokenizers and shards; "" means $ONEGPU_CACHE or ./cache
+
+    def __post_init__(self):
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not 257 <= self.vocab_size <= 2**16:
+            raise ValueError(f"data.vocab_size={self.vocab_size}: shards store tokens as uint16, so the "
+                             f"vocabulary must be between 257 and 65,536")
+
+
+class ShardError(ValueError):
+    """A shard that must not be trusted: the message names the file and what was expected."""
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir or os.environ.get("ONEGPU_CACHE") or DEFAULT_CACHE)
+
+
+def data_dir(cfg: DataConfig) -> Path:
+    """One folder per (corpus, vocabulary): cache/stdlib-4096/, cache/fineweb-edu-32768/ ..."""
+    slug = re.sub(r"[^A-Za-z0-9.-]+", "_", cfg.corpus).strip("_")[-60:]
+    suffix = f"-{cfg.max_documents}docs" if cfg.max_documents else ""
+    return cache_root(cfg) / f"{slug}-{cfg.vocab_size}{suffix}"
+
+
+# --- Shard files ---------------------------------------------------------------------------
+
+def write_shard(path: Path, tokens: np.ndarray, doc_starts: np.ndarray, vocab_size: int,
+                tok_hash: str, n_bytes: int):
+    """Write one shard atomically: temporary name, fsync, rename."""
+    if vocab_size > 2**16:  # token ids >= 2**16 would wrap silently in uint16
+        raise ValueError(f"vocabulary of {vocab_size} does not fit uint16 shards (at most 65,536)")
+    assert tokens.dtype == TOKEN_DTYPE and doc_starts.dtype == np.uint64
+    header = HEADER.pack(MAGIC, VERSION, TOKEN_DTYPE.itemsize, vocab_size, 0, tok_hash.encode(),
+                         len(tokens), len(doc_starts), n_bytes).ljust(HEADER_SIZE, b"\0")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(tokens.tobytes())
+        f.write(doc_starts.astype("<u8").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+@dataclass
+class ShardInfo:
+    path: Path
+    vocab_size: int
+    tokenizer_hash: str
+    n_tokens: int
+    n_docs: int
+    n_bytes: int
+
+
+def read_header(path: Path, vocab_size: int | None = None, tok_hash: str | None = None) -> ShardInfo:
+    """Check a shard's header against the file and the run's expectations."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_SIZE)
+    if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
+        raise ShardError(f"{path}: not a onegpu shard (expected magic {MAGIC!r}, found {raw[:8]!r}); "
+                         f"rerun `python data.py prepare`")
+    magic, version, itemsize, vocab, _, hash_, n_tok, n_docs, n_bytes = HEADER.unpack_from(raw)
+    if version != VERSION or itemsize != TOKEN_DTYPE.itemsize:
+        raise ShardError(f"{path}: format version {version} with {itemsize}-byte tokens; this code reads "
+                         f"version {VERSION} with {TOKEN_DTYPE.itemsize}-byte tokens: rerun prepare")
+    expected = HEADER_SIZE + n_tok * itemsize + n_docs * 8
+    if size != expected:
+        raise ShardError(f"{path}: file is {size:,} bytes but its header ({n_tok:,} tokens, {n_docs:,} "
+                         f"documents) needs {expected:,}: truncated or corrupted, rerun prepare")
+    info = ShardInfo(path, vocab, hash_.decode(), n_tok, n_docs, n_bytes)
+    if vocab_size is not None and vocab != vocab_size:
+        raise ShardError(f"{path}: written for a vocabulary of {vocab:,} tokens, but the model expects "
+                         f"{vocab_size:,}: prepare data with the same vocab_size as the model")
+    if tok_hash is not None and info.tokenizer_hash != tok_hash:
+        raise ShardError(f"{path}: written with tokenizer {info.tokenizer_hash}, but this run uses "
+                         f"tokenizer {tok_hash}: re-prepare the shards with this run's tokenizer")
+    return info
+
+
+def open_shard(info: ShardInfo):
+    """(tokens, doc_starts) as read-only memory maps: nothing is read until it is used."""
+    tokens = np.memmap(info.path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_SIZE, shape=(info.n_tokens,))
+    tokens = tokens.view(np.ndarray)  # same mapping; slicing a plain ndarray is several times cheaper
+    starts = np.fromfile(info.path, dtype="<u8", count=info.n_docs, offset=HEADER_SIZE + 2 * info.n_tokens)
+    return tokens, starts.astype(np.int64)  # small (8 bytes a document): read it into memory
+
+
+# --- Prepare: documents -> tokenizer -> shards ---------------------------------------------
+
+def ensure_tokenizer(cfg: DataConfig, log=print) -> Path:
+    path = data_dir(cfg) / "tokenizer.json"
+    if path.is_file():
+        log(f"tokenizer: reusing {path}")
+        return path
+    log(f"tokenizer: training a {cfg.vocab_size:,}-token byte-level BPE on {cfg.corpus} -> {path}")
+    t0 = time.perf_counter()
+    docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, cfg.max_documents or None)
+    tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc"), cfg.vocab_size, path.parent)
+    log(f"tokenizer: trained in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+class _ShardWriter:
+    """Collects documents' tokens for one split and writes a shard whenever it is full."""
+
+    def __init__(self, folder: Path, split: str, cfg: DataConfig, tok_hash: str):
+        self.folder, self.split, self.cfg, self.tok_hash = folder, split, cfg, tok_hash
+        self.parts, self.starts, self.n, self.bytes, self.files = [], [], 0, 0, []
+
+    def add(self, ids: np.ndarray, n_bytes: int):
+        self.starts.append(self.n)
+        self.parts.append(ids)
+        self.n += len(ids)
+        self.bytes += n_bytes
+        if self.n >= self.cfg.shard_tokens:
+            self.flush()
+
+    def flush(self):
+        if not self.parts:
+            return
+        path = self.folder / f"{self.split}_{len(self.files):05d}.bin"
+        write_shard(path, np.concatenate(self.parts).astype(TOKEN_DTYPE), np.array(self.starts, np.uint64),
+                    self.cfg.vocab_size, self.tok_hash, self.bytes)
+        self.files.append(path.name)
+        self.parts, self.starts, self.n, self.bytes = [], [], 0, 0
+
+
+def prepare(cfg: DataConfig, log=print) -> Path:
+    """Tokenize the corpus into train/val shards (once; a finished prepare is reused)."""
+    folder = data_dir(cfg)
+    tok_path = ensure_tokenizer(cfg, log)
+    tok_hash = tk.tokenizer_hash(tok_path)
+    manifest_path = folder / "manifest.json"
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("tokenizer_hash") == tok_hash and manifest.get("val_fraction") == cfg.val_fraction:
+            log(f"shards: reusing {folder} ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens)")
+            return folder
+    tok = tk.load_tokenizer(tok_path)
+    if tok.get_vocab_size() != cfg.vocab_size:
+        raise ValueError(f"{tok_path} has {tok.get_vocab_size():,} tokens but data.vocab_size is "
+                         f"{cfg.vocab_size:,}: delete {tok_path} to retrain it, or fix the config")
+    eot = tok.token_to_id(tk.EOT)
+    writers = {s: _ShardWriter(folder, s, cfg, tok_hash) for s in ("train", "val")}
+    log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")
+    t0, total_bytes, index = time.perf_counter(), 0, 0
+    docs = tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None)
+    bar = tqdm(desc="tokenizing", unit="B", unit_scale=True)
+    for batch in _batches(docs, max_bytes=16 << 20):
+        # encode_batch runs on all cores (Rust threads), so no process pool is needed.
+        for doc, enc in zip(batch, tok.encode_batch(batch)):
+            n_bytes = len(doc.encode("utf-8"))
+            split = "val" if tk.is_val(index, cfg.val_fraction) else "train"
+            writers[split].add(np.array(enc.ids + [eot], dtype=TOKEN_DTYPE), n_bytes)
+            total_bytes += n_bytes
+            index += 1
+            bar.update(n_bytes)
+    bar.close()
+    for w in writers.values():
+        w.flush()
+    seconds = time.perf_counter() - t0
+    manifest = {"corpus": cfg.corpus, "tokenizer_hash": tok_hash, "vocab_size": cfg.vocab_size,
+                "val_fraction": cfg.val_fraction, "documents": index,
+                "train_tokens": _count(folder, writers["train"].files), "val_tokens": _count(folder, writers["val"].files),
+                "source_bytes": total_bytes, "seconds": round(seconds, 1),
+                "mb_per_s": round(total_bytes / 1e6 / seconds, 2),
+                "train": writers["train"].files, "val": writers["val"].files}
+    if not manifest["train"]:
+        raise ValueError(f"corpus {cfg.corpus!r}: every document went to validation; lower data.val_fraction")
+    tmp = manifest_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(manifest_path)
+    log(f"shards: {index:,} documents, {total_bytes / 1e6:.1f} MB -> {manifest['train_tokens']:,} train + "
+        f"{manifest['val_tokens']:,} val tokens in {seconds:.1f} s ({manifest['mb_per_s']} MB/s, "
+        f"{total_bytes / (manifest['train_tokens'] + manifest['val_tokens']):.2f} bytes/token)")
+    return folder
+
+
+def _count(folder: Path, files: list[str]) -> int:
+    return sum(read_header(folder / f).n_tokens for f in files)
+
+
+def _batches(docs, max_bytes: int):
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def shard_files(folder: Path, split: str) -> list[Path]:
+    manifest = Path(folder) / "manifest.json"
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{folder} has no finished shards (no manifest.json): run "
+                                f"`python data.py prepare` first")
+    return [Path(folder) / name for name in json.loads(manifest.read_text())[split]]
+
+
+# --- The loader ----------------------------------------------------------------------------
+
+class ShardLoader:
+    """(x, y[, doc_ids]) micro-batches of B windows of T tokens from memory-mapped shards.
+
+    Each shard is cut into non-overlapping windows of T + 1 tokens (x is the first T, y the
+    last T). An epoch visits every window once, in an order shuffled by (seed, epoch); rank r
+    of W takes every W-th window of that order, so ranks never share data. The cursor
+    (epoch, position) is the whole state: load_state_dict(state_dict()) resumes exactly.
+    """
+
+    def __init__(self, files: list[Path], batch: int, seq_len: int, *, vocab_size: int | None = None,
+                 tokenizer_hash: str | None = None, seed: int = 0, rank: int = 0, world: int = 1,
+                 shuffle: bool = True, doc_ids: bool = False, device="cpu", pin: bool = False):
+        if not files:
+            raise FileNotFoundError("ShardLoader got no shard files")
+        self.infos = [read_header(f, vocab_size, tokenizer_hash) for f in files]
+        self.shards = [open_shard(i) for i in self.infos]
+        self.B, self.T = batch, seq_len
+        self.seed, self.rank, self.world, self.shuffle = seed, rank, world, shuffle
+        self.want_doc_ids, self.device = doc_ids, torch.device(device)
+        self.pin = pin and self.device.type == "cuda"
+        windows = np.array([max(0, (i.n_tokens - 1) // seq_len) for i in self.infos])
+        self.first_window = np.concatenate([[0], np.cumsum(windows)])  # global window -> shard
+        self.per_rank = int(windows.sum()) // world
+        if self.per_rank < batch:
+            raise ValueError(f"{len(files)} shard(s) hold {int(windows.sum())} windows of {seq_len + 1} tokens, "
+                             f"fewer than {batch} per rank x {world} rank(s): use more data or a smaller batch")
+        self.epoch, self.pos = 0, 0
+        self._order = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "rank": self.rank, "world": self.world}
+
+    def load_state_dict(self, state: dict):
+        if (state["seed"], state["world"]) != (self.seed, self.world):
+            raise ValueError(f"loader state is for seed {state['seed']} with {state['world']} rank(s), "
+                             f"this loader has seed {self.seed} with {self.world}")
+        self.epoch, self.pos, self._order = state["epoch"], state["pos"], None
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None:
+            n = int(self.first_window[-1])
+            order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
+                     else np.arange(n))
+            self._order = order[self.rank::self.world][:self.per_rank]
+        return self._order
+
+    def next_windows(self) -> np.ndarray:
+        """Global indices of the next B windows; a short tail of an epoch is skipped."""
+        if self.pos + self.B > self.per_rank:
+            self.epoch, self.pos, self._order = self.epoch + 1, 0, None
+        windows = self._epoch_order()[self.pos:self.pos + self.B]
+        self.pos += self.B
+        return windows
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch for this rank."""
+        return self.per_rank // self.B
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next_batch()
+
+    def next_batch(self):
+        windows = self.next_windows()
+        shard = np.searchsorted(self.first_window, windows, side="right") - 1
+        starts = (windows - self.first_window[shard]) * self.T
+        # One contiguous slice per sequence (B of them, widened to int64 as they are copied):
+        # no Python loop over tokens.
+        rows = np.empty((self.B, self.T + 1), np.int64)
+        for row, (s, o) in enumerate(zip(shard, starts)):
+            rows[row] = self.shards[s][0][o:o + self.T + 1]
+        out = [torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])]
+        if self.want_doc_ids:
+            out.append(torch.from_numpy(self._doc_ids(shard, starts)))
+        return tuple(self._to_device(t) for t in out)
+
+    def _doc_ids(self, shard, starts) -> np.ndarray:
+        """(B, T) int32: for each token of x, the index of its document within the sequence."""
+        ids = np.zeros((self.B, self.T), np.int32)
+        for row, (s, o) in enumerate(zip(shard, starts)):
+            doc_starts = self.shards[s][1]
+            lo, hi = np.searchsorted(doc_starts, [o + 1, o + self.T])  # documents starting inside
+            ids[row, doc_starts[lo:hi] - o] = 1
+        return np.cumsum(ids, axis=1, dtype=np.int32)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        if self.pin:
+            # Page-locked memory lets the copy queue behind the GPU's work instead of waiting for
+            # it (a pageable copy synchronizes). A fresh pinned tensor each time: the caching host
+            # allocator will not hand its memory out again until the copy has finished.
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Tokenize a corpus into uint16 shards.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="train (or reuse) the tokenizer and write train/val shards")
+    defaults = DataConfig()
+    p.add_argument("--corpus", default=defaults.corpus, help=f"one of {tk.CORPORA} or a path/glob of local files")
+    p.add_argument("--text-field", default=defaults.text_field)
+    p.add_argument("--vocab", type=int, default=defaults.vocab_size)
+    p.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
+    p.add_argument("--max-documents", type=int, default=0)
+    p.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens)
+    p.add_argument("--cache-dir", default="", help="default: $ONEGPU_CACHE or ./cache")
+    bench = sub.add_parser("bench-loader", help="CPU cost of one micro-batch from prepared shards")
+    bench.add_argument("--corpus", default=defaults.corpus)
+    bench.add_argument("--vocab", type=int, default=defaults.vocab_size)
+    bench.add_argument("--batch", type=int, default=16)
+    bench.add_argument("--seq-len", type=int, default=1024)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "prepare":
+            prepare(DataConfig(args.corpus, args.text_field, args.vocab, args.val_fraction, args.max_documents,
+                               args.shard_tokens, args.cache_dir))
+        else:
+            folder = data_dir(DataConfig(corpus=args.corpus, vocab_size=args.vocab))
+            print(json.dumps(bench_loader(shard_files(folder, "train"), args.batch, args.seq_len)))
+    except (tk.CorpusError, ShardError, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+def bench_loader(files: list[Path], batch: int, seq_len: int, n: int = 2000) -> dict:
+    """Median CPU microseconds per micro-batch, with and without document ids."""
+    result = {"batch": batch, "seq_len": seq_len}
+    for doc_ids in (False, True):
+        loader = ShardLoader(files, batch, seq_len, doc_ids=doc_ids)
+        for _ in range(10):
+            loader.next_batch()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            loader.next_batch()
+            times.append(time.perf_counter() - t0)
+        result["us_doc_ids" if doc_ids else "us"] = round(float(np.median(times)) * 1e6, 1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
