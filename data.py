@@ -42,7 +42,6 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 class DataConfig:
     corpus: str = "stdlib"  # stdlib | tinystories | fineweb-edu | path or glob of .txt/.jsonl/.parquet
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
-    vocab_size: int = 32768  # BPE vocabulary trained for this corpus; must equal model.vocab_size
     val_fraction: float = 0.05  # share of documents held out for validation
     max_documents: int = 0  # stop reading the corpus after this many documents (0: all of it)
     shard_tokens: int = 100_000_000  # tokens per shard file (about 200 MB)
@@ -51,9 +50,6 @@ class DataConfig:
     def __post_init__(self):
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if not 257 <= self.vocab_size <= 2**16:
-            raise ValueError(f"data.vocab_size={self.vocab_size}: shards store tokens as uint16, so the "
-                             f"vocabulary must be between 257 and 65,536")
 
 
 class ShardError(ValueError):
@@ -64,11 +60,15 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir or os.environ.get("ONEGPU_CACHE") or DEFAULT_CACHE)
 
 
-def data_dir(cfg: DataConfig) -> Path:
-    """One folder per (corpus, vocabulary): cache/stdlib-4096/, cache/fineweb-edu-32768/ ..."""
+def data_dir(cfg: DataConfig, vocab_size: int) -> Path:
+    """One folder per (corpus, vocabulary): cache/stdlib-4096/, cache/fineweb-edu-32768/ ...
+    The vocabulary size is the model's (model.vocab_size): one number, one place."""
+    if not 257 <= vocab_size <= 2**16:
+        raise ValueError(f"vocab_size={vocab_size}: shards store tokens as uint16, so the vocabulary "
+                         f"must be between 257 and 65,536")
     slug = re.sub(r"[^A-Za-z0-9.-]+", "_", cfg.corpus).strip("_")[-60:]
     suffix = f"-{cfg.max_documents}docs" if cfg.max_documents else ""
-    return cache_root(cfg) / f"{slug}-{cfg.vocab_size}{suffix}"
+    return cache_root(cfg) / f"{slug}-{vocab_size}{suffix}"
 
 
 # --- Shard files ---------------------------------------------------------------------------
@@ -138,15 +138,15 @@ def open_shard(info: ShardInfo):
 
 # --- Prepare: documents -> tokenizer -> shards ---------------------------------------------
 
-def ensure_tokenizer(cfg: DataConfig, log=print) -> Path:
-    path = data_dir(cfg) / "tokenizer.json"
+def ensure_tokenizer(cfg: DataConfig, vocab_size: int, log=print) -> Path:
+    path = data_dir(cfg, vocab_size) / "tokenizer.json"
     if path.is_file():
         log(f"tokenizer: reusing {path}")
         return path
-    log(f"tokenizer: training a {cfg.vocab_size:,}-token byte-level BPE on {cfg.corpus} -> {path}")
+    log(f"tokenizer: training a {vocab_size:,}-token byte-level BPE on {cfg.corpus} -> {path}")
     t0 = time.perf_counter()
     docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, cfg.max_documents or None)
-    tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc"), cfg.vocab_size, path.parent)
+    tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc"), vocab_size, path.parent)
     log(f"tokenizer: trained in {time.perf_counter() - t0:.0f} s")
     return path
 
@@ -154,8 +154,8 @@ def ensure_tokenizer(cfg: DataConfig, log=print) -> Path:
 class _ShardWriter:
     """Collects documents' tokens for one split and writes a shard whenever it is full."""
 
-    def __init__(self, folder: Path, split: str, cfg: DataConfig, tok_hash: str):
-        self.folder, self.split, self.cfg, self.tok_hash = folder, split, cfg, tok_hash
+    def __init__(self, folder: Path, split: str, cfg: DataConfig, vocab_size: int, tok_hash: str):
+        self.folder, self.split, self.cfg, self.vocab_size, self.tok_hash = folder, split, cfg, vocab_size, tok_hash
         self.parts, self.starts, self.n, self.bytes, self.files = [], [], 0, 0, []
 
     def add(self, ids: np.ndarray, n_bytes: int):
@@ -171,15 +171,15 @@ class _ShardWriter:
             return
         path = self.folder / f"{self.split}_{len(self.files):05d}.bin"
         write_shard(path, np.concatenate(self.parts).astype(TOKEN_DTYPE), np.array(self.starts, np.uint64),
-                    self.cfg.vocab_size, self.tok_hash, self.bytes)
+                    self.vocab_size, self.tok_hash, self.bytes)
         self.files.append(path.name)
         self.parts, self.starts, self.n, self.bytes = [], [], 0, 0
 
 
-def prepare(cfg: DataConfig, log=print) -> Path:
+def prepare(cfg: DataConfig, vocab_size: int, log=print) -> Path:
     """Tokenize the corpus into train/val shards (once; a finished prepare is reused)."""
-    folder = data_dir(cfg)
-    tok_path = ensure_tokenizer(cfg, log)
+    folder = data_dir(cfg, vocab_size)
+    tok_path = ensure_tokenizer(cfg, vocab_size, log)
     tok_hash = tk.tokenizer_hash(tok_path)
     manifest_path = folder / "manifest.json"
     if manifest_path.is_file():
@@ -188,11 +188,11 @@ def prepare(cfg: DataConfig, log=print) -> Path:
             log(f"shards: reusing {folder} ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens)")
             return folder
     tok = tk.load_tokenizer(tok_path)
-    if tok.get_vocab_size() != cfg.vocab_size:
-        raise ValueError(f"{tok_path} has {tok.get_vocab_size():,} tokens but data.vocab_size is "
-                         f"{cfg.vocab_size:,}: delete {tok_path} to retrain it, or fix the config")
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"{tok_path} has {tok.get_vocab_size():,} tokens but the model's vocab_size is "
+                         f"{vocab_size:,}: delete {tok_path} to retrain it, or fix the config")
     eot = tok.token_to_id(tk.EOT)
-    writers = {s: _ShardWriter(folder, s, cfg, tok_hash) for s in ("train", "val")}
+    writers = {s: _ShardWriter(folder, s, cfg, vocab_size, tok_hash) for s in ("train", "val")}
     log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")
     t0, total_bytes, index = time.perf_counter(), 0, 0
     docs = tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None)
@@ -210,7 +210,7 @@ def prepare(cfg: DataConfig, log=print) -> Path:
     for w in writers.values():
         w.flush()
     seconds = time.perf_counter() - t0
-    manifest = {"corpus": cfg.corpus, "tokenizer_hash": tok_hash, "vocab_size": cfg.vocab_size,
+    manifest = {"corpus": cfg.corpus, "tokenizer_hash": tok_hash, "vocab_size": vocab_size,
                 "val_fraction": cfg.val_fraction, "documents": index,
                 "train_tokens": _count(folder, writers["train"].files), "val_tokens": _count(folder, writers["val"].files),
                 "source_bytes": total_bytes, "seconds": round(seconds, 1),
@@ -326,7 +326,7 @@ class ShardLoader:
         rows = np.empty((self.B, self.T + 1), np.int64)
         for row, (s, o) in enumerate(zip(shard, starts)):
             rows[row] = self.shards[s][0][o:o + self.T + 1]
-        out = [torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])]
+        out = [torch.from_numpy(rows[:, :-1]), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))]
         if self.want_doc_ids:
             out.append(torch.from_numpy(self._doc_ids(shard, starts)))
         return tuple(self._to_device(t) for t in out)
@@ -358,23 +358,23 @@ def main(argv=None):
     defaults = DataConfig()
     p.add_argument("--corpus", default=defaults.corpus, help=f"one of {tk.CORPORA} or a path/glob of local files")
     p.add_argument("--text-field", default=defaults.text_field)
-    p.add_argument("--vocab", type=int, default=defaults.vocab_size)
+    p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
     p.add_argument("--max-documents", type=int, default=0)
     p.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens)
     p.add_argument("--cache-dir", default="", help="default: $ONEGPU_CACHE or ./cache")
     bench = sub.add_parser("bench-loader", help="CPU cost of one micro-batch from prepared shards")
     bench.add_argument("--corpus", default=defaults.corpus)
-    bench.add_argument("--vocab", type=int, default=defaults.vocab_size)
+    bench.add_argument("--vocab", type=int, default=32768)
     bench.add_argument("--batch", type=int, default=16)
     bench.add_argument("--seq-len", type=int, default=1024)
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
-            prepare(DataConfig(args.corpus, args.text_field, args.vocab, args.val_fraction, args.max_documents,
-                               args.shard_tokens, args.cache_dir))
+            prepare(DataConfig(args.corpus, args.text_field, args.val_fraction, args.max_documents,
+                               args.shard_tokens, args.cache_dir), args.vocab)
         else:
-            folder = data_dir(DataConfig(corpus=args.corpus, vocab_size=args.vocab))
+            folder = data_dir(DataConfig(corpus=args.corpus), args.vocab)
             print(json.dumps(bench_loader(shard_files(folder, "train"), args.batch, args.seq_len)))
     except (tk.CorpusError, ShardError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

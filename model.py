@@ -72,7 +72,7 @@ def swiglu_hidden(d: int, multiple_of: int = 256) -> int:
 # Configs are TOML data loaded into dataclasses. A typo must never pass silently, so unknown
 # keys and wrong types are errors naming the key, the file and what is allowed.
 
-def _field_types(cls) -> dict:
+def field_types(cls) -> dict:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
@@ -93,7 +93,7 @@ def _check_type(value, kind, where: str):
 
 def from_dict(cls, values: dict, source: str, section: str):
     """Build dataclass `cls` from a dict, refusing unknown keys and wrong types."""
-    types_ = _field_types(cls)
+    types_ = field_types(cls)
     unknown = sorted(set(values) - set(types_))
     if unknown:
         raise ValueError(
@@ -350,7 +350,56 @@ class Llama(nn.Module):
         if targets is None:
             return logits
         # Softmax in float32: bf16 logits lose about three digits of the loss.
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator=None):
+    """One token per row from logits (B, vocab). temperature 0 is greedy; top_k keeps the k most
+    likely tokens, top_p the smallest set whose probability reaches p (nucleus sampling)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keeps the token that crosses p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, generator=None, use_cache: bool = True):
+    """Yield (B, 1) new tokens one at a time after the prompt idx (B, T). With the cache, the
+    prompt is read once and each step feeds one token; without it, every step re-reads the
+    whole sequence (the slow reference). Stops at the context length."""
+    cfg = model.cfg
+    max_new_tokens = min(max_new_tokens, cfg.context - idx.shape[1])
+    if use_cache:
+        cache = KVCache(cfg, idx.shape[0], idx.device, model.embed.weight.dtype)
+        logits = model(idx, cache=cache)[:, -1]
+    for i in range(max_new_tokens):
+        if not use_cache:
+            logits = model(idx)[:, -1]
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        yield token
+        if i + 1 == max_new_tokens:
+            return
+        if use_cache:
+            logits = model(token, cache=cache)[:, -1]
+        else:
+            idx = torch.cat([idx, token], dim=1)
+
+
+def from_checkpoint(ckpt: dict) -> "Llama":
+    """The model saved in a training checkpoint (train.py writes "config" and "model")."""
+    cfg = ModelConfig(**ckpt["config"]["model"])
+    model = Llama(cfg)
+    model.load_state_dict(ckpt["model"], strict=True)
+    return model
 
 
 # --- Arithmetic ----------------------------------------------------------------------------

@@ -159,6 +159,17 @@ def tokenizer_hash(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
+def token_byte_lengths(tok) -> list[int]:
+    """UTF-8 bytes each token id decodes to (0 for special tokens). Byte-level BPE writes each
+    byte as one character of the token's string, so the string length is the byte count and
+    summing over a sequence gives the bytes of its decoded text."""
+    specials = {t.content for t in tok.get_added_tokens_decoder().values()}
+    lengths = [0] * tok.get_vocab_size()
+    for token, i in tok.get_vocab().items():
+        lengths[i] = 0 if token in specials else len(token)
+    return lengths
+
+
 def bytes_per_token(tok, docs: list[str]) -> float:
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     n_tokens = sum(len(e.ids) for e in tok.encode_batch(docs))
