@@ -188,9 +188,12 @@ def prepare(cfg: DataConfig, vocab_size: int, log=print) -> Path:
             log(f"shards: reusing {folder} ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens)")
             return folder
     tok = tk.load_tokenizer(tok_path)
-    if tok.get_vocab_size() != vocab_size:
+    if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"{tok_path} has {tok.get_vocab_size():,} tokens but the model's vocab_size is "
                          f"{vocab_size:,}: delete {tok_path} to retrain it, or fix the config")
+    if tok.get_vocab_size() < vocab_size:  # BPE ran out of pairs to merge: a small corpus
+        log(f"note: the corpus only supports {tok.get_vocab_size():,} of the {vocab_size:,} tokens asked for; "
+            f"the model's extra embedding rows stay unused")
     eot = tok.token_to_id(tk.EOT)
     writers = {s: _ShardWriter(folder, s, cfg, vocab_size, tok_hash) for s in ("train", "val")}
     log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")

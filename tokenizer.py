@@ -9,6 +9,7 @@ transformers' fast tokenizer load unchanged.
 """
 
 import argparse
+import glob
 import hashlib
 import json
 import sys
@@ -65,7 +66,7 @@ def hub_documents(name: str, limit: int | None = None) -> Iterator[str]:
 def local_documents(pattern: str, field: str = "text", limit: int | None = None) -> Iterator[str]:
     """Local .txt files (one document per file) or .jsonl / .parquet files (one per record),
     read through the same `datasets` call path as the hub corpora."""
-    files = sorted(Path().glob(pattern)) if any(c in pattern for c in "*?[") else [Path(pattern)]
+    files = [Path(f) for f in sorted(glob.glob(pattern))] if glob.has_magic(pattern) else [Path(pattern)]
     files = [f for f in files if f.is_file()]
     if not files:
         raise CorpusError(f"corpus {pattern!r}: no such file; give one of {CORPORA} or a path to "

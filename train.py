@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train the Llama-style model.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"), help="TOML file with [model] [data] [train]")
-    p.add_argument("--run", default=None, help="run name; outputs go to runs/<name> (default: the config's name)")
+    p.add_argument("--name", default=None, help="run name; outputs go to <runs-dir>/<name> (default: the config file's name)")
     p.add_argument("--runs-dir", default=str(ROOT / "runs"))
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt.pt")
     p.add_argument("--overwrite", action="store_true", help="start over even if the run has a checkpoint")
@@ -348,7 +348,7 @@ def check_compatible(ckpt: dict, cfg: Config, tok_hash: str, path: Path):
     diff = [f"{k}: checkpoint {saved.get(k)!r}, config {now[k]!r}" for k in now if saved.get(k) != now[k]]
     if diff:
         raise ValueError(f"{path} is from another model shape ({'; '.join(diff)}): use the run's own "
-                         f"config or start a new run with --run NAME")
+                         f"config or start a new run with --name NAME")
     if ckpt["tokenizer_hash"] != tok_hash:
         raise ValueError(f"{path} was trained with tokenizer {ckpt['tokenizer_hash']}, but the data now uses "
                          f"tokenizer {tok_hash}: point the run at its original tokenizer and shards")
@@ -430,7 +430,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, overwrite: bool = Fa
     ckpt_path = run_dir / "ckpt.pt"
     if ckpt_path.exists() and not resume and not overwrite:
         raise ValueError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, --overwrite to "
-                         f"start over, or --run NAME for a new run")
+                         f"start over, or --name NAME for a new run")
     if resume and not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
 
@@ -602,7 +602,7 @@ def main(argv=None):
     try:
         if distributed:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        run_dir = Path(args.runs_dir) / (args.run or Path(args.config).stem)
+        run_dir = Path(args.runs_dir) / (args.name or Path(args.config).stem)
         base = None
         if args.resume and (run_dir / "ckpt.pt").exists():
             # Resume with the run's own resolved config; flags may still change the train section.

@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny corpus, tokenizer and shards built once per test session."""
+
+import dataclasses
+
+import numpy as np
+
+import pytest
+
+import data as D
+import model as M
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory):
+    """60 small text documents written by the test: .txt files, one document each."""
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9))) for _ in range(300)]
+    for i in range(60):
+        body = " ".join(rng.choice(words, 400, p=np.arange(300, 0, -1) / 45150))
+        (folder / f"doc{i:03d}.txt").write_text(f"# document {i}\n{body}\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def data_cfg(corpus_dir, tmp_path_factory):
+    cfg = D.DataConfig(corpus=str(corpus_dir / "*.txt"), val_fraction=0.1,
+                       cache_dir=str(tmp_path_factory.mktemp("cache")))
+    D.prepare(cfg, VOCAB, log=lambda *a: None)
+    return cfg
+
+
+def tiny_model_cfg(**overrides) -> M.ModelConfig:
+    return M.ModelConfig(**{**dict(d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=VOCAB,
+                                   context=64), **overrides})
+
+
+@pytest.fixture
+def train_config(data_cfg):
+    """A complete run config small enough for a few CPU steps per second."""
+    import train as TR
+    tcfg = TR.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=6, eval_every=3,
+                          eval_tokens=512, ckpt_every=3, sample_tokens=0, device="cpu")
+    return TR.Config(model=tiny_model_cfg(), data=dataclasses.replace(data_cfg), train=tcfg)

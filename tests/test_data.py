@@ -1,0 +1,261 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import data as D
+import model as M
+import tokenizer as tk
+from conftest import VOCAB, tiny_model_cfg
+
+
+@pytest.fixture(scope="module")
+def tok(data_cfg):
+    return tk.load_tokenizer(D.data_dir(data_cfg, VOCAB) / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def shards(data_cfg):
+    folder = D.data_dir(data_cfg, VOCAB)
+    return D.shard_files(folder, "train"), tk.tokenizer_hash(folder / "tokenizer.json")
+
+
+# --- Tokenizer -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["", "plain ascii", "emoji 🧪🚀 and flags 🇳🇱", "中文字符と日本語のかな",
+                                  "combining e\u0301 a\u0308 \u0915\u094d\u0937", "ctrl \x00\x01\x1b[0m\x7f",
+                                  "runs of   \t\t\n\n\n    whitespace\r\n", "<|endoftext|> literal"])
+def test_round_trip_examples(tok, text):
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_round_trip_any_unicode(tok, text):
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1))
+def test_token_byte_lengths_count_the_decoded_bytes(tok, text):
+    lengths = tk.token_byte_lengths(tok)
+    ids = tok.encode(text).ids
+    assert sum(lengths[i] for i in ids) == len(text.encode("utf-8"))
+
+
+def test_tokenizer_file_is_standard(data_cfg):
+    from tokenizers import Tokenizer
+    path = D.data_dir(data_cfg, VOCAB) / "tokenizer.json"
+    plain = Tokenizer.from_file(str(path))
+    assert plain.get_vocab_size() == VOCAB and plain.token_to_id(tk.EOT) == 0
+    assert json.loads(path.read_text())["model"]["type"] == "BPE"
+
+
+def test_stats_prints_bytes_per_token(data_cfg, capsys):
+    tk.main(["stats", "--tokenizer", str(D.data_dir(data_cfg, VOCAB) / "tokenizer.json"),
+             "--corpus", data_cfg.corpus, "--val-fraction", "0.1"])
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["documents"] == 6 and stats["bytes_per_token"] > 1.5  # BPE merges: more than a byte a token
+
+
+def test_vocab_over_uint16_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"vocab size 70000 must be between 257 .* and 65,536 \(token ids are stored as uint16\)"):
+        tk.train_tokenizer(iter(["text"]), 70_000, tmp_path)
+    with pytest.raises(ValueError, match="must be between 257 and 65,536"):
+        D.data_dir(D.DataConfig(), 70_000)
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        D.write_shard(tmp_path / "x.bin", np.zeros(3, D.TOKEN_DTYPE), np.zeros(1, np.uint64), 70_000, "0" * 16, 3)
+
+
+# --- Corpora through `datasets` ------------------------------------------------------------
+
+def test_local_jsonl_and_parquet_go_through_datasets(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = [f"story number {i}: once upon a time" for i in range(5)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs)))
+    pq.write_table(pa.table({"body": docs}), tmp_path / "a.parquet")
+    assert list(tk.documents(str(tmp_path / "a.jsonl"), "body")) == docs
+    assert list(tk.documents(str(tmp_path / "*.parquet"), "body")) == docs
+
+
+def test_missing_text_field_names_file_and_field(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
+    with pytest.raises(tk.CorpusError, match=r"a\.jsonl.*no text field 'text'.*\['content'\]"):
+        list(tk.documents(str(tmp_path / "a.jsonl")))
+
+
+def test_empty_corpus_and_missing_files(tmp_path):
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    with pytest.raises(tk.CorpusError, match=r"empty\.jsonl' has no documents"):
+        list(tk.documents(str(tmp_path / "empty.jsonl")))
+    with pytest.raises(tk.CorpusError, match="no such file"):
+        list(tk.documents(str(tmp_path / "nothing*.txt")))
+
+
+def test_unreachable_hub_gives_one_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what a machine without network sees, without waiting
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(tk.CorpusError, match=r"could not stream roneneldan/TinyStories.*--corpus /path"):
+        next(tk.documents("tinystories"))
+
+
+def test_stdlib_corpus_is_the_standard_library():
+    files = tk.stdlib_files()
+    assert any(f.name == "tokenize.py" for f in files) and len(files) > 500
+    assert not any("site-packages" in f.parts for f in files)
+
+
+# --- Shards --------------------------------------------------------------------------------
+
+def test_shards_hold_every_document_with_eot(data_cfg, tok, shards):
+    files, tok_hash = shards
+    folder = D.data_dir(data_cfg, VOCAB)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    docs = list(tk.documents(data_cfg.corpus))
+    val = [d for i, d in enumerate(docs) if tk.is_val(i, data_cfg.val_fraction)]
+    assert manifest["documents"] == 60 and len(val) == 6
+    info = D.read_header(folder / manifest["val"][0], VOCAB, tok_hash)
+    tokens, starts = D.open_shard(info)
+    assert info.n_docs == 6 and info.n_bytes == sum(len(d.encode()) for d in val)
+    bounds = list(starts) + [info.n_tokens]
+    for d, (a, b) in zip(val, zip(bounds, bounds[1:])):
+        assert tokens[b - 1] == 0  # end-of-text closes each document
+        assert tok.decode(tokens[a:b - 1].tolist()) == d
+
+
+def test_shard_from_other_tokenizer_or_vocab_is_refused(shards):
+    files, tok_hash = shards
+    with pytest.raises(D.ShardError, match=r"written for a vocabulary of 512 tokens, but the model expects 4,096"):
+        D.ShardLoader(files, 2, 16, vocab_size=4096)
+    with pytest.raises(D.ShardError, match=rf"written with tokenizer {tok_hash}, but this run uses tokenizer deadbeef"):
+        D.ShardLoader(files, 2, 16, tokenizer_hash="deadbeef00000000")
+
+
+def test_truncated_or_foreign_file_is_refused(shards, tmp_path):
+    raw = files = shards[0]
+    raw = files[0].read_bytes()
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(raw[:-10])
+    with pytest.raises(D.ShardError, match=r"cut\.bin: file is .* bytes but its header .* needs .*truncated"):
+        D.read_header(cut)
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(b"GARBAGE!" + raw[8:])
+    with pytest.raises(D.ShardError, match=r"foreign\.bin: not a onegpu shard"):
+        D.read_header(foreign)
+
+
+def test_interrupted_prepare_leaves_nothing_that_loads(corpus_dir, tmp_path, monkeypatch):
+    cfg = D.DataConfig(corpus=str(corpus_dir / "*.txt"), val_fraction=0.1, cache_dir=str(tmp_path))
+
+    def crash(fd):
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(D.os, "fsync", crash)
+    with pytest.raises(OSError):
+        D.prepare(cfg, VOCAB, log=lambda *a: None)
+    folder = D.data_dir(cfg, VOCAB)
+    assert not list(folder.glob("*.bin"))  # only a .tmp, which no reader opens
+    with pytest.raises(FileNotFoundError, match="no finished shards"):
+        D.shard_files(folder, "train")
+    monkeypatch.undo()
+    D.prepare(cfg, VOCAB, log=lambda *a: None)  # rerunning finishes the job
+    assert D.ShardLoader(D.shard_files(folder, "train"), 2, 16, vocab_size=VOCAB).next_batch()[0].shape == (2, 16)
+
+
+# --- Loader --------------------------------------------------------------------------------
+
+def test_batches_are_shifted_windows(shards):
+    loader = D.ShardLoader(shards[0], 4, 32)
+    x, y = loader.next_batch()
+    assert x.dtype == torch.int64 and x.shape == y.shape == (4, 32)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_epoch_visits_every_window_once(shards):
+    loader = D.ShardLoader(shards[0], 3, 32, seed=5)
+    seen = np.concatenate([loader.next_windows() for _ in range(len(loader))])
+    assert len(set(seen.tolist())) == len(seen) == 3 * len(loader)
+    assert loader.epoch == 0 and loader.next_windows() is not None and loader.epoch == 1
+
+
+def test_resume_gives_exactly_the_next_batches(shards):
+    a = D.ShardLoader(shards[0], 4, 32, seed=7)
+    for _ in range(len(a) - 2):  # stop near the end of an epoch so the resume crosses it
+        a.next_batch()
+    state = a.state_dict()
+    expected = [a.next_batch() for _ in range(5)]
+    b = D.ShardLoader(shards[0], 4, 32, seed=7)
+    b.load_state_dict(state)
+    for want, got in zip(expected, (b.next_batch() for _ in range(5))):
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_ranks_read_disjoint_slices(shards):
+    one = D.ShardLoader(shards[0], 2, 32, seed=3)
+    r0, r1 = (D.ShardLoader(shards[0], 2, 32, seed=3, rank=r, world=2) for r in (0, 1))
+    w0 = np.concatenate([r0.next_windows() for _ in range(len(r0))])
+    w1 = np.concatenate([r1.next_windows() for _ in range(len(r1))])
+    assert not set(w0) & set(w1)
+    assert set(w0) | set(w1) == set(np.concatenate([one.next_windows() for _ in range(2 * len(r0))]))
+
+
+def test_doc_ids_follow_the_document_index(shards):
+    loader = D.ShardLoader(shards[0], 4, 64, doc_ids=True, shuffle=False)
+    tokens, starts = loader.shards[0]
+    crossings = 0
+    for batch in range(len(loader)):
+        x, y, doc = loader.next_batch()
+        for row in range(4):
+            pos = (batch * 4 + row) * 64 + np.arange(64)
+            expected = np.searchsorted(starts, pos, side="right") - 1
+            assert doc[row].tolist() == (expected - expected[0]).tolist()
+            crossings += int(doc[row].max())
+    assert crossings > 0  # some windows do cross documents
+
+
+# --- Document masking ----------------------------------------------------------------------
+
+def test_doc_mask_is_block_diagonal_and_causal():
+    doc = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    mask = M.doc_mask(doc)[0]
+    blocks = torch.block_diag(torch.ones(3, 3), torch.ones(2, 2), torch.ones(1, 1)).bool()
+    assert torch.equal(mask, blocks & torch.ones(6, 6, dtype=torch.bool).tril())
+
+
+def test_doc_mask_stops_attention_across_documents():
+    """Seed 001's check: document A ends with a distinctive token and B continues it. With the
+    mask, B's logits do not depend on A; without it, they do."""
+    torch.manual_seed(0)
+    model = M.Llama(tiny_model_cfg()).double().eval()
+    a = torch.randint(1, VOCAB, (10,))
+    a[-1] = 7  # A's distinctive last token
+    b = torch.randint(1, VOCAB, (12,))
+    changed_a = a.clone()
+    changed_a[:-1] = (changed_a[:-1] + 5) % VOCAB
+    doc = torch.tensor([[0] * 10 + [1] * 12])
+    with torch.no_grad():
+        masked = [model(torch.cat([x, b])[None], doc_ids=doc)[0, 10:] for x in (a, changed_a)]
+        unmasked = [model(torch.cat([x, b])[None])[0, 10:] for x in (a, changed_a)]
+    assert torch.equal(masked[0], masked[1])
+    assert not torch.allclose(unmasked[0], unmasked[1])
+    # B's logits under the mask equal B alone, as if it were the only document.
+    torch.testing.assert_close(masked[0], model(b[None])[0], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's block mask needs CUDA")
+def test_flex_attention_matches_boolean_mask_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, 256, 64, device="cuda", generator=g)
+    k, v = (torch.randn(2, 2, 256, 64, device="cuda", generator=g) for _ in range(2))
+    doc = torch.cumsum(torch.rand(2, 256, device="cuda", generator=g) < 0.02, dim=1).int()
+    flex = M.attention(q, k, v, block_mask=M.flex_block_mask(doc))
+    torch.testing.assert_close(flex, M.attention(q, k, v, doc_ids=doc), rtol=2e-3, atol=2e-3)
+
+
+def test_cuda_copy_options_are_off_on_cpu(shards):
+    loader = D.ShardLoader(shards[0], 2, 16, pin=True)
+    assert not loader.pin and loader.next_batch()[0].device.type == "cpu"

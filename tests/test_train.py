@@ -1,0 +1,262 @@
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+import train as TR
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "ckpt.pt", weights_only=False)["model"]
+
+
+def with_train(cfg: TR.Config, **changes) -> TR.Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
+
+
+QUIET = dict(log=lambda *a, **k: None)
+
+
+# --- Exact resume --------------------------------------------------------------------------
+
+def test_resume_is_bitwise_exact(train_config, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    TR.train(train_config, straight, **QUIET)
+    TR.train(train_config, split, stop_after=3, **QUIET)
+    assert torch.load(split / "ckpt.pt", weights_only=False)["step"] == 3
+    TR.train(train_config, split, resume=True, **QUIET)
+    assert losses(straight) == losses(split) and len(losses(split)) == 6
+    a, b = weights(straight), weights(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_carries_its_context(train_config, tmp_path):
+    TR.train(train_config, tmp_path / "run", **QUIET)
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert {"model", "optimizer", "step", "loader", "rng", "config", "tokenizer_hash"} <= set(ckpt)
+    assert {"python", "numpy", "torch"} <= set(ckpt["rng"]) and ckpt["loader"]["pos"] > 0
+    assert ckpt["config"]["model"] == dataclasses.asdict(train_config.model)
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+# --- The recipe ----------------------------------------------------------------------------
+
+def test_learning_rate_schedule():
+    cfg = TR.TrainConfig(lr=1.0, warmup_steps=10, steps=110)
+    assert TR.lr_at(0, cfg, 110) == pytest.approx(0.1) and TR.lr_at(9, cfg, 110) == pytest.approx(1.0)
+    assert TR.lr_at(60, cfg, 110) == pytest.approx(0.55)  # halfway down the cosine
+    assert TR.lr_at(110, cfg, 110) == pytest.approx(0.1)  # ends at 10% of the peak
+
+
+def test_weight_decay_only_on_block_matrices():
+    model = M.Llama(M.ModelConfig(d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=300, context=16))
+    opt = TR.configure_optimizer(model, TR.TrainConfig(steps=1))
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert names == {n for n, _ in model.named_parameters() if n.startswith("blocks.") and n.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight"))}
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert opt.defaults["betas"] == (0.9, 0.95)
+
+
+def test_accumulation_matches_one_big_batch(train_config):
+    """The loss is scaled by 1/accum: 4 micro-batches of 1 sequence update the weights as one
+    micro-batch of 4 does (SGD with lr 1, so the update is the gradient itself)."""
+    cfg = train_config.model
+    x, y = torch.randint(0, cfg.vocab_size, (2, 4, 32), generator=torch.Generator().manual_seed(0))
+    tcfg = with_train(train_config, grad_clip=1e9).train
+    updated = []
+    for micro in (4, 1):
+        torch.manual_seed(0)
+        model = M.Llama(cfg)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        batches = iter([(x[i:i + micro], y[i:i + micro]) for i in range(0, 4, micro)])
+        loss, _ = TR.train_step(model, opt, lambda: next(batches), 4 // micro, tcfg, torch.device("cpu"), 1.0)
+        updated.append((loss, [p.detach().clone() for p in model.parameters()]))
+    torch.testing.assert_close(updated[0][0], updated[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(updated[0][1], updated[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_batch_must_divide(train_config):
+    with pytest.raises(ValueError, match=r"batch_tokens=1,000 is not a multiple of micro_batch x context x world size = 4 x 64 x 1 = 256"):
+        TR.accumulation_steps(1000, 4, 64, 1)
+
+
+def test_overfit_one_batch_drives_loss_near_zero(train_config, tmp_path):
+    cfg = with_train(train_config, overfit_batch=True, steps=150, warmup_steps=10, lr=1e-2, batch_tokens=256,
+                     ckpt_every=1000)
+    summary = TR.train(cfg, tmp_path / "overfit", **QUIET)
+    assert summary["steps"] == 150
+    assert losses(tmp_path / "overfit")[-1] < 0.1
+
+
+# --- Logging -------------------------------------------------------------------------------
+
+def test_log_plot_and_summary(train_config, tmp_path):
+    lines = []
+    summary = TR.train(train_config, tmp_path / "run", log=lines.append)
+    rows = [json.loads(r) for r in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if "loss" in r]
+    assert {"step", "loss", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gib"} <= set(step_rows[0])
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+    assert summary["val_loss"] < math.log(512) and summary["val_bpb"] > 0 and summary["mfu"] is None
+    text = "\n".join(lines)
+    assert "git " in text and "torch " in text and "parameters" in text
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["config"]["train"]["steps"] == 6 and "git_commit" in config["provenance"]
+
+
+def test_peak_lookup_never_invents_a_number():
+    assert TR.peak_tflops("NVIDIA H200") == 989.4 and TR.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert TR.peak_tflops("NVIDIA GeForce RTX 4060 Laptop GPU") == 29.1
+    assert TR.peak_tflops("Some Future GPU") is None
+
+
+def test_cuda_only_flags_are_named_on_cpu(train_config):
+    said = []
+    cfg = TR.cpu_fallbacks(dataclasses.replace(train_config.train, bf16=True, tf32=True, optimizer="fused"),
+                           torch.device("cpu"), said.append)
+    assert said == ["note: running on CPU, so --tf32, --bf16, --fused are ignored (CUDA-only)"]
+    assert not cfg.bf16 and cfg.optimizer == "foreach"
+
+
+# --- Faults --------------------------------------------------------------------------------
+
+def poison(monkeypatch, at_call: int, value=float("nan"), error=None):
+    """Make the at_call-th forward pass return `value` (or raise `error`)."""
+    calls = {"n": 0}
+    real = TR.forward_loss
+
+    def forward(*args):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            if error is not None:
+                raise error
+            return real(*args) * value
+        return real(*args)
+
+    monkeypatch.setattr(TR, "forward_loss", forward)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(train_config, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    poison(monkeypatch, at_call=9)  # step 4's first micro-batch (2 per step)
+    with pytest.raises(SystemExit, match=r"loss is nan .* at step 4: stopping; the last good checkpoint .*ckpt\.pt is kept"):
+        TR.train(train_config, run, **QUIET)
+    assert torch.load(run / "ckpt.pt", weights_only=False)["step"] == 3
+
+
+def test_nan_step_can_be_skipped_and_counted(train_config, tmp_path, monkeypatch):
+    poison(monkeypatch, at_call=5)
+    summary = TR.train(with_train(train_config, skip_nonfinite=True), tmp_path / "run", **QUIET)
+    assert summary["skipped"] == 1 and summary["steps"] == 6
+    assert all(torch.isfinite(w).all() for w in weights(tmp_path / "run").values())
+
+
+def test_sigterm_saves_and_resume_continues(train_config, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    calls = {"n": 0}
+    real = TR.forward_loss
+
+    def forward(*args):
+        calls["n"] += 1
+        if calls["n"] == 5:  # during step 3
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(TR, "forward_loss", forward)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        TR.train(with_train(train_config, ckpt_every=100), run, **QUIET)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert torch.load(run / "ckpt.pt", weights_only=False)["step"] == 3
+    monkeypatch.setattr(TR, "forward_loss", real)
+    summary = TR.train(train_config, run, resume=True, **QUIET)
+    assert summary["steps"] == 6
+
+
+def test_out_of_memory_names_the_micro_batch(train_config, tmp_path, monkeypatch):
+    poison(monkeypatch, at_call=1, error=torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(SystemExit, match=r"out of memory at step 0 with micro_batch=4 .* try --micro-batch 2"):
+        TR.train(train_config, tmp_path / "run", **QUIET)
+
+
+def test_checkpoint_from_another_shape_or_tokenizer_is_refused(train_config, tmp_path):
+    run = tmp_path / "run"
+    TR.train(train_config, run, **QUIET)
+    wider = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, d_model=128, n_heads=2, n_kv_heads=2))
+    with pytest.raises(ValueError, match=r"another model shape \(d_model: checkpoint 64, config 128; n_heads"):
+        TR.train(wider, run, resume=True, **QUIET)
+    ckpt = torch.load(run / "ckpt.pt", weights_only=False)
+    ckpt["tokenizer_hash"] = "0123456789abcdef"
+    torch.save(ckpt, run / "ckpt.pt")
+    with pytest.raises(ValueError, match=r"trained with tokenizer 0123456789abcdef, but the data now uses tokenizer"):
+        TR.train(train_config, run, resume=True, **QUIET)
+
+
+def test_existing_run_is_not_overwritten(train_config, tmp_path):
+    TR.train(train_config, tmp_path / "run", **QUIET)
+    with pytest.raises(ValueError, match="already holds a checkpoint: pass --resume"):
+        TR.train(train_config, tmp_path / "run", **QUIET)
+
+
+# --- Config files and flags ----------------------------------------------------------------
+
+def test_flags_override_file_override_defaults(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nd_model = 128\nn_heads = 2\nn_kv_heads = 1\n[train]\nsteps = 7\nlr = 1\ncompile = true\n')
+    args = TR.build_parser().parse_args(["--config", str(path), "--steps", "9", "--no-compile", "--fused"])
+    cfg = TR.resolve_config(args)
+    assert (cfg.model.d_model, cfg.model.n_layers) == (128, 10)  # file, default
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.compile, cfg.train.optimizer) == (9, 1.0, False, "fused")
+
+
+def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nstep = 7\n')
+    with pytest.raises(SystemExit, match=r"c\.toml: unknown key\(s\) train\.step; valid keys in \[train\] are: .*steps"):
+        TR.main(["--config", str(path)])
+    path.write_text('[train]\nsteps = "many"\n')
+    with pytest.raises(SystemExit, match=r"train\.steps must be int, got str 'many'"):
+        TR.main(["--config", str(path)])
+
+
+# --- Several processes ---------------------------------------------------------------------
+
+def test_two_gloo_processes_equal_one(train_config, tmp_path):
+    """torchrun with 2 CPU ranks, each half the micro-batches, matches 1 process (same global batch)."""
+    cfg = train_config
+    common = ["--config", str(tmp_path / "c.toml"), "--runs-dir", str(tmp_path), "--steps", "3",
+              "--eval-every", "3", "--ckpt-every", "3"]
+    toml = ["[model]"] + [f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(cfg.model).items()]
+    toml += ["[data]"] + [f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(cfg.data).items()]
+    toml += ["[train]", "batch_tokens = 512", "micro_batch = 2", "device = \"cpu\"", "sample_tokens = 0", "warmup_steps = 2"]
+    (tmp_path / "c.toml").write_text("\n".join(toml).replace("true", "true").replace("false", "false"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for launcher, name in (([], "one"), (["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533"], "two")):
+        done = subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *common, "--name", name],
+                              env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in one:
+        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-5)
+    for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two")):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert len(losses(tmp_path / "two")) == 3
