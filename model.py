@@ -379,7 +379,10 @@ def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0,
     cfg = model.cfg
     max_new_tokens = min(max_new_tokens, cfg.context - idx.shape[1])
     if use_cache:
-        cache = KVCache(cfg, idx.shape[0], idx.device, model.embed.weight.dtype)
+        dtype = model.embed.weight.dtype
+        if torch.is_autocast_enabled(idx.device.type):  # keys and values come out of autocast's matmuls
+            dtype = torch.get_autocast_dtype(idx.device.type)
+        cache = KVCache(cfg, idx.shape[0], idx.device, dtype)
         logits = model(idx, cache=cache)[:, -1]
     for i in range(max_new_tokens):
         if not use_cache:

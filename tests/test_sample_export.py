@@ -1,0 +1,139 @@
+import io
+import json
+
+import pytest
+import torch
+
+import export as E
+import model as M
+import sample as S
+import train as TR
+from conftest import tiny_model_cfg
+
+
+@pytest.fixture(scope="module")
+def run_dir(data_cfg, tmp_path_factory):
+    """A checkpoint trained for a few steps, so its predictions are not uniform."""
+    cfg = TR.Config(model=tiny_model_cfg(n_kv_heads=1, n_heads=2, d_model=128), data=data_cfg,
+                    train=TR.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=8,
+                                         eval_every=8, eval_tokens=512, ckpt_every=8, sample_tokens=0, device="cpu"))
+    folder = tmp_path_factory.mktemp("runs") / "tiny"
+    TR.train(cfg, folder, log=lambda *a, **k: None)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loaded(run_dir):
+    ckpt = S.load_checkpoint(run_dir, "cpu")
+    tok, tok_path = S.checkpoint_tokenizer(ckpt)
+    return ckpt, tok, tok_path, M.from_checkpoint(ckpt).eval()
+
+
+# --- sample.py -----------------------------------------------------------------------------
+
+def test_greedy_with_cache_equals_without(loaded):
+    ckpt, tok, _, model = loaded
+    ids = tok.encode("# document 3\n").ids
+    with_cache = S.stream(model, tok, ids, 40, 0.0, 0, 1.0, None, use_cache=True, out=None)
+    without = S.stream(model, tok, ids, 40, 0.0, 0, 1.0, None, use_cache=False, out=None)
+    assert with_cache == without and len(with_cache) == 40
+
+
+def test_streamed_text_is_the_decoded_tokens(loaded):
+    ckpt, tok, _, model = loaded
+    out = io.StringIO()
+    new = S.stream(model, tok, tok.encode("the").ids, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(1), out=out)
+    assert out.getvalue() == tok.decode(new) + "\n"
+
+
+def test_sampling_respects_top_k_and_top_p():
+    logits = torch.tensor([[3.0, 2.0, 1.0, -5.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = {M.sample_next(logits, 1.0, top_k=2, generator=g).item() for _ in range(200)}
+    assert draws == {0, 1}
+    # softmax is about [0.705, 0.259, 0.035, 0.0]: top_p 0.9 keeps the first two
+    draws = {M.sample_next(logits, 1.0, top_p=0.9, generator=g).item() for _ in range(200)}
+    assert draws == {0, 1}
+    assert M.sample_next(logits, 0.0).item() == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(temperature=-1.0), r"--temperature -1.0: must be >= 0"),
+    (dict(top_p=0.0), r"--top-p 0.0: must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"--top-p 1.5: must be in \(0, 1\]"),
+    (dict(top_k=-3), r"--top-k -3: must be >= 0"),
+])
+def test_invalid_settings_are_clear_errors(args, message):
+    settings = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 10, **args}
+    with pytest.raises(ValueError, match=message):
+        S.check_settings(**settings)
+
+
+def test_long_prompt_is_cut_with_a_warning(loaded):
+    ckpt, tok, _, model = loaded
+    warnings = []
+    ids = S.prompt_ids(tok, "word " * 500, model.cfg.context, warn=warnings.append)
+    assert len(ids) == model.cfg.context - 1 and "keeping its last 63" in warnings[0]
+    assert ids == tok.encode("word " * 500).ids[-63:]
+
+
+def test_tokenizer_mismatch_is_refused(loaded, tmp_path):
+    ckpt, tok, tok_path, _ = loaded
+    other = tmp_path / "tokenizer.json"
+    data = json.loads(tok_path.read_text())
+    data["model"]["merges"] = data["model"]["merges"][:-1]
+    other.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"has hash [0-9a-f]{16}, but the checkpoint was trained with tokenizer"):
+        S.checkpoint_tokenizer(ckpt, str(other))
+
+
+def test_sample_command_runs(run_dir, capsys):
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "12", "--num-samples", "2", "--seed", "3"])
+    captured = capsys.readouterr()
+    assert captured.out.count("--- sample") == 2 and "tokens/s, KV cache, cpu" in captured.err
+
+
+def test_cached_decoding_feeds_one_token_per_step(loaded):
+    """What makes the cache fast: after the prompt, each forward pass reads one token, not the
+    whole sequence (README has the measured speed-up)."""
+    ckpt, tok, _, model = loaded
+    lengths = []
+    hook = model.embed.register_forward_hook(lambda mod, args, out: lengths.append(args[0].shape[1]))
+    try:
+        S.stream(model, tok, [5, 6, 7], 10, 0.0, 0, 1.0, None, use_cache=True, out=None)
+        assert lengths == [3] + [1] * 9
+        lengths.clear()
+        S.stream(model, tok, [5, 6, 7], 10, 0.0, 0, 1.0, None, use_cache=False, out=None)
+        assert lengths == list(range(3, 13))
+    finally:
+        hook.remove()
+
+
+# --- export.py -----------------------------------------------------------------------------
+
+def test_export_loads_in_transformers_with_equal_logits(loaded, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    ckpt, tok, tok_path, model = loaded
+    E.export(ckpt, tok_path, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "# document 7\nthe tokens"
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids and hf_tok.eos_token == "<|endoftext|>"
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(idx), hf(idx).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+    prompt = torch.tensor([tok.encode("the").ids])
+    greedy_ours = S.stream(model, tok, prompt[0].tolist(), 20, 0.0, 0, 1.0, None, out=None)
+    greedy_hf = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
+                            min_new_tokens=20)[0, prompt.shape[1]:].tolist()
+    assert greedy_ours == greedy_hf
+
+
+def test_export_command_writes_the_files(run_dir, tmp_path, capsys):
+    E.main(["--ckpt", str(run_dir), "--out", str(tmp_path / "hf")])
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert config["num_key_value_heads"] == 1 and config["rope_theta"] == 10000.0
