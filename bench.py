@@ -57,6 +57,17 @@ def repeated_kv_attention(q, k, v, *, doc_ids=None, block_mask=None, offset=0):
         q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True)
 
 
+def pinned(attention, backend: str):
+    """attention with SDPA restricted to one backend. The context is entered inside the function,
+    so torch.compile traces it too (a context entered around a compiled model is not seen)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(q, k, v, **kwargs):
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return attention(q, k, v, **kwargs)
+    return attend
+
+
 SDPA_BACKENDS = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "flash": "FLASH_ATTENTION"}
 
@@ -75,10 +86,12 @@ class ClockSampler(threading.Thread):
             self.nvml = None
 
     def run(self):
-        while self.nvml and not self.stop_flag.wait(0.1):
+        while self.nvml:
             clock = self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
             power = self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000
             self.samples.append((clock, power))
+            if self.stop_flag.wait(0.1):
+                return
 
     def summary(self) -> dict:
         self.stop_flag.set()
@@ -112,10 +125,8 @@ def measure_rung(spec: dict) -> dict:
         M.attention = textbook_attention
     elif spec.get("attention") == "efficient":
         M.attention = repeated_kv_attention
-    backend = SDPA_BACKENDS.get(spec.get("attention"))
-    if backend and device.type == "cuda":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        sdpa_kernel(getattr(SDPBackend, backend)).__enter__()  # for the whole process
+    if spec.get("attention") in SDPA_BACKENDS and device.type == "cuda":
+        M.attention = pinned(M.attention, SDPA_BACKENDS[spec["attention"]])
 
     # Real shards of the corpus when they exist, random tokens otherwise.
     folder = D.data_dir(D.DataConfig(corpus=spec.get("corpus", "fineweb-edu")), mcfg.vocab_size)
@@ -183,7 +194,8 @@ def kernel_times(fn, device) -> dict[str, float]:
     return totals
 
 
-ATTENTION_SIGNS = [("flash", "flash"), ("cudnn", "cudnn"), ("efficient", "fmha"), ("efficient", "efficient_attention"),
+# cuDNN's kernel names contain "flash" too (cudnn_generated_..._flash_fprop): test for cudnn first.
+ATTENTION_SIGNS = [("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "fmha"), ("efficient", "efficient_attention"),
                    ("flex", "flex_attention"), ("math", "softmax")]
 
 
@@ -283,8 +295,8 @@ def ladder(base: dict, cuda: bool, timeout: int) -> list[dict]:
     add("+bf16 autocast", dict(fp32, tf32=True, bf16=True, micro_batch=mb))
     compiled = dict(fp32, tf32=True, bf16=True, compile=True)
     best = add("+torch.compile", dict(compiled, micro_batch=mb))
-    for size in (16, 32, 64, 128):
-        if size > mb:
+    for size in (16, 32, 64, 128, 256, 512):
+        if size > mb and base["batch_tokens"] % (size * M.preset(base["preset"]).context) == 0:
             row = add(f"micro-batch {size}", dict(compiled, micro_batch=size))
             if "skipped" in row:
                 break
@@ -296,8 +308,11 @@ def ladder(base: dict, cuda: bool, timeout: int) -> list[dict]:
     return rows
 
 
-def attention_study(base: dict, cuda: bool, timeout: int) -> list[dict]:
-    variants = ["textbook", "math", "efficient", "cudnn", "flash", "default", "doc-mask"]
+ATTENTION_VARIANTS = ["textbook", "math", "efficient", "cudnn", "flash", "default", "doc-mask"]
+
+
+def attention_study(base: dict, cuda: bool, timeout: int, only=None) -> list[dict]:
+    variants = [v for v in ATTENTION_VARIANTS if not only or v in only]
     rows = []
     for variant in variants:
         for compiled in (False, True):
@@ -394,7 +409,7 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
 KERNEL_CLASSES = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
                   ("loss", ("nll", "log_softmax", "cross_entropy")),
                   ("optimizer", ("adam", "multi_tensor", "foreach", "norm", "clamp", "clip")),
-                  ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "mm_", "addmm", "cublas", "sgemm"))]
+                  ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "::mm", "bmm", "addmm", "cublas", "mm_"))]
 
 
 def profile_study(base: dict, cuda: bool) -> list[dict]:
@@ -414,17 +429,18 @@ def profile_study(base: dict, cuda: bool) -> list[dict]:
     step = lambda: TR.train_step(model, opt, loader.next_batch, 2, tcfg, device, 1e-4)[0].item()  # noqa: E731
     step()  # warm-up and compile
     names = kernel_times(step, device)
-    classes = {}
-    for name, ms in names.items():
+    classes, top = {}, {}
+    for name, ms in sorted(names.items(), key=lambda kv: -kv[1]):
         lower = name.lower()
         label = next((c for c, signs in KERNEL_CLASSES if any(s in lower for s in signs)), "elementwise/other")
         classes[label] = classes.get(label, 0.0) + ms
+        top.setdefault(label, []).append(f"{ms:.2f} ms {name[:100]}")
     total = sum(classes.values())
     tokens = 2 * tcfg.micro_batch * mcfg.context
     flops = {"matmul": 6 * M.param_count(mcfg) * tokens,
              "attention": 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * mcfg.context * tokens}
     rows = [{"rung": c, "ms": round(ms, 2), "share": ms / total,
-             "tflops": flops[c] / (ms / 1000) / 1e12 if c in flops and ms > 0 else None}
+             "tflops": flops[c] / (ms / 1000) / 1e12 if c in flops and ms > 0 else None, "top_kernels": top[c][:5]}
             for c, ms in sorted(classes.items(), key=lambda kv: -kv[1])]
     tmp.cleanup()
     return rows
@@ -507,6 +523,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per rung (default 3 on CUDA, 1 on CPU)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
+    p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
     p.add_argument("--corpus", default="fineweb-edu", help="read these prepared shards when they exist")
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results")
@@ -548,7 +565,7 @@ def main(argv=None):
             table = ladder_table(rows, flops_tok, roof.get("roof_tflops"), spec_peak)
             plot_ladder(rows, flops_tok, roof.get("roof_tflops"), out / "ladder.png")
         elif study == "attention":
-            rows = attention_study(base, cuda, args.timeout)
+            rows = attention_study(base, cuda, args.timeout, args.only)
         elif study == "compile_modes":
             rows = compile_modes_study(base, cuda, args.timeout)
         elif study == "micro_batch":

@@ -359,10 +359,12 @@ def check_compatible(ckpt: dict, cfg: Config, tok_hash: str, path: Path):
 def provenance(device: torch.device) -> dict:
     def git(*a):
         try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            done = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return ""
-    info = {"git_commit": git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(git("status", "--porcelain")),
+        return done.stdout.strip() if done.returncode == 0 else ""
+    commit = git("rev-parse", "HEAD")
+    info = {"git_commit": commit or "unknown (not a git checkout)", "git_dirty": bool(commit and git("status", "--porcelain")),
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,

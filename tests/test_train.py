@@ -228,6 +228,15 @@ def test_flags_override_file_override_defaults(tmp_path):
     assert (cfg.train.steps, cfg.train.lr, cfg.train.compile, cfg.train.optimizer) == (9, 1.0, False, "fused")
 
 
+@pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m"])
+def test_every_preset_file_loads(name):
+    cfg = TR.resolve_config(TR.build_parser().parse_args(["--config", str(ROOT / "configs" / f"{name}.toml")]))
+    assert cfg.model == M.preset(name)
+    if name != "tiny":  # seed 000's fast path is on for the GPU presets
+        assert cfg.train.compile and cfg.train.bf16 and cfg.train.tf32 and cfg.train.optimizer == "fused"
+        assert TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1) > 0
+
+
 def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_text('[train]\nstep = 7\n')
