@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -579,7 +578,11 @@ def main(argv=None):
         if study != "ladder":
             table = simple_table(rows)
         results[study] = rows
-        tables.append(f"## {study.replace('_', ' ')}\n\n{table}")
+        sources = sorted({r["data"] for r in rows if "data" in r})
+        note = f"\n\ndata: {', '.join(sources)}" if sources else ""
+        if study == "ladder" and roof:
+            note += f"; MFU (roof) is also the share of the ceiling, {roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s"
+        tables.append(f"## {study.replace('_', ' ')}\n\n{table}{note}")
         (out / f"{study}.json").write_text(json.dumps({**results, "rows": rows}, indent=2, default=str))
     print("\n\n".join(tables))
 

@@ -17,7 +17,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
 
 import model as M
 import sample as S
