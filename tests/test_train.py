@@ -91,6 +91,20 @@ def test_accumulation_matches_one_big_batch(train_config):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_activation_checkpointing_recomputes_the_same_gradients(train_config):
+    cfg = train_config.model
+    x, y = torch.randint(0, cfg.vocab_size, (2, 2, 32), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = M.Llama(cfg)
+        model.activation_checkpointing = recompute
+        model(x, y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_batch_must_divide(train_config):
     with pytest.raises(ValueError, match=r"batch_tokens=1,000 is not a multiple of micro_batch x context x world size = 4 x 64 x 1 = 256"):
         TR.accumulation_steps(1000, 4, 64, 1)
