@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,23 +73,40 @@ SDPA_BACKENDS = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "cudnn": "C
 
 
 class ClockSampler(threading.Thread):
-    """SM clock (MHz) and board power (W) sampled every 100 ms through NVML while a rung runs."""
+    """SM clock (MHz) and board power (W) sampled while a rung runs: through NVML (nvidia-ml-py)
+    every 100 ms, or by polling nvidia-smi when that is not installed."""
 
     def __init__(self, device_index: int):
         super().__init__(daemon=True)
-        self.samples, self.stop_flag, self.source = [], threading.Event(), None
+        self.index, self.samples, self.stop_flag = device_index, [], threading.Event()
+        self.nvml = None
         try:
             import pynvml
             pynvml.nvmlInit()
-            self.nvml, self.handle, self.source = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index), "nvml"
-        except Exception:  # no nvidia-ml-py or no driver access: say so in the results
-            self.nvml = None
+            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        except Exception:  # no nvidia-ml-py, or no driver access through it
+            self.smi = shutil.which("nvidia-smi")
+
+    def read(self) -> tuple[float, float] | None:
+        if self.nvml:
+            return (self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM),
+                    self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000)
+        if self.smi:
+            out = subprocess.run([self.smi, "-i", str(self.index), "--query-gpu=clocks.sm,power.draw",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+            try:
+                clock, power = (float(v) for v in out.strip().split(","))
+                return clock, power
+            except ValueError:
+                return None
+        return None
 
     def run(self):
-        while self.nvml:
-            clock = self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
-            power = self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000
-            self.samples.append((clock, power))
+        while True:
+            sample = self.read()
+            if sample is None:
+                return
+            self.samples.append(sample)
             if self.stop_flag.wait(0.1):
                 return
 
@@ -128,10 +146,15 @@ def measure_rung(spec: dict) -> dict:
         M.attention = pinned(M.attention, SDPA_BACKENDS[spec["attention"]])
 
     # Real shards of the corpus when they exist, random tokens otherwise.
-    folder = D.data_dir(D.DataConfig(corpus=spec.get("corpus", "fineweb-edu")), mcfg.vocab_size)
+    preset_path = M.PRESETS_DIR / f"{spec['preset']}.toml"
+    data_cfg = M.from_dict(D.DataConfig, M.read_toml(preset_path, tuple(TR.SECTIONS)).get("data", {}),
+                           str(preset_path), "data")
+    if spec.get("corpus"):
+        data_cfg = dataclasses.replace(data_cfg, corpus=spec["corpus"])
+    folder = D.data_dir(data_cfg, mcfg.vocab_size)
     tmp = tempfile.TemporaryDirectory()
     try:
-        files, source = D.shard_files(folder, "train"), f"{spec.get('corpus')} shards"
+        files, source = D.shard_files(folder, "train"), f"{data_cfg.corpus} shards"
     except FileNotFoundError:
         needed = (spec["timed_steps"] + 2) * tcfg.batch_tokens + 4 * tcfg.micro_batch * (mcfg.context + 1)
         files, source = random_shards(Path(tmp.name), mcfg.vocab_size, needed), "random tokens"
@@ -523,7 +546,8 @@ def main(argv=None):
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
     p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
-    p.add_argument("--corpus", default="fineweb-edu", help="read these prepared shards when they exist")
+    p.add_argument("--corpus", default=None, help="read this corpus' prepared shards when they exist "
+                                                  "(default: the preset's [data] corpus)")
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results")
     args = p.parse_args(argv)

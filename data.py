@@ -44,6 +44,7 @@ class DataConfig:
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
     val_fraction: float = 0.05  # share of documents held out for validation
     max_documents: int = 0  # stop reading the corpus after this many documents (0: all of it)
+    tokenizer_documents: int = 0  # documents the BPE trains on (0: the same as max_documents)
     shard_tokens: int = 100_000_000  # tokens per shard file (about 200 MB)
     cache_dir: str = ""  # tokenizers and shards; "" means $ONEGPU_CACHE or ./cache
 
@@ -145,7 +146,8 @@ def ensure_tokenizer(cfg: DataConfig, vocab_size: int, log=print) -> Path:
         return path
     log(f"tokenizer: training a {vocab_size:,}-token byte-level BPE on {cfg.corpus} -> {path}")
     t0 = time.perf_counter()
-    docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, cfg.max_documents or None)
+    limit = cfg.tokenizer_documents or cfg.max_documents or None
+    docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, limit)
     tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc"), vocab_size, path.parent)
     log(f"tokenizer: trained in {time.perf_counter() - t0:.0f} s")
     return path
@@ -364,6 +366,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
     p.add_argument("--max-documents", type=int, default=0)
+    p.add_argument("--tokenizer-documents", type=int, default=0, help="documents to train the BPE on (0: all)")
     p.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens)
     p.add_argument("--cache-dir", default="", help="default: $ONEGPU_CACHE or ./cache")
     bench = sub.add_parser("bench-loader", help="CPU cost of one micro-batch from prepared shards")
@@ -374,8 +377,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
-            prepare(DataConfig(args.corpus, args.text_field, args.val_fraction, args.max_documents,
-                               args.shard_tokens, args.cache_dir), args.vocab)
+            prepare(DataConfig(corpus=args.corpus, text_field=args.text_field, val_fraction=args.val_fraction,
+                               max_documents=args.max_documents, tokenizer_documents=args.tokenizer_documents,
+                               shard_tokens=args.shard_tokens, cache_dir=args.cache_dir), args.vocab)
         else:
             folder = data_dir(DataConfig(corpus=args.corpus), args.vocab)
             print(json.dumps(bench_loader(shard_files(folder, "train"), args.batch, args.seq_len)))
