@@ -155,8 +155,9 @@ def test_kv_cache_decode_equals_full_forward():
     with torch.no_grad():
         full = model(idx)
         cache = M.KVCache(model.cfg, batch=2, device="cpu", dtype=torch.float64)
-        steps = [model(idx[:, :7], cache=cache)]  # a prompt, then one token at a time
-        steps += [model(idx[:, t:t + 1], cache=cache) for t in range(7, 20)]
+        steps = [model(idx[:, :7], cache=cache)]  # a prompt,
+        steps += [model(idx[:, 7:12], cache=cache)]  # a chunk after cached tokens (offset mask),
+        steps += [model(idx[:, t:t + 1], cache=cache) for t in range(12, 20)]  # then one at a time
     assert cache.k[0].shape == (2, 2, 32, 16)  # sized for the 2 kv heads, not the 4 query heads
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
 
