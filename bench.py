@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -129,11 +130,25 @@ def random_shards(folder: Path, vocab: int, tokens: int, seed: int = 1337) -> li
     return [path]
 
 
-def measure_rung(spec: dict) -> dict:
-    """Time one configuration. spec: preset, micro_batch, steps, batch_tokens, attention,
-    corpus, and any TrainConfig fields (tf32, bf16, compile, optimizer, pin, ...)."""
+@dataclass
+class Rung:
+    """Everything one configuration trains with: train.py's own pieces, set up as spec says."""
+    device: torch.device
+    mcfg: M.ModelConfig
+    tcfg: TR.TrainConfig
+    loader: D.ShardLoader
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    accum: int
+    data: str  # "<corpus> shards" or "random tokens"
+
+
+def build_rung(spec: dict, workdir: Path) -> Rung:
+    """spec: preset, batch_tokens, micro_batch, timed_steps, attention, corpus, and any TrainConfig
+    field (tf32, bf16, compile, optimizer, pin, ...). Random shards, when needed, go in workdir."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    mcfg = M.preset(spec["preset"])
+    cfg = TR.resolve_config(TR.build_parser().parse_args(["--config", str(M.PRESETS_DIR / f"{spec['preset']}.toml")]))
+    mcfg = cfg.model
     train_fields = {f.name for f in dataclasses.fields(TR.TrainConfig)}
     tcfg = TR.TrainConfig(steps=1, **{k: v for k, v in spec.items() if k in train_fields})
     tcfg = TR.cpu_fallbacks(tcfg, device, log=lambda s: None)
@@ -144,24 +159,29 @@ def measure_rung(spec: dict) -> dict:
         M.attention = repeated_kv_attention
     if spec.get("attention") in SDPA_BACKENDS and device.type == "cuda":
         M.attention = pinned(M.attention, SDPA_BACKENDS[spec["attention"]])
-
     # Real shards of the corpus when they exist, random tokens otherwise.
-    preset_path = M.PRESETS_DIR / f"{spec['preset']}.toml"
-    data_cfg = M.from_dict(D.DataConfig, M.read_toml(preset_path, tuple(TR.SECTIONS)).get("data", {}),
-                           str(preset_path), "data")
-    if spec.get("corpus"):
-        data_cfg = dataclasses.replace(data_cfg, corpus=spec["corpus"])
-    folder = D.data_dir(data_cfg, mcfg.vocab_size)
-    tmp = tempfile.TemporaryDirectory()
+    data_cfg = dataclasses.replace(cfg.data, corpus=spec.get("corpus") or cfg.data.corpus)
     try:
-        files, source = D.shard_files(folder, "train"), f"{data_cfg.corpus} shards"
+        files, source = D.shard_files(D.data_dir(data_cfg, mcfg.vocab_size), "train"), f"{data_cfg.corpus} shards"
     except FileNotFoundError:
-        needed = (spec["timed_steps"] + 2) * tcfg.batch_tokens + 4 * tcfg.micro_batch * (mcfg.context + 1)
-        files, source = random_shards(Path(tmp.name), mcfg.vocab_size, needed), "random tokens"
+        needed = (spec.get("timed_steps", 1) + 2) * tcfg.batch_tokens + 4 * tcfg.micro_batch * (mcfg.context + 1)
+        files, source = random_shards(workdir, mcfg.vocab_size, needed), "random tokens"
     loader = D.ShardLoader(files, tcfg.micro_batch, mcfg.context, doc_ids=tcfg.doc_mask, device=device, pin=tcfg.pin)
-    accum = TR.accumulation_steps(tcfg.batch_tokens, tcfg.micro_batch, mcfg.context, 1)
     raw, model = TR.build_model(mcfg, tcfg, device, seed=1337)
-    optimizer = TR.configure_optimizer(raw, tcfg)
+    return Rung(device, mcfg, tcfg, loader, model, TR.configure_optimizer(raw, tcfg),
+                TR.accumulation_steps(tcfg.batch_tokens, tcfg.micro_batch, mcfg.context, 1), source)
+
+
+def measure_rung(spec: dict) -> dict:
+    """Time one configuration (see build_rung for spec)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        r = build_rung(spec, Path(workdir))
+        return time_rung(r, spec)
+
+
+def time_rung(r: Rung, spec: dict) -> dict:
+    """Warm up (4 micro-batches and a step), then time spec["timed_steps"] full steps."""
+    device, tcfg, model, optimizer, loader, accum = r.device, r.tcfg, r.model, r.optimizer, r.loader, r.accum
 
     def sync():
         if device.type == "cuda":
@@ -191,11 +211,10 @@ def measure_rung(spec: dict) -> dict:
     result = {"tok_s": tcfg.batch_tokens / step_s, "step_s": step_s,
               "spread": (max(times) - min(times)) / step_s, "warmup_s": warmup_s, "loss": losses[-1],
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-              "data": source, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "data": r.data, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "accum": accum, **(sampler.summary() if sampler else {"sm_mhz": None, "power_w": None})}
     if spec.get("kernels"):
         result["attention_kernels"] = attention_kernels(model, loader, tcfg, device)
-    tmp.cleanup()
     return result
 
 
@@ -437,18 +456,12 @@ KERNEL_CLASSES = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa"))
 def profile_study(base: dict, cuda: bool) -> list[dict]:
     """Time per kernel class over 2 micro-batches and one optimizer step, and the rate of the
     classes whose FLOPs are known (matmul: 6N per token; attention: PaLM's 12LHQT)."""
-    device = torch.device("cuda" if cuda else "cpu")
-    mcfg = M.preset(base["preset"])
-    tcfg = TR.cpu_fallbacks(TR.TrainConfig(steps=1, micro_batch=base["micro_batch"], tf32=True, bf16=True,
-                                           compile=cuda, optimizer="fused" if cuda else "foreach",
-                                           batch_tokens=2 * base["micro_batch"] * mcfg.context), device, print)
-    TR.set_precision(tcfg)
-    tmp = tempfile.TemporaryDirectory()
-    files = random_shards(Path(tmp.name), mcfg.vocab_size, 8 * base["micro_batch"] * (mcfg.context + 1))
-    loader = D.ShardLoader(files, tcfg.micro_batch, mcfg.context, device=device)
-    raw, model = TR.build_model(mcfg, tcfg, device, seed=0)
-    opt = TR.configure_optimizer(raw, tcfg)
-    step = lambda: TR.train_step(model, opt, loader.next_batch, 2, tcfg, device, 1e-4)[0].item()  # noqa: E731
+    spec = dict(base, tf32=True, bf16=True, compile=cuda, optimizer="fused" if cuda else "foreach",
+                batch_tokens=2 * base["micro_batch"] * M.preset(base["preset"]).context)
+    workdir = tempfile.TemporaryDirectory()
+    r = build_rung(spec, Path(workdir.name))
+    device, tcfg, mcfg = r.device, r.tcfg, r.mcfg
+    step = lambda: TR.train_step(r.model, r.optimizer, r.loader.next_batch, 2, tcfg, device, 1e-4)[0].item()  # noqa: E731
     step()  # warm-up and compile
     names = kernel_times(step, device)
     classes, top = {}, {}
@@ -464,7 +477,7 @@ def profile_study(base: dict, cuda: bool) -> list[dict]:
     rows = [{"rung": c, "ms": round(ms, 2), "share": ms / total,
              "tflops": flops[c] / (ms / 1000) / 1e12 if c in flops and ms > 0 else None, "top_kernels": top[c][:5]}
             for c, ms in sorted(classes.items(), key=lambda kv: -kv[1])]
-    tmp.cleanup()
+    workdir.cleanup()
     return rows
 
 

@@ -316,11 +316,9 @@ class ShardLoader:
         """Micro-batches per epoch for this rank."""
         return self.per_rank // self.B
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.next_batch()
+    def rewind(self):
+        """Back to the start of epoch 0 (evaluation reads the same val batches every time)."""
+        self.epoch, self.pos, self._order = 0, 0, None
 
     def next_batch(self):
         windows = self.next_windows()

@@ -239,8 +239,9 @@ def configure_optimizer(model: M.Llama, cfg: TrainConfig) -> torch.optim.AdamW:
     would pull them toward zero, not toward the initial one), and neither is the embedding:
     it is also the output head here, and a token that is rare in the data would see its row
     shrink between the few steps that update it."""
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() == 2 and name.startswith("blocks.") else no_decay).append(p)
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[cfg.optimizer]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
@@ -295,7 +296,7 @@ def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Te
     Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets decode to,
     so runs with different tokenizers compare."""
     model.eval()
-    loader.load_state_dict({**loader.state_dict(), "epoch": 0, "pos": 0})
+    loader.rewind()
     nats, n_tokens, n_bytes = torch.zeros((), device=device, dtype=torch.float64), 0, torch.zeros((), device=device)
     for _ in range(min(n_batches, len(loader))):
         batch = loader.next_batch()

@@ -151,18 +151,21 @@ def test_cuda_only_flags_are_named_on_cpu(train_config):
 
 # --- Faults --------------------------------------------------------------------------------
 
-def poison(monkeypatch, at_call: int, value=float("nan"), error=None):
-    """Make the at_call-th forward pass return `value` (or raise `error`)."""
+def poison(monkeypatch, at_call: int, value=float("nan"), error=None, raise_signal=None):
+    """Make the at_call-th forward pass return loss * `value`, raise `error`, or deliver a signal."""
     calls = {"n": 0}
     real = TR.forward_loss
 
     def forward(*args):
         calls["n"] += 1
-        if calls["n"] == at_call:
-            if error is not None:
-                raise error
-            return real(*args) * value
-        return real(*args)
+        if calls["n"] != at_call:
+            return real(*args)
+        if error is not None:
+            raise error
+        if raise_signal is not None:
+            signal.raise_signal(raise_signal)
+            return real(*args)
+        return real(*args) * value
 
     monkeypatch.setattr(TR, "forward_loss", forward)
 
@@ -184,16 +187,7 @@ def test_nan_step_can_be_skipped_and_counted(train_config, tmp_path, monkeypatch
 
 def test_sigterm_saves_and_resume_continues(train_config, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    calls = {"n": 0}
-    real = TR.forward_loss
-
-    def forward(*args):
-        calls["n"] += 1
-        if calls["n"] == 5:  # during step 3
-            signal.raise_signal(signal.SIGTERM)
-        return real(*args)
-
-    monkeypatch.setattr(TR, "forward_loss", forward)
+    poison(monkeypatch, at_call=5, raise_signal=signal.SIGTERM)  # during step 3
     old = signal.getsignal(signal.SIGTERM)
     try:
         TR.train(with_train(train_config, ckpt_every=100), run, **QUIET)
@@ -201,7 +195,7 @@ def test_sigterm_saves_and_resume_continues(train_config, tmp_path, monkeypatch)
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     assert torch.load(run / "ckpt.pt", weights_only=False)["step"] == 3
-    monkeypatch.setattr(TR, "forward_loss", real)
+    monkeypatch.undo()
     summary = TR.train(train_config, run, resume=True, **QUIET)
     assert summary["steps"] == 6
 
