@@ -79,12 +79,15 @@ class ClockSampler(threading.Thread):
 
     def __init__(self, device_index: int):
         super().__init__(daemon=True)
-        self.index, self.samples, self.stop_flag = device_index, [], threading.Event()
+        # NVML and nvidia-smi number GPUs ignoring CUDA_VISIBLE_DEVICES; the UUID names the same card.
+        uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
+        self.card = f"GPU-{uuid}" if uuid is not None else str(device_index)
+        self.samples, self.stop_flag = [], threading.Event()
         self.nvml = None
         try:
             import pynvml
             pynvml.nvmlInit()
-            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByUUID(self.card)
         except Exception:  # no nvidia-ml-py, or no driver access through it
             self.smi = shutil.which("nvidia-smi")
 
@@ -93,7 +96,7 @@ class ClockSampler(threading.Thread):
             return (self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM),
                     self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000)
         if self.smi:
-            out = subprocess.run([self.smi, "-i", str(self.index), "--query-gpu=clocks.sm,power.draw",
+            out = subprocess.run([self.smi, "-i", self.card, "--query-gpu=clocks.sm,power.draw",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
             try:
                 clock, power = (float(v) for v in out.strip().split(","))
@@ -211,6 +214,9 @@ def time_rung(r: Rung, spec: dict) -> dict:
     result = {"tok_s": tcfg.batch_tokens / step_s, "step_s": step_s,
               "spread": (max(times) - min(times)) / step_s, "warmup_s": warmup_s, "loss": losses[-1],
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+              # CUDA graphs replay inside a private pool reserved while warming up, which the allocated
+              # peak above does not see; the reserved peak does.
+              "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
               "data": r.data, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "accum": accum, **(sampler.summary() if sampler else {"sm_mhz": None, "power_w": None})}
     if spec.get("kernels"):
@@ -384,9 +390,9 @@ def compile_modes_study(base: dict, cuda: bool, timeout: int) -> list[dict]:
     return rows
 
 
-def micro_batch_study(base: dict, cuda: bool, timeout: int, ac: bool = False) -> list[dict]:
-    """Doubling micro-batches until one no longer fits (or the step cannot be split further)."""
-    rows, size = [], 1
+def micro_batch_study(base: dict, cuda: bool, timeout: int, ac: bool = False, start: int = 1) -> list[dict]:
+    """Doubling micro-batches from start until one no longer fits (or the step cannot be split further)."""
+    rows, size = [], start
     context = M.preset(base["preset"]).context
     limit = 1024 if cuda else 4
     while size <= limit:
@@ -407,12 +413,14 @@ def micro_batch_study(base: dict, cuda: bool, timeout: int, ac: bool = False) ->
 
 
 def activation_checkpointing_study(base: dict, cuda: bool, timeout: int) -> list[dict]:
+    """Recomputation's cost at equal micro-batch, then how far the micro-batch can grow with it.
+    On CUDA the sweep starts above the compared size: every compiled rung costs a compile."""
     rows = []
     for ac in (False, True):
         print(f"rung: activation checkpointing {ac} ...", flush=True)
         rows.append({"rung": f"micro-batch {base['micro_batch']}{' +AC' if ac else ''}",
                      **run_rung(dict(base, tf32=True, bf16=True, compile=cuda, activation_checkpointing=ac), timeout)})
-    return rows + micro_batch_study(base, cuda, timeout, ac=True)
+    return rows + micro_batch_study(base, cuda, timeout, ac=True, start=2 * base["micro_batch"] if cuda else 1)
 
 
 def optimizer_study(preset: str, cuda: bool) -> list[dict]:
@@ -510,7 +518,7 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 
 def simple_table(rows: list[dict]) -> str:
-    keys = [k for k in ("micro_batch", "tok_s", "step_s", "peak_gib", "warmup_s", "attention_kernels", "update_ms",
+    keys = [k for k in ("micro_batch", "tok_s", "step_s", "peak_gib", "reserved_gib", "warmup_s", "attention_kernels", "update_ms",
                         "ms", "share", "tflops", "fixed_gib", "gib_per_seq", "largest_fitting", "skipped")
             if any(k in r for r in rows)]
     lines = ["| rung | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]

@@ -40,6 +40,7 @@ import tokenizer as tk
 ROOT = Path(__file__).resolve().parent
 OPTIMIZERS = ("fused", "foreach", "for-loop")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -270,6 +271,15 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: TrainConfig, devic
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
+    # would be overwritten by the next micro-batch: under those modes gradients accumulate into
+    # buffers of our own, zeroed in place.
+    keep_grads = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    if keep_grads:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
     loss_sum = torch.zeros((), device=device)
     for i in range(accum):
         batch = next_batch()
@@ -279,13 +289,12 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: TrainConfig, devic
             loss = forward_loss(model, batch, cfg, device) / accum  # mean over the whole step
             loss.backward()
         loss_sum += loss.detach()
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     if cfg.skip_nonfinite and not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not keep_grads)
         return loss_sum, grad_norm
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not keep_grads)
     return loss_sum, grad_norm
 
 
