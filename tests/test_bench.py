@@ -15,7 +15,8 @@ def results(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ONEGPU_CACHE", str(tmp_path_factory.mktemp("empty-cache")))  # no shards: random tokens
         B.main(["--ladder", "--micro-batch", "--optimizer", "--profile", "--activation-checkpointing",
-                "--attention", "--only", "textbook", "default", "doc-mask", "flash", "--out", str(out)])
+                "--compile-modes", "--attention", "--only", "textbook", "default", "doc-mask", "flash",
+                "--out", str(out)])
     return out
 
 
@@ -36,6 +37,13 @@ def test_attention_study_reports_the_kernel_it_saw(results):
     assert by_name["default eager"]["tok_s"] > 0 and by_name["doc-mask eager"]["tok_s"] > 0
     assert by_name["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
     assert "compiled variants are measured on CUDA" in by_name["default compiled"]["skipped"]
+
+
+def test_compile_modes_compile_on_cpu_and_name_the_cuda_only_modes(results):
+    by_name = {r["rung"]: r for r in rows(results, "compile_modes")}
+    assert by_name["default"]["tok_s"] > 0 and by_name["default"]["warmup_s"] > 0
+    for mode in ("reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"):
+        assert by_name[mode]["skipped"] == "CUDA graphs and autotuning are CUDA features"
 
 
 def test_micro_batch_study_fits_memory_line(results):
