@@ -80,8 +80,7 @@ class ClockSampler(threading.Thread):
     def __init__(self, device_index: int):
         super().__init__(daemon=True)
         # NVML and nvidia-smi number GPUs ignoring CUDA_VISIBLE_DEVICES; the UUID names the same card.
-        uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
-        self.card = f"GPU-{uuid}" if uuid is not None else str(device_index)
+        self.card = f"GPU-{torch.cuda.get_device_properties(device_index).uuid}"
         self.samples, self.stop_flag = [], threading.Event()
         self.nvml = None
         try:
@@ -413,14 +412,12 @@ def micro_batch_study(base: dict, cuda: bool, timeout: int, ac: bool = False, st
 
 
 def activation_checkpointing_study(base: dict, cuda: bool, timeout: int) -> list[dict]:
-    """Recomputation's cost at equal micro-batch, then how far the micro-batch can grow with it.
-    On CUDA the sweep starts above the compared size: every compiled rung costs a compile."""
-    rows = []
-    for ac in (False, True):
-        print(f"rung: activation checkpointing {ac} ...", flush=True)
-        rows.append({"rung": f"micro-batch {base['micro_batch']}{' +AC' if ac else ''}",
-                     **run_rung(dict(base, tf32=True, bf16=True, compile=cuda, activation_checkpointing=ac), timeout)})
-    return rows + micro_batch_study(base, cuda, timeout, ac=True, start=2 * base["micro_batch"] if cuda else 1)
+    """Recomputation's cost at equal micro-batch, then how far the micro-batch can grow with it:
+    the sweep with recomputation starts at the compared size, so its first row is the comparison."""
+    mb = base["micro_batch"]
+    print(f"rung: micro-batch {mb} ...", flush=True)
+    plain = {"rung": f"micro-batch {mb}", **run_rung(dict(base, tf32=True, bf16=True, compile=cuda), timeout)}
+    return [plain] + micro_batch_study(base, cuda, timeout, ac=True, start=mb)
 
 
 def optimizer_study(preset: str, cuda: bool) -> list[dict]:
@@ -518,8 +515,9 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 
 def simple_table(rows: list[dict]) -> str:
-    keys = [k for k in ("micro_batch", "tok_s", "step_s", "peak_gib", "reserved_gib", "warmup_s", "attention_kernels", "update_ms",
-                        "ms", "share", "tflops", "fixed_gib", "gib_per_seq", "largest_fitting", "skipped")
+    keys = [k for k in ("micro_batch", "tok_s", "step_s", "peak_gib", "reserved_gib", "warmup_s",
+                        "attention_kernels", "update_ms", "ms", "share", "tflops", "fixed_gib", "gib_per_seq",
+                        "largest_fitting", "skipped")
             if any(k in r for r in rows)]
     lines = ["| rung | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for r in rows:

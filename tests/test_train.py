@@ -106,7 +106,10 @@ def test_cuda_graph_modes_accumulate_into_kept_buffers(train_config):
         for _ in range(3):
             TR.train_step(model, opt, lambda: next(batches), 2, tcfg, torch.device("cpu"), 1e-3)
         grads = [p.grad for p in model.parameters()]
-        assert all(g is None for g in grads) if mode == "default" else all(g is not None and not g.any() for g in grads)
+        if mode == "default":
+            assert all(g is None for g in grads)
+        else:
+            assert all(g is not None and not g.any() for g in grads)
         trained.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*trained):
         assert torch.equal(a, b)
