@@ -1,474 +1,231 @@
-"""Where the speed comes from: seed 000's ladder, and one study per setting, on any GPU.
+"""Where the speed comes from: the ladder, one study per setting, and generation, on any GPU.
 
-    python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused -> pinned
+    python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
+                                             #   AdamW -> pinned -> fused loss -> compile tuning
+    python bench.py --ladder --preset 22m    # any preset in configs/
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
-    python bench.py --compile-modes --micro-batch --optimizer --activation-checkpointing --profile
-    python bench.py --ladder --preset 22m --steps 5
+    python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile
+    python bench.py --generate               # decode speed: onegpu vs transformers' generate
+    python bench.py --budget --tok-s 88m=676284   # hours to train each preset at measured rates
 
-Every configuration ("rung") runs in its own process, as seed 000 did: a warm-up of 4
-micro-batches and one optimizer step (compilation happens here and is timed), then --steps
-full optimizer steps of train.py's own train_step(), wall clock with torch.cuda.synchronize()
-on both sides; the median is reported with the spread. Results go to stdout as a markdown
-table and to results/<study>.json and .png. On CPU every study runs with the tiny preset for a
-couple of short steps, and CUDA-only rungs are listed as skipped.
+Every training configuration ("rung") is a preset plus overrides, checked by the same strict
+loader as config files (a misspelled setting fails before anything runs), and is measured in a
+fresh process by measure.py, which uses train.py's own setup() and train_step(). Results go to
+stdout as markdown tables and to results/<study>.json and .png. The ladder and the studies need
+CUDA to say anything; on CPU they run the tiny preset as a smoke test of the code paths and say so.
 """
 
 import argparse
-import dataclasses
 import json
-import math
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import data as D
+import config as C
+import measure as ME
 import model as M
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
-MIB = 2**20
+FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True}  # the compiled BF16 base of the studies
 
 
-# --- Measuring one rung (runs in its own process) -------------------------------------------
+# --- Plans: which rungs a study compares (pure functions) -----------------------------------
 
-def textbook_attention(q, k, v, *, doc_ids=None, block_mask=None, offset=0):
-    """Full T x T scores, a boolean mask, softmax in float32, K/V copied per query head."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    T = q.shape[2]
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
-
-
-def repeated_kv_attention(q, k, v, *, doc_ids=None, block_mask=None, offset=0):
-    """SDPA with K/V copied to every query head: the memory-efficient kernel refuses enable_gqa."""
-    group = q.shape[1] // k.shape[1]
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True)
+def ladder_rungs(preset: str, micro_batch: int, steps: int, cuda: bool) -> list[ME.Rung]:
+    """The ladder's rungs at one micro-batch, one setting added at a time. On CPU only the
+    first rung runs: the rest are CUDA settings or too slow to compile for a smoke test."""
+    rung = lambda name, **o: ME.Rung(name, preset, {"train__micro_batch": micro_batch, **o}, steps)  # noqa: E731
+    fp32 = {"train__tf32": False, "train__bf16": False, "train__compile": False, "train__optimizer": "foreach"}
+    return [rung("fp32 eager", **fp32),
+            rung("+tf32", **{**fp32, "train__tf32": True}),
+            rung("+bf16 autocast", **{**fp32, "train__tf32": True, "train__bf16": True}),
+            rung("+torch.compile", **{**fp32, **FAST})]
 
 
-def pinned(attention, backend: str):
-    """attention with SDPA restricted to one backend. The context is entered inside the function,
-    so torch.compile traces it too (a context entered around a compiled model is not seen)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def attend(q, k, v, **kwargs):
-        with sdpa_kernel(getattr(SDPBackend, backend)):
-            return attention(q, k, v, **kwargs)
-    return attend
-
-
-SDPA_BACKENDS = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "flash": "FLASH_ATTENTION"}
+def ladder_tail(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:
+    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, compile tuning."""
+    base = {**FAST, "train__micro_batch": micro_batch, "train__optimizer": "fused"}
+    return [ME.Rung("+fused AdamW", preset, base, steps),
+            ME.Rung("+pinned memory", preset, {**base, "train__pin": True}, steps),
+            ME.Rung("+fused loss", preset, {**base, "train__pin": True, "model__fused_loss": True}, steps),
+            ME.Rung("+max-autotune (no CUDA graphs)", preset,
+                    {**base, "train__pin": True, "model__fused_loss": True,
+                     "train__compile_mode": "max-autotune-no-cudagraphs"}, steps)]
 
 
-class ClockSampler(threading.Thread):
-    """SM clock (MHz) and board power (W) sampled while a rung runs: through NVML (nvidia-ml-py)
-    every 100 ms, or by polling nvidia-smi when that is not installed."""
-
-    def __init__(self, device_index: int):
-        super().__init__(daemon=True)
-        # NVML and nvidia-smi number GPUs ignoring CUDA_VISIBLE_DEVICES; the UUID names the same card.
-        self.card = f"GPU-{torch.cuda.get_device_properties(device_index).uuid}"
-        self.samples, self.stop_flag = [], threading.Event()
-        self.nvml = None
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByUUID(self.card)
-        except Exception:  # no nvidia-ml-py, or no driver access through it
-            self.smi = shutil.which("nvidia-smi")
-
-    def read(self) -> tuple[float, float] | None:
-        if self.nvml:
-            return (self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM),
-                    self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000)
-        if self.smi:
-            out = subprocess.run([self.smi, "-i", self.card, "--query-gpu=clocks.sm,power.draw",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
-            try:
-                clock, power = (float(v) for v in out.strip().split(","))
-                return clock, power
-            except ValueError:
-                return None
-        return None
-
-    def run(self):
-        while True:
-            sample = self.read()
-            if sample is None:
-                return
-            self.samples.append(sample)
-            if self.stop_flag.wait(0.1):
-                return
-
-    def summary(self) -> dict:
-        self.stop_flag.set()
-        if not self.samples:
-            return {"sm_mhz": None, "power_w": None}
-        clocks, powers = zip(*self.samples)
-        return {"sm_mhz": statistics.median(clocks), "power_w": round(statistics.median(powers), 1)}
+ATTENTION_VARIANTS = ["textbook", "math", "efficient", "cudnn", "flash", "sdpa", "doc-mask"]
 
 
-def random_shards(folder: Path, vocab: int, tokens: int, seed: int = 1337) -> list[Path]:
-    """A shard of random token ids with random document lengths (mean 512), so every rung reads
-    through the real ShardLoader. Throughput does not depend on what the tokens say."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, vocab, tokens, dtype=np.uint16)
-    starts = np.unique(np.concatenate([[0], rng.integers(1, tokens, tokens // 512)])).astype(np.uint64)
-    path = folder / "train_00000.bin"
-    D.write_shard(path, ids, starts, vocab, "random0000000000", tokens)
-    return [path]
-
-
-@dataclass
-class Rung:
-    """Everything one configuration trains with: train.py's own pieces, set up as spec says."""
-    device: torch.device
-    mcfg: M.ModelConfig
-    tcfg: TR.TrainConfig
-    loader: D.ShardLoader
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    accum: int
-    data: str  # "<corpus> shards" or "random tokens"
-
-
-def build_rung(spec: dict, workdir: Path) -> Rung:
-    """spec: preset, batch_tokens, micro_batch, timed_steps, attention, corpus, and any TrainConfig
-    field (tf32, bf16, compile, optimizer, pin, ...). Random shards, when needed, go in workdir."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = TR.resolve_config(TR.build_parser().parse_args(["--config", str(M.PRESETS_DIR / f"{spec['preset']}.toml")]))
-    mcfg = cfg.model
-    train_fields = {f.name for f in dataclasses.fields(TR.TrainConfig)}
-    tcfg = TR.TrainConfig(steps=1, **{k: v for k, v in spec.items() if k in train_fields})
-    tcfg = TR.cpu_fallbacks(tcfg, device, log=lambda s: None)
-    TR.set_precision(tcfg)
-    if spec.get("attention") == "textbook":
-        M.attention = textbook_attention
-    elif spec.get("attention") == "efficient":
-        M.attention = repeated_kv_attention
-    if spec.get("attention") in SDPA_BACKENDS and device.type == "cuda":
-        M.attention = pinned(M.attention, SDPA_BACKENDS[spec["attention"]])
-    # Real shards of the corpus when they exist, random tokens otherwise.
-    data_cfg = dataclasses.replace(cfg.data, corpus=spec.get("corpus") or cfg.data.corpus)
-    try:
-        files, source = D.shard_files(D.data_dir(data_cfg, mcfg.vocab_size), "train"), f"{data_cfg.corpus} shards"
-    except FileNotFoundError:
-        needed = (spec.get("timed_steps", 1) + 2) * tcfg.batch_tokens + 4 * tcfg.micro_batch * (mcfg.context + 1)
-        files, source = random_shards(workdir, mcfg.vocab_size, needed), "random tokens"
-    loader = D.ShardLoader(files, tcfg.micro_batch, mcfg.context, doc_ids=tcfg.doc_mask, device=device, pin=tcfg.pin)
-    raw, model = TR.build_model(mcfg, tcfg, device, seed=1337)
-    return Rung(device, mcfg, tcfg, loader, model, TR.configure_optimizer(raw, tcfg),
-                TR.accumulation_steps(tcfg.batch_tokens, tcfg.micro_batch, mcfg.context, 1), source)
-
-
-def measure_rung(spec: dict) -> dict:
-    """Time one configuration (see build_rung for spec)."""
-    with tempfile.TemporaryDirectory() as workdir:
-        r = build_rung(spec, Path(workdir))
-        return time_rung(r, spec)
-
-
-def time_rung(r: Rung, spec: dict) -> dict:
-    """Warm up (4 micro-batches and a step), then time spec["timed_steps"] full steps."""
-    device, tcfg, model, optimizer, loader, accum = r.device, r.tcfg, r.model, r.optimizer, r.loader, r.accum
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    # Warm-up: 4 micro-batches and one optimizer step; compilation happens here.
-    sync()
-    t0 = time.perf_counter()
-    loss, _ = TR.train_step(model, optimizer, loader.next_batch, min(4, accum), tcfg, device, 1e-4)
-    loss.item()
-    sync()
-    warmup_s = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    sampler = ClockSampler(device.index or 0) if device.type == "cuda" else None
-    if sampler:
-        sampler.start()
-    times, losses = [], []
-    for _ in range(spec["timed_steps"]):
-        sync()
-        t0 = time.perf_counter()
-        loss, _ = TR.train_step(model, optimizer, loader.next_batch, accum, tcfg, device, 1e-4)
-        losses.append(loss.item())  # one read-back per step, as a logger would
-        sync()
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
-    result = {"tok_s": tcfg.batch_tokens / step_s, "step_s": step_s,
-              "spread": (max(times) - min(times)) / step_s, "warmup_s": warmup_s, "loss": losses[-1],
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-              # CUDA graphs replay inside a private pool reserved while warming up, which the allocated
-              # peak above does not see; the reserved peak does.
-              "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
-              "data": r.data, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "accum": accum, **(sampler.summary() if sampler else {"sm_mhz": None, "power_w": None})}
-    if spec.get("kernels"):
-        result["attention_kernels"] = attention_kernels(model, loader, tcfg, device)
-    return result
-
-
-def kernel_times(fn, device) -> dict[str, float]:
-    """Total device (or CPU) milliseconds per kernel name while fn() runs, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    totals = {}
-    for e in prof.events():
-        if device.type == "cuda" and e.device_type.name != "CUDA":
-            continue
-        t = (e.device_time if device.type == "cuda" else e.self_cpu_time_total) / 1000  # CPU ops nest: self time
-        totals[e.name] = totals.get(e.name, 0.0) + t
-    return totals
-
-
-# cuDNN's kernel names contain "flash" too (cudnn_generated_..._flash_fprop): test for cudnn first.
-ATTENTION_SIGNS = [("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "fmha"), ("efficient", "efficient_attention"),
-                   ("flex", "flex_attention"), ("math", "softmax")]
-
-
-def attention_kernels(model, loader, cfg, device) -> str:
-    """Which attention implementation really ran, read from the kernel names of one micro-batch:
-    a silent fallback to the math backend shows up as softmax kernels and no fused kernel."""
-    def one():
-        TR.forward_loss(model, loader.next_batch(), cfg, device).backward()
-    names = kernel_times(one, device)
-    seen = [label for label, sign in ATTENTION_SIGNS if any(sign in n.lower() for n in names)]
-    fused = [s for s in seen if s != "math"]
-    return fused[0] if fused else ("math (softmax kernels, no fused attention)" if "math" in seen else "unknown")
-
-
-# --- Roof and ceilings (runs in the parent, once) -------------------------------------------
-
-def matmul_tflops(m: int, k: int, n: int, device, repeats: int = 20) -> float:
-    """Median TFLOP/s of a bf16 (m x k) @ (k x n) matmul on random data (never zeros: they run
-    faster than real data would)."""
-    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return 2 * m * k * n / statistics.median(times) / 1e12
-
-
-def measure_roof(mcfg: M.ModelConfig, micro_batch: int) -> dict:
-    """The card's BF16 roof (8192^3 matmul) and the rate at the model's own matmul shapes."""
-    device = torch.device("cuda")
-    roof = matmul_tflops(8192, 8192, 8192, device)
-    rows = micro_batch * mcfg.context
-    d, kv, f, v = mcfg.d_model, mcfg.n_kv_heads * mcfg.head_dim, mcfg.ffn_hidden, mcfg.vocab_size
-    shapes = {"wqkv": (rows, d, d + 2 * kv), "wo": (rows, d, d), "w13": (rows, d, 2 * f), "w2": (rows, f, d),
-              "head": (rows, d, v)}
-    rates = {name: matmul_tflops(*s, device) for name, s in shapes.items()}
-    flops = {name: 2 * math.prod(s) * (1 if name == "head" else mcfg.n_layers) for name, s in shapes.items()}
-    blended = sum(flops.values()) / sum(flops[n] / rates[n] for n in rates)
-    return {"roof_tflops": roof, "model_shapes_tflops": {k: round(r, 1) for k, r in rates.items()},
-            "model_matmul_tflops": blended}
-
-
-# --- Running rungs in subprocesses -----------------------------------------------------------
-
-def run_rung(spec: dict, timeout: int) -> dict:
-    """Measure spec in a fresh Python process; a failure (OOM, compile error) becomes a skipped row."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--rung", json.dumps(spec)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {**spec, "skipped": f"timed out after {timeout} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return {**spec, **json.loads(line[7:])}
-    tail = (done.stderr or done.stdout).strip().splitlines()
-    reason = "out of memory" if "OutOfMemoryError" in done.stderr or "out of memory" in done.stderr else (tail[-1] if tail else "failed")
-    return {**spec, "skipped": reason[:160]}
-
-
-def largest_fitting(spec: dict, sizes, timeout: int) -> dict:
-    """The first of sizes (largest first) whose rung runs; skipped rows are dropped."""
-    for mb in sizes:
-        result = run_rung({**spec, "micro_batch": mb}, timeout)
-        if "skipped" not in result:
-            return result
-        print(f"  micro-batch {mb}: {result['skipped']}", flush=True)
-    return {**spec, "skipped": "no micro-batch fits"}
-
-
-# --- Studies ---------------------------------------------------------------------------------
-
-def ladder(base: dict, cuda: bool, timeout: int) -> list[dict]:
-    """Seed 000's ladder, one setting at a time."""
-    rows = []
-
-    def add(name, spec):
-        print(f"rung: {name} ...", flush=True)
-        rows.append({"rung": name, **(run_rung(spec, timeout) if "micro_batch" in spec else largest_fitting(spec, [64, 32, 16, 8, 4, 2, 1], timeout))})
-        return rows[-1]
-
-    fp32 = dict(base, tf32=False, bf16=False, compile=False, optimizer="foreach", pin=False)
-    if not cuda:
-        add("fp32 eager (CPU)", dict(fp32, micro_batch=4))
-        rows += [{"rung": r, "skipped": "needs CUDA"} for r in
-                 ("+tf32", "+bf16 autocast", "+torch.compile", "micro-batch 16+", "+fused AdamW", "+pinned memory")]
-        return rows
-    first = add("fp32 eager", fp32)
-    mb = first.get("micro_batch", 4)
-    add("+tf32", dict(fp32, tf32=True, micro_batch=mb))
-    add("+bf16 autocast", dict(fp32, tf32=True, bf16=True, micro_batch=mb))
-    compiled = dict(fp32, tf32=True, bf16=True, compile=True)
-    best = add("+torch.compile", dict(compiled, micro_batch=mb))
-    for size in (16, 32, 64, 128, 256, 512):
-        if size > mb and base["batch_tokens"] % (size * M.preset(base["preset"]).context) == 0:
-            row = add(f"micro-batch {size}", dict(compiled, micro_batch=size))
-            if "skipped" in row:
-                break
-            if row["tok_s"] > best.get("tok_s", 0):
-                best = row
-    best_mb = best.get("micro_batch", mb)
-    add("+fused AdamW", dict(compiled, micro_batch=best_mb, optimizer="fused"))
-    add("+pinned memory", dict(compiled, micro_batch=best_mb, optimizer="fused", pin=True))
-    return rows
-
-
-ATTENTION_VARIANTS = ["textbook", "math", "efficient", "cudnn", "flash", "default", "doc-mask"]
-
-
-def attention_study(base: dict, cuda: bool, timeout: int, only=None) -> list[dict]:
-    variants = [v for v in ATTENTION_VARIANTS if not only or v in only]
-    rows = []
-    for variant in variants:
+def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> list[ME.Rung]:
+    rungs = []
+    for variant in [v for v in ATTENTION_VARIANTS if not only or v in only]:
+        kind = "sdpa" if variant == "doc-mask" else variant
         for compiled in (False, True):
-            name = f"{variant} {'compiled' if compiled else 'eager'}"
-            if not cuda and variant in SDPA_BACKENDS:
-                rows.append({"rung": name, "skipped": "SDPA backends are CUDA kernels"})
-                continue
-            if not cuda and compiled:
-                rows.append({"rung": name, "skipped": "compiled variants are measured on CUDA (on CPU compiling "
-                                                      "takes longer than the study)"})
-                continue
-            spec = dict(base, tf32=True, bf16=True, compile=compiled, kernels=True,
-                        attention=variant, doc_mask=variant == "doc-mask")
-            print(f"rung: {name} ...", flush=True)
-            rows.append({"rung": name, **run_rung(spec, timeout)})
-    return rows
+            rungs.append(ME.Rung(f"{variant} {'compiled' if compiled else 'eager'}", preset,
+                                 {**FAST, "train__compile": compiled, "train__micro_batch": micro_batch,
+                                  "model__attention": kind, "train__doc_mask": variant == "doc-mask"},
+                                 steps, kernels=True))
+    return rungs
 
 
-def compile_modes_study(base: dict, cuda: bool, timeout: int) -> list[dict]:
+def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:
+    return [ME.Rung(mode, preset, {**FAST, "train__micro_batch": micro_batch, "train__compile_mode": mode,
+                                   "train__optimizer": "fused"}, steps)
+            for mode in C.CompileMode.__args__]
+
+
+def cpu_skip(rung: ME.Rung) -> str | None:
+    """Why a rung is not measured on CPU, or None. CPU numbers are a smoke test of the code
+    (setup() turns the CUDA-only settings off on CPU, and says so)."""
+    o = rung.overrides
+    if o.get("model__attention") in M.SDPA_BACKENDS:
+        return "SDPA backends are CUDA kernels"
+    if o.get("train__compile"):
+        return "compiles on CPU (train.py --compile) but is not timed in the CPU smoke test"
+    return None
+
+
+# --- Running plans ---------------------------------------------------------------------------
+
+def run(rungs: list[ME.Rung], cuda: bool, timeout: int) -> list[dict]:
+    for r in rungs:  # every rung's config is checked before the first one runs
+        r.config()
     rows = []
-    for mode in TR.COMPILE_MODES:
-        if not cuda and mode != "default":
-            rows.append({"rung": mode, "skipped": "CUDA graphs and autotuning are CUDA features"})
-            continue
-        print(f"rung: {mode} ...", flush=True)
-        rows.append({"rung": mode, **run_rung(dict(base, tf32=True, bf16=True, compile=True, compile_mode=mode,
-                                                   optimizer="fused" if cuda else "foreach"), timeout)})
+    for r in rungs:
+        reason = None if cuda else cpu_skip(r)
+        print(f"rung: {r.name} ...", flush=True)
+        rows.append((ME.Result(rung=r.name, skipped=reason) if reason else ME.run_in_subprocess(r, timeout)).row())
     return rows
 
 
-def micro_batch_study(base: dict, cuda: bool, timeout: int, ac: bool = False, start: int = 1) -> list[dict]:
+def largest_fitting(make, sizes, cuda: bool, timeout: int) -> dict:
+    """The first of sizes (largest first) whose rung runs."""
+    for mb in sizes:
+        row = run([make(mb)], cuda, timeout)[0]
+        if "skipped" not in row:
+            return row
+        print(f"  micro-batch {mb}: {row['skipped']}", flush=True)
+    return {"rung": make(sizes[-1]).name, "skipped": "no micro-batch fits"}
+
+
+def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int) -> list[dict]:
+    context = C.preset(preset).model.context
+    fits = [mb for mb in (64, 32, 16, 8, 4, 2, 1) if batch_tokens % (mb * context) == 0]
+    bt = {"train__batch_tokens": batch_tokens}
+    first = largest_fitting(lambda mb: ME.Rung("fp32 eager", preset, {**ladder_rungs(preset, mb, steps, cuda)[0].overrides, **bt}, steps),
+                            fits if cuda else [4], cuda, timeout)
+    mb = first.get("micro_batch", 4)
+    rest = [ME.Rung(r.name, r.preset, {**r.overrides, **bt}, steps) for r in ladder_rungs(preset, mb, steps, cuda)[1:]]
+    if not cuda:  # the ladder's settings are CUDA settings: the CPU smoke test stops at its first rung
+        return [first] + [{"rung": r.name, "skipped": "CUDA-only setting"}
+                          for r in rest + ladder_tail(preset, mb, steps)]
+    rows = [first] + run(rest, cuda, timeout)
+    best = rows[-1]
+    for size in (16, 32, 64, 128, 256, 512):
+        if size <= mb or batch_tokens % (size * context):
+            continue
+        row = run([ME.Rung(f"micro-batch {size}", preset, {**FAST, **bt, "train__micro_batch": size}, steps)],
+                  cuda, timeout)[0]
+        rows.append(row)
+        if "skipped" in row:
+            break
+        if row["tok_s"] > best.get("tok_s", 0):
+            best = row
+    tail = [ME.Rung(r.name, r.preset, {**r.overrides, **bt}, steps)
+            for r in ladder_tail(preset, best.get("micro_batch", mb), steps)]
+    return rows + run(tail, cuda, timeout)
+
+
+def micro_batch_study(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int, ac: bool = False,
+                      start: int = 1) -> list[dict]:
     """Doubling micro-batches from start until one no longer fits (or the step cannot be split further)."""
     rows, size = [], start
-    context = M.preset(base["preset"]).context
+    context = C.preset(preset).model.context
     limit = 1024 if cuda else 4
     while size <= limit:
-        print(f"rung: micro-batch {size}{' +AC' if ac else ''} ...", flush=True)
-        row = {"rung": f"micro-batch {size}{' +AC' if ac else ''}",
-               **run_rung(dict(base, tf32=True, bf16=True, compile=cuda, micro_batch=size,
-                               activation_checkpointing=ac), timeout)}
+        name = f"micro-batch {size}{' +AC' if ac else ''}"
+        row = run([ME.Rung(name, preset, {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens,
+                                           "train__micro_batch": size, "train__activation_checkpointing": ac},
+                           steps)], True, timeout)[0]  # compile off on CPU, so every size runs there too
         rows.append(row)
-        if "skipped" in row or base["batch_tokens"] % (2 * size * context) != 0:
+        if "skipped" in row or batch_tokens % (2 * size * context) != 0:
             break
         size *= 2
-    fitted = [r for r in rows if r.get("peak_gib")]
-    if len(fitted) >= 2:  # memory = fixed + slope * sequences (least squares)
-        slope, fixed = np.polyfit([r["micro_batch"] for r in fitted], [r["peak_gib"] for r in fitted], 1)
-        rows.append({"rung": "fit", "fixed_gib": round(float(fixed), 3), "gib_per_seq": round(float(slope), 4),
-                     "largest_fitting": max(r["micro_batch"] for r in fitted)})
-    return rows
+    fit = memory_line([r for r in rows if r.get("peak_gib")])
+    return rows + ([fit] if fit else [])
 
 
-def activation_checkpointing_study(base: dict, cuda: bool, timeout: int) -> list[dict]:
+def memory_line(rows: list[dict]) -> dict | None:
+    """Peak memory = fixed + slope * sequences, least squares over the measured rows."""
+    if len(rows) < 2:
+        return None
+    slope, fixed = np.polyfit([r["micro_batch"] for r in rows], [r["peak_gib"] for r in rows], 1)
+    return {"rung": "fit", "fixed_gib": round(float(fixed), 3), "gib_per_seq": round(float(slope), 4),
+            "largest_fitting": max(r["micro_batch"] for r in rows)}
+
+
+def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cuda, timeout) -> list[dict]:
     """Recomputation's cost at equal micro-batch, then how far the micro-batch can grow with it:
     the sweep with recomputation starts at the compared size, so its first row is the comparison."""
-    mb = base["micro_batch"]
-    print(f"rung: micro-batch {mb} ...", flush=True)
-    plain = {"rung": f"micro-batch {mb}", **run_rung(dict(base, tf32=True, bf16=True, compile=cuda), timeout)}
-    return [plain] + micro_batch_study(base, cuda, timeout, ac=True, start=mb)
+    plain = run([ME.Rung(f"micro-batch {micro_batch}", preset,
+                         {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens,
+                          "train__micro_batch": micro_batch}, steps)], True, timeout)
+    return plain + micro_batch_study(preset, batch_tokens, steps, cuda, timeout, ac=True, start=micro_batch)
 
 
 def optimizer_study(preset: str, cuda: bool) -> list[dict]:
-    """GPU time of clip + AdamW update for each implementation (CUDA events, median of 20)."""
+    """Device time of clip + AdamW update for each implementation (median of 20)."""
     device = torch.device("cuda" if cuda else "cpu")
-    model = M.Llama(M.preset(preset)).to(device)
+    model = M.Llama(C.preset(preset).model).to(device)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     rows = []
-    for impl in TR.OPTIMIZERS:
+    for impl in ("fused", "foreach", "for-loop"):
         if impl == "fused" and not cuda:
             rows.append({"rung": impl, "skipped": "fused AdamW is measured on CUDA only"})
             continue
-        opt = TR.configure_optimizer(model, TR.TrainConfig(steps=1, optimizer=impl))
+        opt = TR.configure_optimizer(model, C.TrainConfig(steps=1, optimizer=impl))
         times = []
         for i in range(25):
-            t0 = time.perf_counter()
             if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if cuda:
-                end.record()
                 torch.cuda.synchronize()
-                elapsed = start.elapsed_time(end) / 1000
-            else:
-                elapsed = time.perf_counter() - t0
             if i >= 5:
-                times.append(elapsed)
+                times.append(time.perf_counter() - t0)
         rows.append({"rung": impl, "update_ms": round(statistics.median(times) * 1000, 3)})
     return rows
 
 
 KERNEL_CLASSES = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-                  ("loss", ("nll", "log_softmax", "cross_entropy")),
+                  ("loss", ("nll", "log_softmax", "cross_entropy", "_loss_chunk", "logsumexp")),
                   ("optimizer", ("adam", "multi_tensor", "foreach", "norm", "clamp", "clip")),
                   ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "::mm", "bmm", "addmm", "cublas", "mm_"))]
 
 
-def profile_study(base: dict, cuda: bool) -> list[dict]:
+def profile_study(preset: str, micro_batch: int, cuda: bool, fused_loss: bool) -> list[dict]:
     """Time per kernel class over 2 micro-batches and one optimizer step, and the rate of the
     classes whose FLOPs are known (matmul: 6N per token; attention: PaLM's 12LHQT)."""
-    spec = dict(base, tf32=True, bf16=True, compile=cuda, optimizer="fused" if cuda else "foreach",
-                batch_tokens=2 * base["micro_batch"] * M.preset(base["preset"]).context)
-    workdir = tempfile.TemporaryDirectory()
-    r = build_rung(spec, Path(workdir.name))
-    device, tcfg, mcfg = r.device, r.tcfg, r.mcfg
-    step = lambda: TR.train_step(r.model, r.optimizer, r.loader.next_batch, 2, tcfg, device, 1e-4)[0].item()  # noqa: E731
-    step()  # warm-up and compile
-    names = kernel_times(step, device)
+    context = C.preset(preset).model.context
+    rung = ME.Rung("profile", preset, {**FAST, "train__compile": cuda, "train__micro_batch": micro_batch,
+                                       "train__batch_tokens": 2 * micro_batch * context,
+                                       "train__optimizer": "fused" if cuda else "foreach",
+                                       "model__fused_loss": fused_loss}, 1)
+    with tempfile.TemporaryDirectory() as workdir:
+        r = TR.setup(rung.config(), log=lambda *a, **k: None, random_tokens_dir=Path(workdir))
+        step = lambda: TR.train_step(r.model, r.optimizer, r.train_loader.next_batch, 2, r.cfg.train,  # noqa: E731
+                                     r.device, 1e-4)[0].item()
+        step()  # warm-up and compile
+        names = ME.kernel_times(step, r.device)
     classes, top = {}, {}
     for name, ms in sorted(names.items(), key=lambda kv: -kv[1]):
         lower = name.lower()
@@ -476,13 +233,94 @@ def profile_study(base: dict, cuda: bool) -> list[dict]:
         classes[label] = classes.get(label, 0.0) + ms
         top.setdefault(label, []).append(f"{ms:.2f} ms {name[:100]}")
     total = sum(classes.values())
-    tokens = 2 * tcfg.micro_batch * mcfg.context
+    mcfg = r.cfg.model
+    tokens = 2 * micro_batch * context
     flops = {"matmul": 6 * M.param_count(mcfg) * tokens,
-             "attention": 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * mcfg.context * tokens}
-    rows = [{"rung": c, "ms": round(ms, 2), "share": ms / total,
+             "attention": 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * context * tokens}
+    return [{"rung": c, "ms": round(ms, 2), "share": ms / total,
              "tflops": flops[c] / (ms / 1000) / 1e12 if c in flops and ms > 0 else None, "top_kernels": top[c][:5]}
             for c, ms in sorted(classes.items(), key=lambda kv: -kv[1])]
-    workdir.cleanup()
+
+
+# --- Generation ------------------------------------------------------------------------------
+
+def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16) -> list[dict]:
+    """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
+    weights (written by export.py), same prompt, same number of new tokens. Random weights:
+    speed does not depend on what the model learned."""
+    import sample as S
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = C.preset(preset).model
+    torch.manual_seed(0)
+    model = M.Llama(cfg).to(device).eval()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = model.to(dtype)
+    prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows, ours = [], {}
+    for batch in batches:
+        for compiled in ((False, True) if cuda else (False,)):
+            decode = S.compiled_decoder(device, compiled)
+            t0 = time.perf_counter()
+            S.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None, decode=decode)  # warm-up (compile)
+            warm = time.perf_counter() - t0
+            tokens, timer = S.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
+            start, first, end = timer.marks
+            name = f"onegpu {'CUDA graph' if compiled else 'eager'} batch {batch}"
+            rows.append({"rung": name, "batch": batch, "first_token_ms": round((first - start) * 1000, 2),
+                         "prefill_tok_s": batch * prompt_len / (first - start),
+                         "decode_tok_s": batch * (new_tokens - 1) / (end - first), "warmup_s": round(warm, 1)})
+            ours[batch] = tokens
+            print(f"{name}: {rows[-1]['decode_tok_s']:,.0f} tok/s", flush=True)
+    rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)
+    return rows
+
+
+def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours) -> list[dict]:
+    try:
+        import transformers
+    except ImportError:
+        return [{"rung": "transformers", "skipped": "transformers is not installed (pip install -e '.[dev]')"}]
+    import export as EX
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        EX.write_model(model.float().state_dict(), cfg, Path(tmp), eot_id=0)
+        model.to(dtype)
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{key: dtype}).to(device).eval()
+    caches = ["dynamic"] + (["static"] if device.type == "cuda" else [])
+    for batch in batches:
+        for cache in caches:
+            idx = torch.tensor([prompt] * batch, device=device)
+            kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(idx))
+            if cache == "static":
+                kwargs["cache_implementation"] = "static"  # transformers compiles decoding with a static cache
+
+            def gen(n):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = hf.generate(idx, max_new_tokens=n, min_new_tokens=n, **kwargs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                return out, time.perf_counter() - t0
+            try:
+                t0 = time.perf_counter()
+                gen(new_tokens)  # warm-up: compilation for the static cache
+                warm = time.perf_counter() - t0
+                _, first = gen(1)
+                out, total = gen(new_tokens)
+            except Exception as e:  # an option this transformers version lacks
+                rows.append({"rung": f"transformers {cache} cache batch {batch}", "skipped": ME.failure_reason(e)})
+                continue
+            theirs = out[:, len(prompt):].tolist()
+            same = sum(a == b for a, b in zip(theirs[0], ours[batch][0]))
+            rows.append({"rung": f"transformers {cache} cache batch {batch}", "batch": batch,
+                         "first_token_ms": round(first * 1000, 2),
+                         "decode_tok_s": batch * (new_tokens - 1) / (total - first), "warmup_s": round(warm, 1),
+                         "same_greedy_tokens": f"{same}/{new_tokens}",
+                         "transformers": transformers.__version__})
+            print(f"{rows[-1]['rung']}: {rows[-1]['decode_tok_s']:,.0f} tok/s", flush=True)
     return rows
 
 
@@ -499,7 +337,7 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
     prev = first = None
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['rung']} | {r.get('micro_batch', '')} | skipped: {r['skipped']} |" + " |" * 11)
+            lines.append(f"| {r['rung']} | {r.get('micro_batch') or ''} | skipped: {r['skipped']} |" + " |" * 11)
             continue
         tok = r["tok_s"]
         first = first or tok
@@ -515,9 +353,10 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 
 def simple_table(rows: list[dict]) -> str:
-    keys = [k for k in ("micro_batch", "tok_s", "step_s", "peak_gib", "reserved_gib", "warmup_s",
+    keys = [k for k in ("micro_batch", "batch", "tok_s", "step_s", "peak_gib", "reserved_gib", "warmup_s",
                         "attention_kernels", "update_ms", "ms", "share", "tflops", "fixed_gib", "gib_per_seq",
-                        "largest_fitting", "skipped")
+                        "largest_fitting", "first_token_ms", "prefill_tok_s", "decode_tok_s",
+                        "same_greedy_tokens", "skipped")
             if any(k in r for r in rows)]
     lines = ["| rung | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for r in rows:
@@ -529,21 +368,23 @@ def simple_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_ladder(rows: list[dict], flops_tok: int, roof: float | None, path: Path):
+def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, mfu_of=None):
+    """A bar per measured row (value), optionally with MFU on a second axis; rows without it are left out."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    done = [r for r in rows if "tok_s" in r]
+    done = [r for r in rows if r.get(value) is not None]
     if not done:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     names = [r["rung"] for r in done]
-    ax.bar(names, [r["tok_s"] for r in done], color="#4477aa")
-    ax.set_ylabel("tokens / s")
+    ax.bar(names, [r[value] for r in done], color="#4477aa")
+    ax.set_ylabel(label)
+    ax.set_title(title, fontsize=9)
     ax.tick_params(axis="x", rotation=30)
-    if roof:
+    if mfu_of:
         ax2 = ax.twinx()
-        ax2.plot(names, [100 * M.mfu(r["tok_s"], flops_tok, roof * 1e12) for r in done], "o-", color="#cc6677")
+        ax2.plot(names, [100 * mfu_of(r) for r in done], "o-", color="#cc6677")
         ax2.set_ylabel("MFU vs measured roof (%)")
         ax2.set_ylim(0, 100)
     fig.tight_layout()
@@ -551,81 +392,118 @@ def plot_ladder(rows: list[dict], flops_tok: int, roof: float | None, path: Path
     plt.close(fig)
 
 
-STUDIES = ("ladder", "attention", "compile_modes", "micro_batch", "optimizer", "activation_checkpointing", "profile")
+PLOTTED = {"ladder": ("tok_s", "tokens / s"), "attention": ("tok_s", "tokens / s"),
+           "compile_modes": ("tok_s", "tokens / s"), "micro_batch_sweep": ("tok_s", "tokens / s"),
+           "activation_checkpointing": ("tok_s", "tokens / s"), "optimizer": ("update_ms", "ms per update"),
+           "profile": ("ms", "ms per 2 micro-batches"), "generate": ("decode_tok_s", "decoded tokens / s")}
+STUDIES = tuple(PLOTTED)
+
+
+def budget_table(rates: list[str]) -> str:
+    parsed = {}
+    for item in rates:
+        name, sep, value = item.partition("=")
+        try:
+            parsed[name] = (C.preset(name).model, float(value))
+        except ValueError:
+            raise ValueError(f"--tok-s {item!r}: expected PRESET=TOKENS_PER_S with a preset from configs/, "
+                             f"e.g. 88m=29408") from None
+        if not sep:
+            raise ValueError(f"--tok-s {item!r}: expected PRESET=TOKENS_PER_S, e.g. 88m=29408")
+    return M.budget_table(parsed)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Speed ladder and studies; every rung in its own process.")
-    p.add_argument("--rung", help=argparse.SUPPRESS)  # internal: measure one spec (JSON) and print it
+    p = argparse.ArgumentParser(description="Speed ladder and studies; every training rung in its own process.")
     for study in STUDIES:
-        p.add_argument("--" + study.replace("_", "-"), action="store_true")
+        p.add_argument("--" + study.replace("_", "-"), action="store_true", help=f"run the {study.replace('_', ' ')} study")
     p.add_argument("--all", action="store_true", help="every study")
-    p.add_argument("--preset", default=None, help="model preset (default: 88m on CUDA, tiny on CPU)")
-    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per rung (default 3 on CUDA, 1 on CPU)")
+    p.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
+    p.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="measured tokens/s per preset, "
+                   "for --budget (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")
+    p.add_argument("--preset", default=None, help="model preset from configs/ (default: 88m on CUDA, tiny on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per rung (default 3 on CUDA, 2 on CPU)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
+    p.add_argument("--fused-loss", action="store_true", help="profile with the fused loss")
+    p.add_argument("--new-tokens", type=int, default=500, help="tokens each generation run decodes (default 500)")
     p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
-    p.add_argument("--corpus", default=None, help="read this corpus' prepared shards when they exist "
-                                                  "(default: the preset's [data] corpus)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung")
-    p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results")
+    p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung (default 900)")
+    p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
     args = p.parse_args(argv)
-    if args.rung:
-        print("RESULT " + json.dumps(measure_rung(json.loads(args.rung))), flush=True)
-        return
-    chosen = [s for s in STUDIES if args.all or getattr(args, s)]
-    if not chosen:
-        p.error("choose a study: --ladder, --attention, --compile-modes, --micro-batch, --optimizer, "
-                "--activation-checkpointing, --profile or --all")
+    try:
+        if args.budget:
+            rates = args.tok_s or [f"{k}={v}" for k, v in LAPTOP_TOK_S.items()]
+            print(budget_table(rates))
+        chosen = [s for s in STUDIES if args.all or getattr(args, s)]
+        if not chosen and not args.budget:
+            p.error("choose a study: " + ", ".join("--" + s.replace("_", "-") for s in STUDIES) + ", --all or --budget")
+        if chosen:
+            run_studies(args, chosen, argv)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+
+# Short-run rates of "What a Laptop Can Train" on an 8 GB RTX 4060 Laptop GPU (tokens/s).
+LAPTOP_TOK_S = {"22m": 103_618, "47m": 49_459, "88m": 29_508, "126m": 19_096}
+
+
+def run_studies(args, chosen: list[str], argv):
     cuda = torch.cuda.is_available()
     preset = args.preset or ("88m" if cuda else "tiny")
-    mcfg = M.preset(preset)
+    mcfg = C.preset(preset).model
     batch_tokens = args.batch_tokens or (524_288 if cuda else 4 * mcfg.context * 2)
-    base = {"preset": preset, "timed_steps": args.steps or (3 if cuda else 1), "batch_tokens": batch_tokens,
-            "corpus": args.corpus, "micro_batch": args.micro_batch_size or (16 if cuda else 4)}
+    steps = args.steps or (3 if cuda else 2)
+    mb = args.micro_batch_size or (16 if cuda else 4)
     flops_tok = M.flops_per_token(mcfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"device: {device_name} | torch {torch.__version__} | preset {preset} ({M.param_count(mcfg):,} params, "
           f"{flops_tok:,} FLOPs/token) | {batch_tokens:,} tokens per step")
-    roof = measure_roof(mcfg, base["micro_batch"]) if cuda else {}
+    if not cuda:
+        print("no CUDA device: a smoke test of the code paths on the tiny model; CPU numbers say nothing about a GPU")
+    roof = ME.measure_roof(mcfg, mb) if cuda else {}
     spec_peak = TR.peak_tflops(device_name) if cuda else None
     if cuda:
         print(f"roof: {roof['roof_tflops']:.0f} TFLOP/s (bf16 8192^3, measured); model's matmul shapes "
               f"{roof['model_matmul_tflops']:.0f} TFLOP/s {roof['model_shapes_tflops']}; spec sheet "
               f"{spec_peak or 'unknown'}; ceiling {roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s")
-    ladder_base = dict(base)
-    ladder_base.pop("micro_batch")
     results = {"device": device_name, "torch": torch.__version__, "preset": preset, "flops_per_token": flops_tok,
                "date": time.strftime("%Y-%m-%d"), "command": "python bench.py " + " ".join(argv or sys.argv[1:]),
                "spec_peak_tflops": spec_peak, **roof}
     tables = []
     for study in chosen:
         if study == "ladder":
-            rows = ladder(ladder_base, cuda, args.timeout)
-            table = ladder_table(rows, flops_tok, roof.get("roof_tflops"), spec_peak)
-            plot_ladder(rows, flops_tok, roof.get("roof_tflops"), out / "ladder.png")
+            rows = ladder(preset, batch_tokens, steps, cuda, args.timeout)
         elif study == "attention":
-            rows = attention_study(base, cuda, args.timeout, args.only)
+            rows = run(attention_rungs(preset, mb, steps, args.only), cuda, args.timeout)
         elif study == "compile_modes":
-            rows = compile_modes_study(base, cuda, args.timeout)
-        elif study == "micro_batch":
-            rows = micro_batch_study(base, cuda, args.timeout)
+            rows = run(compile_mode_rungs(preset, mb, steps), cuda, args.timeout)
+        elif study == "micro_batch_sweep":
+            rows = micro_batch_study(preset, batch_tokens, steps, cuda, args.timeout)
         elif study == "activation_checkpointing":
-            rows = activation_checkpointing_study(base, cuda, args.timeout)
+            rows = activation_checkpointing_study(preset, batch_tokens, mb, steps, cuda, args.timeout)
         elif study == "optimizer":
             rows = optimizer_study(preset, cuda)
+        elif study == "profile":
+            rows = profile_study(preset, mb, cuda, args.fused_loss)
         else:
-            rows = profile_study(base, cuda)
-        if study != "ladder":
+            rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40))
+        if study == "ladder":
+            table = ladder_table(rows, flops_tok, roof.get("roof_tflops"), spec_peak)
+            if roof:
+                table += (f"\n\nMFU (roof) is also the share of the ceiling, "
+                          f"{roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s")
+        else:
             table = simple_table(rows)
+        value, label = PLOTTED[study]
+        mfu_of = (lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)) if study == "ladder" and roof else None
+        plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | {results['date']}",
+                  out / f"{study}.png", mfu_of)
         results[study] = rows
-        sources = sorted({r["data"] for r in rows if "data" in r})
-        note = f"\n\ndata: {', '.join(sources)}" if sources else ""
-        if study == "ladder" and roof:
-            note += f"; MFU (roof) is also the share of the ceiling, {roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s"
-        tables.append(f"## {study.replace('_', ' ')}\n\n{table}{note}")
+        sources = sorted({r["data"] for r in rows if r.get("data")})
+        tables.append(f"## {study.replace('_', ' ')}\n\n{table}" + (f"\n\ndata: {', '.join(sources)}" if sources else ""))
         (out / f"{study}.json").write_text(json.dumps({**results, "rows": rows}, indent=2, default=str))
     print("\n\n".join(tables))
 

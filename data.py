@@ -50,7 +50,10 @@ class DataConfig:
 
     def __post_init__(self):
         if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ValueError(f"data.val_fraction={self.val_fraction!r} is out of range: it must be in [0, 1)")
+        for name, low in (("max_documents", 0), ("tokenizer_documents", 0), ("shard_tokens", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"data.{name}={getattr(self, name)!r} is out of range: it must be >= {low}")
 
 
 class ShardError(ValueError):

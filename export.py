@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 
+import checkpoint as CK
 import model as M
-import sample as S
 import tokenizer as tk
 
 
@@ -56,15 +56,32 @@ def hf_state_dict(state: dict, cfg: M.ModelConfig) -> dict:
     return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
 
 
-def export(ckpt: dict, tokenizer_path: Path, out: Path):
+def write_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
+    """config.json, generation_config.json and model.safetensors: enough for from_pretrained."""
     from safetensors.torch import save_file
-    cfg = M.ModelConfig(**ckpt["config"]["model"])
+    save_file(hf_state_dict(state, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))
+
+
+def check_out_folder(out: Path, force: bool):
+    """Refuse to write into a run folder ever, and into a non-empty folder unless forced."""
+    if (out / "ckpt.pt").exists() or (out / "log.jsonl").exists():
+        raise ValueError(f"--out {out} is a training run's folder: exporting there would replace its config.json; "
+                         f"choose another folder, e.g. exported/{out.name}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: pass a folder to write")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out} is not empty: choose an empty or new folder, or pass --force to overwrite "
+                         f"the files an export writes there")
+
+
+def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
+    cfg = ckpt.config.model
     tok = tk.load_tokenizer(tokenizer_path)
     eot_id = tok.token_to_id(tk.EOT)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_state_dict(ckpt["model"], cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))
+    write_model(ckpt.model, cfg, out, eot_id)
     shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tk.EOT, "bos_token": tk.EOT,
@@ -76,15 +93,20 @@ def export(ckpt: dict, tokenizer_path: Path, out: Path):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Export a checkpoint as a HuggingFace Llama directory.")
     p.add_argument("--ckpt", required=True, help="run folder (runs/NAME) or a ckpt.pt file")
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--out", required=True, help="folder to write (new or empty; never a run folder)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder, replacing the export's files")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     args = p.parse_args(argv)
+    out = Path(args.out)
     try:
-        ckpt = S.load_checkpoint(args.ckpt, "cpu")
-        _, tok_path = S.checkpoint_tokenizer(ckpt, args.tokenizer)
-        export(ckpt, tok_path, Path(args.out))
+        check_out_folder(out, args.force)
+        ckpt = CK.load(args.ckpt, "cpu")
+        _, tok_path = CK.tokenizer_for(ckpt, args.tokenizer)
+        export(ckpt, tok_path, out)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: cannot write {out} ({e.strerror or e}): choose a folder you can write to")
     print(f"wrote {args.out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json "
           f"(load with transformers.AutoModelForCausalLM.from_pretrained({args.out!r}))")
 

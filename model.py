@@ -1,26 +1,32 @@
 """A Llama-style decoder and the arithmetic around it: parameters, FLOPs, memory, budget.
 
-Read top to bottom: ModelConfig, the strict config-file loader every script shares,
-the layers (RMSNorm, RoPE, attention, SwiGLU, block), the model with its KV cache,
-then the closed-form arithmetic and a small command that prints a training budget:
+Read top to bottom: ModelConfig; the layers (RMSNorm, RoPE, attention, SwiGLU, block); the
+fused loss; the model with its KV cache and generation; then the closed-form arithmetic.
 
-    python model.py --budget --tok-s 88m=29408
+Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
+`attention` picks the attention kernel (this file is the one place that choice is made) and
+`fused_loss` computes the output head and cross-entropy in chunks without keeping the logits.
 
 This file imports nothing else of the project.
 """
 
-import argparse
-import dataclasses
 import math
-import tomllib
-import types
-import typing
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# How attention runs in training. "sdpa" lets PyTorch pick (cuDNN on an H100/H200 with torch 2.11);
+# flash/cudnn/efficient/math pin one SDPA backend (CUDA); "textbook" writes out the T x T scores.
+AttentionKind = Literal["sdpa", "flash", "cudnn", "efficient", "math", "textbook"]
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+# The fields that fix the weights' shapes and meaning; the rest choose kernels and may change
+# between runs of the same checkpoint.
+SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
+                "tie_embeddings", "rope_theta", "norm_eps")
 
 
 @dataclass
@@ -35,6 +41,8 @@ class ModelConfig:
     tie_embeddings: bool = True  # output head shares the token-embedding matrix
     rope_theta: float = 10000.0  # RoPE base (Su et al. 2021; Llama 2 uses 10,000)
     norm_eps: float = 1e-5  # RMSNorm epsilon (Llama 2's value)
+    attention: AttentionKind = "sdpa"  # attention kernel in training
+    fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -54,6 +62,12 @@ class ModelConfig:
                 f"dimensions: change model.d_model or model.n_heads so that the head size is even")
         if self.ffn_hidden < 0:
             raise ValueError(f"model.ffn_hidden must be >= 0 (0 means automatic), got {self.ffn_hidden}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps ({self.norm_eps}) "
+                             f"must be positive")
+        if self.attention not in SDPA_BACKENDS and self.attention not in ("sdpa", "textbook"):
+            raise ValueError(f"model.attention={self.attention!r}: choose sdpa, textbook or one of "
+                             f"{list(SDPA_BACKENDS)}")
         if self.ffn_hidden == 0:
             self.ffn_hidden = swiglu_hidden(self.d_model)
 
@@ -66,69 +80,6 @@ def swiglu_hidden(d: int, multiple_of: int = 256) -> int:
     """Llama's SwiGLU width: 2/3 of 4d (three matrices cost what two of width 4d do), rounded up."""
     hidden = int(8 * d / 3)
     return multiple_of * math.ceil(hidden / multiple_of)
-
-
-# --- Config files --------------------------------------------------------------------------
-# Configs are TOML data loaded into dataclasses. A typo must never pass silently, so unknown
-# keys and wrong types are errors naming the key, the file and what is allowed.
-
-def field_types(cls) -> dict:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
-
-
-def _check_type(value, kind, where: str):
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)  # TOML writes 3 for 3.0; accept it
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        options = typing.get_args(kind)
-        if value is None and type(None) in options:
-            return None
-        kind = next(t for t in options if t is not type(None))
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise ValueError(f"{where} must be {kind.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def from_dict(cls, values: dict, source: str, section: str):
-    """Build dataclass `cls` from a dict, refusing unknown keys and wrong types."""
-    types_ = field_types(cls)
-    unknown = sorted(set(values) - set(types_))
-    if unknown:
-        raise ValueError(
-            f"{source}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
-            f"valid keys in [{section}] are: {', '.join(types_)}")
-    checked = {k: _check_type(v, types_[k], f"{source}: {section}.{k}") for k, v in values.items()}
-    return cls(**checked)
-
-
-def read_toml(path: str | Path, sections: tuple[str, ...]) -> dict:
-    """Read a config file; only the named [sections] may appear in it."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist (presets live in configs/)")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML: {e}") from None
-    extra = sorted(set(data) - set(sections))
-    if extra:
-        raise ValueError(f"{path}: unknown section(s) {extra}; valid sections are {list(sections)}")
-    for name, table in data.items():
-        if not isinstance(table, dict):
-            raise ValueError(f"{path}: {name} must be a [{name}] table, got {table!r}")
-    return data
-
-
-PRESETS_DIR = Path(__file__).resolve().parent / "configs"
-
-
-def preset(name: str) -> ModelConfig:
-    """The [model] section of configs/<name>.toml."""
-    path = PRESETS_DIR / f"{name}.toml"
-    return from_dict(ModelConfig, read_toml(path, ("model", "data", "train")).get("model", {}),
-                     str(path), "model")
 
 
 # --- Layers --------------------------------------------------------------------------------
@@ -158,32 +109,67 @@ def rope_tables(head_dim: int, length: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, heads, T, head_dim); cos, sin: (T, head_dim). Rotates pairs (i, i + head_dim/2)."""
+    """x: (B, T, heads, head_dim), the QKV projection's own layout; cos, sin: (T, head_dim).
+    Rotates pairs (i, i + head_dim/2). Applied before q and k are transposed for attention: in
+    this layout each token's heads are contiguous, so the compiled forward and backward are one
+    coalesced pass over the projection's output (on (B, heads, T, hd) views they were strided)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None] + rotated * sin[:, None]
 
 
-def attention(q, k, v, *, doc_ids=None, block_mask=None, offset: int = 0):
-    """Causal attention, the one place the kernel is chosen.
+def textbook_attention(q, k, v, mask=None):
+    """Attention written out: full scores, a boolean mask, softmax in float32, K/V copied per
+    query head. The reference the fused kernels are measured against. mask: (Tq, Tk) or None
+    for causal."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    Tq, Tk = q.shape[2], k.shape[2]
+    if mask is None:
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
-    q: (B, H, Tq, hd); k, v: (B, Hkv, Tk, hd) with H a multiple of Hkv (grouped-query heads are
+
+def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None):
+    """Causal attention in training and evaluation (Tq == Tk): the one place the kernel is chosen.
+
+    q: (B, H, T, hd); k, v: (B, Hkv, T, hd) with H a multiple of Hkv (grouped-query heads are
     passed natively: no copies of K/V). doc_ids: (B, T) document index per token, to keep packed
     documents from attending into each other. block_mask: FlexAttention's mask for doc_ids,
-    built once per micro-batch on CUDA. offset: position of q's first token when k holds a cache.
-    """
+    built once per micro-batch on CUDA (see doc_mask_inputs)."""
     if block_mask is not None:
         return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True)
-    Tq, Tk = q.shape[2], k.shape[2]
     if doc_ids is not None:
         mask = doc_mask(doc_ids)[:, None]  # (B, 1, T, T): same document and not in the future
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    if Tq == Tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if Tq == 1:  # one new token attends to everything cached
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    causal = torch.arange(Tk, device=q.device)[None, :] <= torch.arange(offset, offset + Tq, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+    if kind == "textbook":
+        return textbook_attention(q, k, v)
+    if kind in SDPA_BACKENDS and q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        # Entered here, inside the model, so that torch.compile traces the backend choice too.
+        with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[kind])):
+            if kind == "efficient":  # this kernel refuses enable_gqa: give it K/V per query head
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def cached_attention(q, k, v, mask):
+    """Attention of Tq new tokens over a fixed-size cache. q: (B, H, Tq, hd); k, v: (B, Hkv, S, hd)
+    with S the whole cache; mask: (Tq, S) booleans, True where a query may look.
+
+    The G = H / Hkv query heads that share a kv head are folded into the query axis,
+    (B, Hkv, G * Tq, hd), so a plain masked SDPA call serves grouped-query attention without
+    copying K/V, and the memory-efficient kernel (which takes a mask) can run it."""
+    B, H, Tq, hd = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    y = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Tq, hd), k, v, attn_mask=mask.repeat(G, 1))
+    return y.view(B, H, Tq, hd)
 
 
 def doc_mask(doc_ids):
@@ -191,6 +177,14 @@ def doc_mask(doc_ids):
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+
+
+def doc_mask_inputs(doc_ids) -> dict:
+    """The model's keyword arguments for attention within documents: FlexAttention's block mask
+    on CUDA (built once per micro-batch, outside any compiled model), the boolean mask on CPU."""
+    if doc_ids.is_cuda:
+        return {"block_mask": flex_block_mask(doc_ids)}
+    return {"doc_ids": doc_ids}
 
 
 _flex = None
@@ -216,47 +210,49 @@ def flex_block_mask(doc_ids):
     return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
 
 
-class KVCache:
-    """Keys and values of past tokens for generation, sized for the kv heads (not the query
-    heads): (batch, n_kv_heads, context, head_dim) per layer."""
+class KVCache(nn.Module):
+    """One layer's keys and values for generation, preallocated for the whole context:
+    (batch, n_kv_heads, context, head_dim), sized for the kv heads, not the query heads.
+    Tokens are written in place at their positions, so every decode step sees tensors of the
+    same shape at the same address, which is what lets one compiled step replay as a CUDA graph.
+    Buffers of the model (not persistent: never saved), as torch.compile's CUDA graphs need."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, device, dtype):
-        shape = (batch, cfg.n_kv_heads, cfg.context, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.length = 0  # tokens stored so far
+    def __init__(self, batch: int, n_kv_heads: int, context: int, head_dim: int, device, dtype):
+        super().__init__()
+        shape = (batch, n_kv_heads, context, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def update(self, layer: int, k, v):
-        """Store k, v (B, Hkv, T, hd) at the current position; return everything cached so far."""
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+    def update(self, pos, k, v):
+        """Write k, v (B, Hkv, T, hd) at positions pos (T,); return the whole cache."""
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+        return self.k, self.v
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
+        self.kind = cfg.attention
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
         self.wqkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.cache = None  # a KVCache while generating (Llama.setup_cache)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache=None):
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
-                                      self.n_kv_heads * self.head_dim], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
-        offset = 0
-        if cache is not None:
-            offset = cache.length
-            k, v = cache.update(self.layer, k, v)
-        y = attention(q, k, v, doc_ids=doc_ids, block_mask=block_mask, offset=offset)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+        if pos is not None:
+            k, v = self.cache.update(pos, k, v)
+            y = cached_attention(q, k.to(q.dtype), v.to(q.dtype), cache_mask)
+        else:
+            y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -281,9 +277,78 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache)
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos)
         return x + self.mlp(self.mlp_norm(x))
+
+
+# --- The fused loss ------------------------------------------------------------------------
+# The plain loss materialises (tokens x vocab) logits: at micro-batch 16 of 1,024 tokens and a
+# 32,768 vocabulary that is 0.5 G values, 1 GiB in bf16 plus 2 GiB in float32 and again for their
+# gradient. Here the head and the loss run over row chunks; each chunk's gradient is computed at
+# once in the forward pass (the loss is the graph's end, so its incoming gradient is a scalar),
+# and only the input's and the weight's gradients are kept: memory for one chunk's logits.
+
+LOSS_CHUNK_ROWS = 2048  # 2,048 x 32,768 logits: 256 MiB in float32 per chunk
+
+
+def _loss_chunk(x, w, targets, scale: float):
+    """Sum of cross-entropy over one chunk, and the gradients of scale * that sum with respect
+    to x (rows, d) and w (vocab, d). x and w in the matmul dtype; softmax in float32."""
+    logits = (x @ w.t()).to(torch.promote_types(x.dtype, torch.float32))  # (rows, vocab), at least float32
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    grad = torch.exp(logits - lse[:, None])  # softmax
+    grad.scatter_add_(1, targets[:, None], torch.full_like(lse[:, None], -1.0))
+    grad = (grad * scale).to(x.dtype)  # d loss / d logits, in the matmul dtype as autocast's backward has it
+    return loss, grad @ w, grad.t() @ x
+
+
+_compiled_chunk = None
+
+
+def loss_chunk_fn(device: torch.device):
+    """On CUDA the chunk's elementwise work is one compiled kernel (compiled once per process,
+    reused by every chunk); on CPU it is the plain function."""
+    global _compiled_chunk
+    if device.type != "cuda":
+        return _loss_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_loss_chunk, dynamic=False)
+    return _compiled_chunk
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, compute_dtype):
+        n = x.shape[0]
+        w = weight.to(compute_dtype)
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        total = torch.zeros((), device=x.device, dtype=torch.promote_types(compute_dtype, torch.float32))
+        chunk = loss_chunk_fn(x.device)
+        for start in range(0, n, LOSS_CHUNK_ROWS):
+            rows = slice(start, start + LOSS_CHUNK_ROWS)
+            loss, gx, gw = chunk(x[rows].to(compute_dtype), w, targets[rows], 1.0 / n)
+            total += loss
+            grad_x[rows] = gx
+            grad_w += gw  # float32 accumulation across chunks
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_out, grad_w * grad_out, None, None
+
+
+@torch.compiler.disable  # a plain Python loop over compiled chunks: compiled once, not unrolled
+def linear_cross_entropy(x, weight, targets):
+    """Mean cross-entropy of softmax(x @ weight.T) against targets. x: (N, d); weight: (vocab, d);
+    targets: (N,). Equals F.cross_entropy(F.linear(x, weight).float(), targets), computed in chunks."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return LinearCrossEntropy.apply(x, weight, targets, dtype)
 
 
 # --- The model -----------------------------------------------------------------------------
@@ -325,33 +390,51 @@ class Llama(nn.Module):
     def output_weight(self):
         return self.embed.weight if self.head is None else self.head.weight
 
-    def forward(self, idx, targets=None, doc_ids=None, block_mask=None, cache=None):
+    def setup_cache(self, batch: int, dtype=None):
+        """Give every layer a KVCache for `batch` sequences (see KVCache); None removes them."""
+        device = self.embed.weight.device
+        for block in self.blocks:
+            block.attn.cache = None if batch is None else KVCache(
+                batch, self.cfg.n_kv_heads, self.cfg.context, self.cfg.head_dim, device,
+                dtype or self.embed.weight.dtype)
+
+    def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
-        cross-entropy. doc_ids (B, T) restrict attention to each packed document. cache: a
-        KVCache; idx is then the tokens after those already cached."""
+        cross-entropy. doc_ids (B, T) restrict attention to each packed document.
+        pos: (T,) positions of idx's tokens when generating with the cache (setup_cache): their
+        keys and values are stored there and attention reads the cache up to them."""
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.cfg.context:
+        if pos is None and T > self.cfg.context:
             raise ValueError(
-                f"sequence of {start + T} tokens is longer than model.context={self.cfg.context}: "
+                f"sequence of {T} tokens is longer than model.context={self.cfg.context}: "
                 f"cut the input to the last {self.cfg.context} tokens or train with a longer context")
         x = self.embed(idx)
-        cos, sin = self.cos[start:start + T].to(x.dtype), self.sin[start:start + T].to(x.dtype)
+        cache_mask = None
+        if pos is None:
+            cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        else:
+            cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)
+            # (T, context): query at position p sees cached keys at positions <= p. Positions
+            # past the current length hold zeros or stale keys and are always masked out.
+            cache_mask = torch.arange(self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask,
                                                       use_reentrant=False)
             else:
-                x = block(x, cos, sin, doc_ids, block_mask, cache)
-        if cache is not None:
-            cache.length += T
+                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos)
         x = self.norm(x)
+        if targets is not None and self.cfg.fused_loss:
+            return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten())
         logits = F.linear(x, self.output_weight())
         if targets is None:
             return logits
-        # Softmax in float32: bf16 logits lose about three digits of the loss.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
+
+# --- Generation ----------------------------------------------------------------------------
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator=None):
     """One token per row from logits (B, vocab). temperature 0 is greedy; top_k keeps the k most
@@ -370,39 +453,46 @@ def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float =
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
 
 
+def decode_one(model: "Llama", token, pos):
+    """Logits (B, vocab) for the next token after token (B, 1) at position pos (1,), through the
+    cache. Every call has the same shapes: compiled once, it replays as one CUDA graph."""
+    return model(token, pos=pos)[:, -1]
+
+
 @torch.no_grad()
 def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, generator=None, use_cache: bool = True):
+             top_p: float = 1.0, generator=None, use_cache: bool = True, decode=None):
     """Yield (B, 1) new tokens one at a time after the prompt idx (B, T). With the cache, the
-    prompt is read once and each step feeds one token; without it, every step re-reads the
-    whole sequence (the slow reference). Stops at the context length."""
+    prompt is read in one pass (prefill) and each step feeds one token through `decode`
+    (decode_one, or a compiled copy of it: see sample.compiled_decoder); without it, every step
+    re-reads the whole sequence (the slow reference). Stops at the context length."""
     cfg = model.cfg
-    max_new_tokens = min(max_new_tokens, cfg.context - idx.shape[1])
+    B, T = idx.shape
+    max_new_tokens = min(max_new_tokens, cfg.context - T)
+    if max_new_tokens <= 0:
+        return
     if use_cache:
         dtype = model.embed.weight.dtype
         if torch.is_autocast_enabled(idx.device.type):  # keys and values come out of autocast's matmuls
             dtype = torch.get_autocast_dtype(idx.device.type)
-        cache = KVCache(cfg, idx.shape[0], idx.device, dtype)
-        logits = model(idx, cache=cache)[:, -1]
-    for i in range(max_new_tokens):
-        if not use_cache:
-            logits = model(idx)[:, -1]
-        token = sample_next(logits, temperature, top_k, top_p, generator)
-        yield token
-        if i + 1 == max_new_tokens:
-            return
+        model.setup_cache(B, dtype)
+        decode = decode or decode_one
+        logits = model(idx, pos=torch.arange(T, device=idx.device))[:, -1]
+    try:
+        for i in range(max_new_tokens):
+            if not use_cache:
+                logits = model(idx)[:, -1]
+            token = sample_next(logits, temperature, top_k, top_p, generator)
+            yield token
+            if i + 1 == max_new_tokens:
+                return
+            if use_cache:
+                logits = decode(model, token, torch.tensor([T + i], device=idx.device)).clone()
+            else:
+                idx = torch.cat([idx, token], dim=1)
+    finally:
         if use_cache:
-            logits = model(token, cache=cache)[:, -1]
-        else:
-            idx = torch.cat([idx, token], dim=1)
-
-
-def from_checkpoint(ckpt: dict) -> "Llama":
-    """The model saved in a training checkpoint (train.py writes "config" and "model")."""
-    cfg = ModelConfig(**ckpt["config"]["model"])
-    model = Llama(cfg)
-    model.load_state_dict(ckpt["model"], strict=True)
-    return model
+            model.setup_cache(None)
 
 
 # --- Arithmetic ----------------------------------------------------------------------------
@@ -434,8 +524,9 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
 def memory_estimate_gib(cfg: ModelConfig, micro_batch: int, act_gib_per_seq: float) -> float:
     """GiB of GPU memory for training: 16 bytes per parameter (FP32 weights, gradients and the two
     AdamW moments) plus activations, which grow linearly with the sequences in a micro-batch.
-    act_gib_per_seq is a measured slope (bench.py --micro-batch prints it; seed 002 measured
-    about 0.33 GiB per 1,024-token sequence for 88m with BF16 and torch.compile)."""
+    act_gib_per_seq is a measured slope (bench.py --micro-batch prints it; the article "What a
+    Laptop Can Train" measured about 0.33 GiB per 1,024-token sequence for 88m with BF16 and
+    torch.compile)."""
     return 16 * param_count(cfg) / 2**30 + micro_batch * act_gib_per_seq
 
 
@@ -456,50 +547,12 @@ def budget(name: str, params: int, tokens_per_s: float) -> Budget:
                   tokens_per_s * 8 * 3600 / params, tokens_per_s * 48 * 3600 / params)
 
 
-def budget_table(rates: dict[str, float]) -> str:
+def budget_table(rates: dict[str, tuple[ModelConfig, float]]) -> str:
+    """rates: preset name -> (its ModelConfig, measured tokens/s)."""
     lines = ["| preset | params | tok/s | D = 20N | C = 6ND | hours | tok/param in 8 h | in 48 h |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, tok_s in rates.items():
-        b = budget(name, param_count(preset(name)), tok_s)
+    for name, (cfg, tok_s) in rates.items():
+        b = budget(name, param_count(cfg), tok_s)
         lines.append(f"| {name} | {b.params:,} | {tok_s:,.0f} | {b.tokens / 1e9:.2f}B | {b.flops:.1e} "
                      f"| {b.hours:.1f} | {b.tokens_per_param_8h:.0f} | {b.tokens_per_param_48h:.0f} |")
     return "\n".join(lines)
-
-
-# Seed 002's measured short-run rates on an 8 GB RTX 4060 Laptop GPU (tokens/s).
-LAPTOP_TOK_S = {"22m": 103_618, "47m": 49_459, "88m": 29_508, "126m": 19_096}
-
-
-def parse_rates(items: list[str]) -> dict[str, float]:
-    rates = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not (PRESETS_DIR / f"{name}.toml").is_file():
-            raise SystemExit(f"--tok-s {item!r}: expected PRESET=TOKENS_PER_S with a preset from configs/, "
-                             f"e.g. 88m=29408")
-        try:
-            rates[name] = float(value)
-        except ValueError:
-            raise SystemExit(f"--tok-s {item!r}: {value!r} is not a number of tokens per second") from None
-    return rates
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="Model arithmetic: parameters, FLOPs and the Chinchilla budget.")
-    parser.add_argument("--budget", action="store_true", help="print the training budget table")
-    parser.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S",
-                        help="measured tokens/s per preset (default: seed 002's RTX 4060 Laptop rates)")
-    args = parser.parse_args(argv)
-    print("| preset | d | layers | heads | kv heads | SwiGLU | params | FLOPs/token (T=context) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in ("tiny", "22m", "47m", "88m", "126m"):
-        c = preset(name)
-        print(f"| {name} | {c.d_model} | {c.n_layers} | {c.n_heads} | {c.n_kv_heads} | {c.ffn_hidden} "
-              f"| {param_count(c):,} | {flops_per_token(c):,} |")
-    if args.budget:
-        print()
-        print(budget_table(parse_rates(args.tok_s) if args.tok_s else LAPTOP_TOK_S))
-
-
-if __name__ == "__main__":
-    main()

@@ -2,52 +2,30 @@
 
     python sample.py --ckpt runs/tiny --prompt "def parse(" --max-new-tokens 200
     echo "import os" | python sample.py --ckpt runs/tiny --temperature 0      # greedy, prompt on stdin
+    python sample.py --ckpt runs/88m --num-samples 8                          # 8 samples as one batch
 
-The model decodes with its KV cache (--no-cache re-reads the whole sequence every token, the
-slow reference). bfloat16 autocast on CUDA, float32 on CPU.
+The prompt is read in one pass (prefill), then each new token is one decode step through the
+KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (every step has
+the same shapes: see model.KVCache); --no-compile runs it eagerly and --no-cache re-reads the
+whole sequence every token (the slow reference both are tested against). bfloat16 autocast on
+CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to first token,
+prefill and decode tokens per second.
 """
 
 import argparse
+import contextlib
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-import data as D
+import checkpoint as CK
+import config as C
 import model as M
 import tokenizer as tk
 
 
-def load_checkpoint(path: str | Path, device) -> dict:
-    """A run folder or a ckpt.pt file."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "ckpt.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}: pass a run folder (runs/NAME) or its ckpt.pt")
-    return torch.load(path, map_location=device, weights_only=False)
-
-
-def checkpoint_tokenizer(ckpt: dict, override: str | None = None) -> tuple:
-    """The tokenizer the checkpoint was trained with: its data folder's, or `override`. Refuses
-    one whose hash differs from the checkpoint's."""
-    if override:
-        path = Path(override)
-    else:
-        data_cfg = D.DataConfig(**ckpt["config"]["data"])
-        path = D.data_dir(data_cfg, ckpt["config"]["model"]["vocab_size"]) / "tokenizer.json"
-    found = tk.tokenizer_hash(path) if path.is_file() else None
-    if found is None:
-        raise FileNotFoundError(f"tokenizer {path} not found: pass --tokenizer PATH to the tokenizer.json "
-                                f"the checkpoint was trained with (hash {ckpt['tokenizer_hash']})")
-    if found != ckpt["tokenizer_hash"]:
-        raise ValueError(f"tokenizer {path} has hash {found}, but the checkpoint was trained with tokenizer "
-                         f"{ckpt['tokenizer_hash']}: pass --tokenizer with the original tokenizer.json")
-    return tk.load_tokenizer(path), path
-
-
-def check_settings(temperature: float, top_k: int, top_p: float, max_new_tokens: int):
+def check_settings(temperature: float, top_k: int, top_p: float, max_new_tokens: int, num_samples: int):
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: must be >= 0 (0 means greedy)")
     if not 0 < top_p <= 1:
@@ -56,6 +34,8 @@ def check_settings(temperature: float, top_k: int, top_p: float, max_new_tokens:
         raise ValueError(f"--top-k {top_k}: must be >= 0 (0 keeps every token)")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    if num_samples < 1:
+        raise ValueError(f"--num-samples {num_samples}: must be at least 1")
 
 
 def prompt_ids(tok, prompt: str, context: int, warn=print) -> list[int]:
@@ -69,62 +49,136 @@ def prompt_ids(tok, prompt: str, context: int, warn=print) -> list[int]:
     return ids
 
 
-def stream(model: M.Llama, tok, ids: list[int], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-           generator, use_cache: bool = True, out=sys.stdout, autocast=None) -> list[int]:
-    """Generate after ids, writing the decoded text as it grows. Returns the new token ids."""
+def compiled_decoder(device: torch.device, compile: bool = True):
+    """The decode step: on CUDA compiled with CUDA graphs ("reduce-overhead"), so one token costs
+    one graph replay instead of a hundred kernel launches from Python; elsewhere plain."""
+    if compile and device.type == "cuda":
+        return torch.compile(M.decode_one, mode="reduce-overhead", fullgraph=True)
+    return M.decode_one
+
+
+class Timer:
+    """Time to first token, then the decode rate, synchronising the device at each mark."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.marks = device, []
+
+    def mark(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.marks.append(time.perf_counter())
+
+
+def generate_batch(model: M.Llama, ids: list[int], batch: int, max_new_tokens: int, temperature: float,
+                   top_k: int, top_p: float, generator, use_cache: bool = True, decode=None, on_token=None,
+                   autocast=None) -> tuple[list[list[int]], Timer]:
+    """`batch` continuations of ids decoded together. on_token(step, tokens (B,)) sees each step.
+    Returns the new token ids per sample and the timer (start, first token, end)."""
     device = model.embed.weight.device
-    idx = torch.tensor([ids], device=device)
-    new, shown = [], ""
-    with autocast or torch.autocast(device.type, enabled=False):
-        for token in M.generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache):
-            new.append(token.item())
-            text = tok.decode(new)
-            if out is not None and not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-                out.write(text[len(shown):])
-                out.flush()
-                shown = text
-    if out is not None:
-        out.write(tok.decode(new)[len(shown):] + "\n")
-    return new
+    idx = torch.tensor([ids] * batch, device=device)
+    new, timer = [], Timer(device)
+    timer.mark()
+    with autocast or contextlib.nullcontext():
+        for token in M.generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
+                                decode=decode):
+            new.append(token)
+            if len(new) == 1:
+                timer.mark()
+            if on_token is not None:
+                on_token(len(new) - 1, token[:, 0])
+    timer.mark()
+    tokens = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(batch)]
+    return tokens, timer
+
+
+class StreamPrinter:
+    """An on_token callback that writes sample 0's text as it grows, whole characters only."""
+
+    def __init__(self, tok, out):
+        self.tok, self.out, self.new, self.shown = tok, out, [], ""
+
+    def __call__(self, step, tokens):
+        self.new.append(int(tokens[0]))
+        text = self.tok.decode(self.new)
+        if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def finish(self):
+        self.out.write(self.tok.decode(self.new)[len(self.shown):] + "\n")
+
+
+def speed_report(timer: Timer, prompt_tokens: int, batch: int, new_tokens: int, mode: str, device) -> str:
+    start, first, end = timer.marks
+    prefill_s, decode_s = first - start, end - first
+    decode_rate = batch * (new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else float("nan")
+    return (f"[{mode}, {device.type}, batch {batch}: first token after {prefill_s * 1000:.1f} ms (prefill "
+            f"{batch * prompt_tokens / prefill_s:,.0f} tok/s over {prompt_tokens} prompt tokens), then "
+            f"{decode_rate:,.1f} tok/s decoding {new_tokens - 1} more per sample]")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Generate text from a checkpoint.")
     p.add_argument("--ckpt", required=True, help="run folder (runs/NAME) or a ckpt.pt file")
     p.add_argument("--prompt", default=None, help="text to continue (default: stdin if piped, else empty)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 keeps every token")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 keeps every token")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens; 0 keeps all (default 50)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 keeps every token (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling: same seed, same text (default 0)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples, decoded together as one batch (default 1)")
     p.add_argument("--no-cache", action="store_true", help="re-read the whole sequence each token (slow reference)")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (no CUDA graph)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     args = p.parse_args(argv)
+    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
-        check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                              "cpu" if args.device == "auto" else args.device)
-        ckpt = load_checkpoint(args.ckpt, device)
-        tok, tok_path = checkpoint_tokenizer(ckpt, args.tokenizer)
-        model = M.from_checkpoint(ckpt).to(device).eval()
-        prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
-        ids = prompt_ids(tok, prompt, model.cfg.context, warn=lambda s: print(s, file=sys.stderr))
+        check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.num_samples)
+        device = C.pick_device(args.device)
+        ckpt = CK.load(args.ckpt, device)
+        tok, _ = CK.tokenizer_for(ckpt, args.tokenizer)
+        model = ckpt.build_model().to(device).eval()
+        if args.prompt is not None:
+            prompt = args.prompt
+        elif sys.stdin.isatty():
+            prompt = ""
+        else:
+            try:
+                prompt = sys.stdin.buffer.read().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"stdin is not UTF-8 text ({e}): pipe in text, or pass --prompt") from None
+        ids = prompt_ids(tok, prompt, model.cfg.context, warn=say)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    room = model.cfg.context - len(ids)
+    if args.max_new_tokens > room:
+        say(f"note: the context holds {model.cfg.context} tokens and the prompt uses {len(ids)}, so at most "
+            f"{room} new tokens are generated (not {args.max_new_tokens})")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    use_cache = not args.no_cache
+    decode = compiled_decoder(device, compile=use_cache and not args.no_compile)
+    if decode is not M.decode_one:  # compile and record the CUDA graph before the timed run
+        t0 = time.perf_counter()
+        generate_batch(model, ids, args.num_samples, 4, args.temperature, args.top_k, args.top_p, None,
+                       decode=decode, autocast=autocast)
+        say(f"[warm-up: compiled the decode step and recorded its CUDA graph in {time.perf_counter() - t0:.1f} s]")
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    total, start = 0, time.perf_counter()
-    for i in range(args.num_samples):
-        if args.num_samples > 1:
-            print(f"--- sample {i + 1} ---")
+    batch = args.num_samples
+    on_token = StreamPrinter(tok, sys.stdout) if batch == 1 else None
+    if batch == 1:
         sys.stdout.write(prompt)
-        total += len(stream(model, tok, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                            generator, not args.no_cache, autocast=autocast))
-    seconds = time.perf_counter() - start
-    print(f"[{total} tokens in {seconds:.2f} s: {total / seconds:,.1f} tokens/s, "
-          f"{'no cache' if args.no_cache else 'KV cache'}, {device.type}]", file=sys.stderr)
+    tokens, timer = generate_batch(model, ids, batch, args.max_new_tokens, args.temperature, args.top_k,
+                                   args.top_p, generator, use_cache, decode=decode, on_token=on_token,
+                                   autocast=autocast)
+    if batch == 1:
+        on_token.finish()
+    else:
+        for i, sample in enumerate(tokens):
+            print(f"--- sample {i + 1} ---\n{prompt}{tok.decode(sample)}")
+    mode = "no cache" if args.no_cache else ("KV cache, CUDA graph" if decode is not M.decode_one else "KV cache")
+    say(speed_report(timer, len(ids), batch, len(tokens[0]), mode, device))
 
 
 if __name__ == "__main__":

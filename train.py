@@ -6,10 +6,12 @@
     torchrun --nproc_per_node=2 train.py --config configs/88m.toml
 
 Settings come from dataclass defaults, then the --config file, then command-line flags (every
-field of ModelConfig, DataConfig and TrainConfig is a flag: --micro-batch 32, --no-compile).
-A run lives in runs/<name>/: config.json, log.jsonl, ckpt.pt, loss.png, summary.json.
+field of ModelConfig, DataConfig and TrainConfig is a flag: --micro-batch 32, --no-compile; see
+config.py). A run lives in runs/<name>/: config.json, log.jsonl, ckpt.pt, loss.png, summary.json.
 
-bench.py imports train_step() and the setup functions from here; nothing is copied.
+Read top to bottom: the schedule, setup() (device, data, model, optimizer: the one place a run
+is assembled, which bench.py's rungs use too), train_step(), evaluate(), then train(): resume,
+the loop, the summary.
 """
 
 import argparse
@@ -19,7 +21,6 @@ import json
 import math
 import os
 import platform
-import random
 import resource
 import signal
 import subprocess
@@ -33,75 +34,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import checkpoint as CK
+import config as C
 import data as D
 import model as M
 import tokenizer as tk
 
 ROOT = Path(__file__).resolve().parent
-OPTIMIZERS = ("fused", "foreach", "for-loop")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-@dataclass
-class TrainConfig:
-    batch_tokens: int = 524_288  # tokens per optimizer step, all ranks (GPT-3 125M's 0.5M; seed 002)
-    micro_batch: int = 16  # sequences per forward/backward; the rest is gradient accumulation
-    lr: float = 6e-4  # peak learning rate (GPT-3's for 125M)
-    min_lr_ratio: float = 0.1  # cosine decays to this share of lr (Llama, GPT-3)
-    warmup_steps: int = 200  # linear warm-up
-    steps: int = 0  # optimizer steps; 0 means tokens // batch_tokens
-    tokens: int = 0  # training tokens, used when steps is 0
-    weight_decay: float = 0.1  # on matrices only, see configure_optimizer
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max global gradient norm
-    eval_every: int = 250  # steps between validation passes (and at the end)
-    eval_tokens: int = 1_048_576  # validation tokens per pass
-    ckpt_every: int = 250  # steps between checkpoints (and at the end, and on SIGINT/SIGTERM)
-    seed: int = 1337
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    tf32: bool = False  # TF32 tensor-core matmuls for float32 (CUDA)
-    bf16: bool = False  # bfloat16 autocast, float32 master weights and optimizer (CUDA)
-    compile: bool = False  # torch.compile the model
-    compile_mode: str = "default"  # one of COMPILE_MODES
-    optimizer: str = "foreach"  # AdamW implementation: fused | foreach | for-loop
-    pin: bool = False  # pinned host memory and non_blocking copies (CUDA)
-    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
-    doc_mask: bool = False  # attend only within each packed document (see README)
-    overfit_batch: bool = False  # train on one fixed micro-batch: the loss must go to ~0
-    skip_nonfinite: bool = False  # skip (and count) steps with a NaN/inf loss instead of stopping
-    peak_tflops: float = 0.0  # dense BF16 peak for MFU; 0 looks the GPU up in PEAK_BF16_TFLOPS
-    sample_tokens: int = 200  # tokens of text generated at the end of the run
-
-    def __post_init__(self):
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"train.compile_mode={self.compile_mode!r}: choose one of {COMPILE_MODES}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"train.optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
-        for name in ("batch_tokens", "micro_batch", "eval_every", "ckpt_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
-        if self.steps <= 0 and self.tokens <= 0:
-            raise ValueError("set train.steps or train.tokens (how long to train)")
-
-
-@dataclass
-class Config:
-    model: M.ModelConfig
-    data: D.DataConfig
-    train: TrainConfig
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-SECTIONS = {"model": M.ModelConfig, "data": D.DataConfig, "train": TrainConfig}
 
 # Dense BF16 tensor-core peaks (FP32 accumulate, no sparsity) in TFLOP/s, matched against
 # torch.cuda.get_device_name(). Sources: NVIDIA's H100/H200, A100, L4 and L40S datasheets,
-# the Ada and Ampere GA102 whitepapers; the 4060 Laptop figure is seed 000's spec-sheet 29.1.
-# Order matters: the first substring that matches wins.
+# the Ada and Ampere GA102 whitepapers; the 4060 Laptop figure is the spec-sheet 29.1 quoted in
+# "Making Training Fast on One GPU". Order matters: the first substring that matches wins.
 PEAK_BF16_TFLOPS = [
     ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.1),
     ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 4060 Laptop", 29.1), ("RTX 3090", 71.0),
@@ -115,53 +59,6 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
-# --- Configuration -------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train the Llama-style model.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"), help="TOML file with [model] [data] [train]")
-    p.add_argument("--name", default=None, help="run name; outputs go to <runs-dir>/<name> (default: the config file's name)")
-    p.add_argument("--runs-dir", default=str(ROOT / "runs"))
-    p.add_argument("--resume", action="store_true", help="continue from runs/<name>/ckpt.pt")
-    p.add_argument("--overwrite", action="store_true", help="start over even if the run has a checkpoint")
-    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
-                   help="save a checkpoint and stop after this step (continue later with --resume)")
-    p.add_argument("--fused", dest="optimizer", action="store_const", const="fused", default=argparse.SUPPRESS,
-                   help="fused AdamW (same as --optimizer fused)")
-    p.add_argument("--no-fused", dest="optimizer", action="store_const", const="foreach", default=argparse.SUPPRESS)
-    names = set()
-    for section, cls in SECTIONS.items():
-        group = p.add_argument_group(f"[{section}] overrides")
-        for f in dataclasses.fields(cls):
-            assert f.name not in names, f"flag --{f.name} would be ambiguous"
-            names.add(f.name)
-            flag = "--" + f.name.replace("_", "-")
-            kind = M.field_types(cls)[f.name]
-            if kind is bool:
-                group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS)
-            else:
-                choices = {"compile_mode": COMPILE_MODES, "optimizer": OPTIMIZERS}.get(f.name)
-                dest = f"{section}.{f.name}" if f.name != "optimizer" else "optimizer"
-                group.add_argument(flag, dest=dest, type=kind, choices=choices, default=argparse.SUPPRESS)
-    return p
-
-
-def resolve_config(args: argparse.Namespace, base: dict | None = None) -> Config:
-    """Defaults, then the config file (or a checkpoint's saved config), then flags."""
-    values = base if base is not None else M.read_toml(args.config, tuple(SECTIONS))
-    values = {s: dict(values.get(s, {})) for s in SECTIONS}
-    for dest, value in vars(args).items():
-        if "." in dest:
-            section, name = dest.split(".")
-            values[section][name] = value
-    if "optimizer" in vars(args):
-        values["train"]["optimizer"] = args.optimizer
-    source = "checkpoint" if base is not None else args.config
-    return Config(**{s: M.from_dict(cls, values[s], source, s) for s, cls in SECTIONS.items()})
-
-
 def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world: int) -> int:
     per_pass = micro_batch * context * world
     if batch_tokens % per_pass:
@@ -171,11 +68,11 @@ def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world:
     return batch_tokens // per_pass
 
 
-def total_steps(cfg: TrainConfig) -> int:
+def total_steps(cfg: C.TrainConfig) -> int:
     return cfg.steps if cfg.steps > 0 else max(1, cfg.tokens // cfg.batch_tokens)
 
 
-def lr_at(step: int, cfg: TrainConfig, steps: int) -> float:
+def lr_at(step: int, cfg: C.TrainConfig, steps: int) -> float:
     """Linear warm-up to lr, then cosine decay to min_lr_ratio * lr at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -184,17 +81,9 @@ def lr_at(step: int, cfg: TrainConfig, steps: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-# --- Setup pieces bench.py shares ----------------------------------------------------------
+# --- Setting up a run ----------------------------------------------------------------------
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but CUDA is not available: use device = \"auto\" or \"cpu\"")
-    return torch.device(name)
-
-
-def cpu_fallbacks(cfg: TrainConfig, device: torch.device, log=print) -> TrainConfig:
+def cpu_fallbacks(cfg: C.TrainConfig, device: torch.device, log=print) -> C.TrainConfig:
     """On CPU, turn off the CUDA-only settings and say so in one line."""
     if device.type == "cuda":
         return cfg
@@ -208,21 +97,21 @@ def cpu_fallbacks(cfg: TrainConfig, device: torch.device, log=print) -> TrainCon
                                optimizer="foreach" if cfg.optimizer == "fused" else cfg.optimizer)
 
 
-def set_precision(cfg: TrainConfig):
+def set_precision(cfg: C.TrainConfig):
     # "high" lets float32 matmuls use TF32 tensor cores (10 mantissa bits in the multiply,
     # float32 sums); "highest", PyTorch's default, keeps full float32.
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
-def autocast(cfg: TrainConfig, device: torch.device):
+def autocast(cfg: C.TrainConfig, device: torch.device):
     """BF16 autocast: matmuls in bfloat16, weights, gradients and AdamW state stay float32."""
     if cfg.bf16:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def build_model(mcfg: M.ModelConfig, cfg: TrainConfig, device: torch.device, seed: int):
+def build_model(mcfg: M.ModelConfig, cfg: C.TrainConfig, device: torch.device, seed: int):
     """(raw model, model to call): the second is compiled and/or DDP-wrapped as configured."""
     torch.manual_seed(seed)
     raw = M.Llama(mcfg).to(device)
@@ -235,7 +124,7 @@ def build_model(mcfg: M.ModelConfig, cfg: TrainConfig, device: torch.device, see
     return raw, run
 
 
-def configure_optimizer(model: M.Llama, cfg: TrainConfig) -> torch.optim.AdamW:
+def configure_optimizer(model: M.Llama, cfg: C.TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on the block matrices only. Norm gains are not decayed (decay
     would pull them toward zero, not toward the initial one), and neither is the embedding:
     it is also the output head here, and a token that is rare in the data would see its row
@@ -249,23 +138,85 @@ def configure_optimizer(model: M.Llama, cfg: TrainConfig) -> torch.optim.AdamW:
                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
 
 
-def mask_inputs(batch, cfg: TrainConfig, device: torch.device) -> dict:
-    """The document-mask arguments for the model: FlexAttention's block mask on CUDA (built once
-    per micro-batch, outside the compiled model), the boolean-mask path's doc_ids on CPU."""
-    if not cfg.doc_mask:
-        return {}
-    if device.type == "cuda":
-        return {"block_mask": M.flex_block_mask(batch[2])}
-    return {"doc_ids": batch[2]}
+def random_shards(folder: Path, vocab: int, tokens: int, seed: int = 1337) -> list[Path]:
+    """A shard of random token ids with random document lengths (mean 512), for measuring speed
+    through the real ShardLoader without a prepared corpus. Throughput does not depend on what
+    the tokens say."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, tokens, dtype=np.uint16)
+    starts = np.unique(np.concatenate([[0], rng.integers(1, tokens, tokens // 512)])).astype(np.uint64)
+    path = folder / "train_00000.bin"
+    D.write_shard(path, ids, starts, vocab, "random0000000000", tokens)
+    return [path]
 
 
-def forward_loss(model, batch, cfg: TrainConfig, device: torch.device):
+@dataclass
+class Run:
+    """Everything a training run (or one bench rung) works with, assembled by setup()."""
+    cfg: C.Config  # with the CPU fallbacks applied
+    device: torch.device
+    rank: int
+    world: int
+    raw: M.Llama  # the module itself: its state_dict is what checkpoints hold
+    model: torch.nn.Module  # what is called: compiled and/or DDP-wrapped
+    optimizer: torch.optim.Optimizer
+    train_loader: D.ShardLoader
+    val_loader: D.ShardLoader | None  # None with random tokens
+    accum: int
+    steps: int
+    tokenizer_path: Path | None
+    tokenizer_hash: str
+    data_source: str  # "<corpus> shards" or "random tokens"
+
+
+def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens_dir: Path | None = None) -> Run:
+    """Device, data, model and optimizer for cfg. Rank 0 prepares the data (the others wait).
+    random_tokens_dir: train on random token ids written there instead of the corpus (bench's
+    speed rungs: no tokenizer or corpus needed)."""
+    say = log if rank == 0 else (lambda *a, **k: None)
+    device = C.pick_device(cfg.train.device)
+    if dist.is_initialized() and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    tcfg = cpu_fallbacks(cfg.train, device, say)
+    cfg = dataclasses.replace(cfg, train=tcfg)
+    set_precision(tcfg)
+    T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
+    accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
+    steps = total_steps(tcfg)
+    loader_args = dict(batch=B, seq_len=T, vocab_size=V, rank=rank, world=world, doc_ids=tcfg.doc_mask,
+                       device=device)
+    if random_tokens_dir is not None:
+        needed = (steps + 1) * tcfg.batch_tokens + 8 * B * (T + 1)
+        files = random_shards(Path(random_tokens_dir), V, needed)
+        tok_path, tok_hash, val_loader, source = None, "random0000000000", None, "random tokens"
+    else:
+        if rank == 0:
+            D.prepare(cfg.data, V, log=say)
+        if dist.is_initialized():
+            dist.barrier()
+        folder = D.data_dir(cfg.data, V)
+        tok_path = folder / "tokenizer.json"
+        tok_hash = tk.tokenizer_hash(tok_path)
+        files, source = D.shard_files(folder, "train"), f"{cfg.data.corpus} shards"
+        val_loader = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
+                                   **loader_args)
+    train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
+    raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
+    return Run(cfg, device, rank, world, raw, model, configure_optimizer(raw, tcfg), train_loader, val_loader,
+               accum, steps, tok_path, tok_hash, source)
+
+
+# --- The step ------------------------------------------------------------------------------
+
+def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device):
     """Mean loss of one micro-batch (x, y[, doc_ids])."""
+    masks = M.doc_mask_inputs(batch[2]) if cfg.doc_mask else {}
     with autocast(cfg, device):
-        return model(batch[0], batch[1], **mask_inputs(batch, cfg, device))
+        return model(batch[0], batch[1], **masks)
 
 
-def train_step(model, optimizer, next_batch, accum: int, cfg: TrainConfig, device: torch.device, lr: float):
+def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were."""
@@ -275,7 +226,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: TrainConfig, devic
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
     # would be overwritten by the next micro-batch: under those modes gradients accumulate into
     # buffers of our own, zeroed in place.
-    keep_grads = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    keep_grads = cfg.compile and cfg.compile_mode in C.CUDA_GRAPH_MODES
     if keep_grads:
         for p in params:
             if p.grad is None:
@@ -299,7 +250,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: TrainConfig, devic
 
 
 @torch.no_grad()
-def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Tensor, cfg: TrainConfig,
+def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
              device: torch.device) -> dict:
     """Mean validation loss and bits per byte over the first n_batches of the val split.
     Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets decode to,
@@ -311,7 +262,7 @@ def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Te
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
-            logits = model(x, **mask_inputs(batch, cfg, device))
+            logits = model(x, **(M.doc_mask_inputs(batch[2]) if cfg.doc_mask else {}))
         nats += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
         n_tokens += y.numel()
         n_bytes += token_bytes[y].sum()
@@ -322,46 +273,6 @@ def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Te
         dist.all_reduce(totals)
         nats, n_tokens, n_bytes = totals[0], totals[1].item(), totals[2]
     return {"val_loss": nats.item() / n_tokens, "val_bpb": nats.item() / math.log(2) / max(n_bytes.item(), 1)}
-
-
-# --- Checkpoints ---------------------------------------------------------------------------
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(path: Path, **state):
-    """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def check_compatible(ckpt: dict, cfg: Config, tok_hash: str, path: Path):
-    """Refuse a checkpoint from another model shape or tokenizer, naming what differs."""
-    saved = ckpt["config"]["model"]
-    now = dataclasses.asdict(cfg.model)
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, config {now[k]!r}" for k in now if saved.get(k) != now[k]]
-    if diff:
-        raise ValueError(f"{path} is from another model shape ({'; '.join(diff)}): use the run's own "
-                         f"config or start a new run with --name NAME")
-    if ckpt["tokenizer_hash"] != tok_hash:
-        raise ValueError(f"{path} was trained with tokenizer {ckpt['tokenizer_hash']}, but the data now uses "
-                         f"tokenizer {tok_hash}: point the run at its original tokenizer and shards")
 
 
 # --- Provenance and logging ----------------------------------------------------------------
@@ -388,11 +299,21 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # process peak RSS (KiB on Linux)
 
 
-def plot_losses(log_path: Path, out: Path):
+def read_log(log_path: Path) -> list[dict]:
+    """log.jsonl's rows; a row for a step that was logged again later (a run resumed from an
+    earlier checkpoint) keeps only its latest version."""
+    rows = {}
+    for line in log_path.read_text().splitlines():
+        row = json.loads(line)
+        rows[(row["step"], "val_loss" in row)] = row
+    return sorted(rows.values(), key=lambda r: (r["step"], "val_loss" in r))
+
+
+def plot_losses(log_path: Path, out: Path, title: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    rows = read_log(log_path)
     train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -402,6 +323,7 @@ def plot_losses(log_path: Path, out: Path):
         ax.plot(*zip(*val), "o-", label="val")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats)")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -409,86 +331,88 @@ def plot_losses(log_path: Path, out: Path):
     plt.close(fig)
 
 
-class _Stop:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint after the step in flight and exits."""
+class Stopper:
+    """Ctrl-C (SIGINT) or SIGTERM: say at once that the run will save after the step in flight,
+    then stop there. A second Ctrl-C stops at once without saving (SystemExit, no traceback)."""
 
-    def __init__(self):
-        self.signal = None
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, self._handle)
+    def __init__(self, say):
+        self.signal, self.say = None, say
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame):
-        if self.signal is not None:  # a second Ctrl-C: the user really wants out
-            raise KeyboardInterrupt
+        if self.signal is not None:
+            raise SystemExit(f"{signal.Signals(signum).name} again: stopped at once without saving; "
+                             f"continue from the last checkpoint with --resume")
         self.signal = signal.Signals(signum).name
+        self.say(f"{self.signal}: saving a checkpoint after the current step (press Ctrl-C again to quit "
+                 f"without saving)")
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
-# --- The run -------------------------------------------------------------------------------
+class Interrupted(Exception):
+    """The run stopped early (a signal or --stop-after) after saving; main() exits non-zero."""
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, overwrite: bool = False,
+
+def check_run_name(name: str):
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+        raise ValueError(f"--name {name!r}: a run name is one folder name under the runs folder (letters, digits, "
+                         f"-, _), not a path; use --runs-dir to put runs elsewhere")
+
+
+def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = False,
           stop_after: int | None = None, log=print) -> dict:
     """Run training as configured; returns the summary. Rank 0 alone writes files.
-    stop_after: save a checkpoint and stop after this step, as SIGINT would."""
+    stop_after: save a checkpoint and stop after this step, as Ctrl-C would (raises Interrupted)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     master = rank == 0
     say = log if master else (lambda *a, **k: None)
-    device = pick_device(cfg.train.device)
-    if dist.is_initialized() and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    tcfg = cpu_fallbacks(cfg.train, device, say)
-    cfg = dataclasses.replace(cfg, train=tcfg)
-    set_precision(tcfg)
-    ckpt_path = run_dir / "ckpt.pt"
+    ckpt_path, log_path, summary_path = run_dir / "ckpt.pt", run_dir / "log.jsonl", run_dir / "summary.json"
     if ckpt_path.exists() and not resume and not overwrite:
         raise ValueError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, --overwrite to "
                          f"start over, or --name NAME for a new run")
     if resume and not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+    ckpt = CK.load(ckpt_path) if resume else None
+    if ckpt is not None and ckpt.step >= total_steps(cfg.train) and summary_path.exists():
+        say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
+            f"--steps or --tokens to train further)")
+        return json.loads(summary_path.read_text())
 
-    # Data: tokenizer and shards (built once, on rank 0; the others wait).
-    if master:
-        D.prepare(cfg.data, cfg.model.vocab_size, log=say)
-    if dist.is_initialized():
-        dist.barrier()
-    folder = D.data_dir(cfg.data, cfg.model.vocab_size)
-    tok_path = folder / "tokenizer.json"
-    tok_hash = tk.tokenizer_hash(tok_path)
-    T, B = cfg.model.context, tcfg.micro_batch
-    accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
-    steps = total_steps(tcfg)
-    train_loader = D.ShardLoader(D.shard_files(folder, "train"), B, T, vocab_size=cfg.model.vocab_size,
-                                 tokenizer_hash=tok_hash, seed=tcfg.seed, rank=rank, world=world,
-                                 doc_ids=tcfg.doc_mask, device=device, pin=tcfg.pin)
-    val_loader = D.ShardLoader(D.shard_files(folder, "val"), B, T, vocab_size=cfg.model.vocab_size,
-                               tokenizer_hash=tok_hash, rank=rank, world=world, shuffle=False,
-                               doc_ids=tcfg.doc_mask, device=device)
-    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(tok_path)), device=device, dtype=torch.float32)
-
-    raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
-    optimizer = configure_optimizer(raw, tcfg)
+    r = setup(cfg, rank, world, log=say)
+    cfg, device, tcfg, raw, model, optimizer = r.cfg, r.device, r.cfg.train, r.raw, r.model, r.optimizer
+    B, T, accum, steps = tcfg.micro_batch, cfg.model.context, r.accum, r.steps
     step, tokens_seen, skipped = 0, 0, 0
-    if resume:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        check_compatible(ckpt, cfg, tok_hash, ckpt_path)
-        raw.load_state_dict(ckpt["model"], strict=True)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["loader"][rank] if isinstance(ckpt["loader"], list) else ckpt["loader"])
-        set_rng_state(ckpt["rng"][rank] if isinstance(ckpt["rng"], list) else ckpt["rng"])
-        step, tokens_seen, skipped = ckpt["step"], ckpt["tokens"], ckpt.get("skipped", 0)
+    if ckpt is not None:
+        CK.check_compatible(ckpt, cfg, r.tokenizer_hash)
+        if len(ckpt.loaders) != world:
+            raise ValueError(f"{ckpt_path} was written by {len(ckpt.loaders)} rank(s), this run has {world}: "
+                             f"resume with the same number of processes")
+        raw.load_state_dict(ckpt.model, strict=True)
+        optimizer.load_state_dict(ckpt.optimizer)
+        r.train_loader.load_state_dict(ckpt.loaders[rank])
+        CK.set_rng_state(ckpt.rngs[rank])
+        step, tokens_seen, skipped = ckpt.step, ckpt.tokens, ckpt.skipped
+        if master and log_path.exists():  # drop rows logged after the checkpoint (a crash before the next one)
+            rows = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            log_path.write_text("".join(line + "\n" for line in rows))
         say(f"resumed {ckpt_path} at step {step} ({tokens_seen:,} tokens)")
     elif master:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "log.jsonl").write_text("")
+        log_path.write_text("")
+        summary_path.unlink(missing_ok=True)
 
     info = provenance(device)
-    n_params = M.param_count(cfg.model)
     flops_tok = M.flops_per_token(cfg.model)
     peak = tcfg.peak_tflops or (peak_tflops(info["device"]) if device.type == "cuda" else None)
+    title = f"{run_dir.name} | {cfg.model.d_model}d x {cfg.model.n_layers} layers | {info['device']}"
     say(f"run {run_dir} | {info['device']} | torch {info['torch']} (CUDA {info['cuda']}) | "
         f"git {info['git_commit'][:10]}{' (dirty)' if info['git_dirty'] else ''} | world {world}")
-    say(f"model: {n_params:,} parameters, head size {cfg.model.head_dim}, SwiGLU {cfg.model.ffn_hidden}, "
-        f"{flops_tok / 1e6:,.1f} MFLOPs/token")
+    say(f"model: {M.param_count(cfg.model):,} parameters, head size {cfg.model.head_dim}, SwiGLU "
+        f"{cfg.model.ffn_hidden}, {flops_tok / 1e6:,.1f} MFLOPs/token, attention {cfg.model.attention}, "
+        f"fused loss {cfg.model.fused_loss}")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {B} seq x {T} tokens x {accum} accumulation x {world} rank(s); "
         f"{steps} steps = {steps * tcfg.batch_tokens:,} tokens")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"
@@ -498,106 +422,131 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, overwrite: bool = Fa
         say(f"note: no BF16 peak known for {info['device']}: MFU is not shown (pass --peak-tflops)")
     if master:
         (run_dir / "config.json").write_text(json.dumps({"config": cfg.to_dict(), "provenance": info,
-                                                         "tokenizer_hash": tok_hash}, indent=2))
+                                                         "tokenizer_hash": r.tokenizer_hash}, indent=2))
 
     def checkpoint():
-        loaders = [train_loader.state_dict()]
-        rngs = [rng_state()]
+        loaders, rngs = [r.train_loader.state_dict()], [CK.rng_state()]
         if dist.is_initialized():  # every rank's cursor and RNG, so each resumes exactly
             loaders, rngs = [None] * world, [None] * world
-            dist.all_gather_object(loaders, train_loader.state_dict())
-            dist.all_gather_object(rngs, rng_state())
+            dist.all_gather_object(loaders, r.train_loader.state_dict())
+            dist.all_gather_object(rngs, CK.rng_state())
         if master:
-            save_checkpoint(ckpt_path, model=raw.state_dict(), optimizer=optimizer.state_dict(), step=step,
-                            tokens=tokens_seen, skipped=skipped, loader=loaders if world > 1 else loaders[0],
-                            rng=rngs if world > 1 else rngs[0], config=cfg.to_dict(), tokenizer_hash=tok_hash)
+            CK.save(ckpt_path, model=raw.state_dict(), optimizer=optimizer.state_dict(), step=step,
+                    tokens=tokens_seen, skipped=skipped, loaders=loaders, rngs=rngs, config=cfg,
+                    tokenizer_hash=r.tokenizer_hash)
 
     def write_log(row: dict):
         if master:
-            with open(run_dir / "log.jsonl", "a") as f:
+            with open(log_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    fixed = train_loader.next_batch() if tcfg.overfit_batch else None
-    next_batch = (lambda: fixed) if fixed is not None else train_loader.next_batch
+    fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
+    next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
     eval_batches = max(1, tcfg.eval_tokens // (B * T * world))
-    stopper = _Stop()
+    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=device,
+                               dtype=torch.float32)
     bar = tqdm(total=steps, initial=step, desc="train", unit="step", disable=not master, dynamic_ncols=True)
     say_bar = (lambda s: bar.write(s)) if master else (lambda s: None)
+    stopper = Stopper(say_bar)
     rates, last_eval, start_time, first_step = [], {}, time.perf_counter(), step
-    while True:
-        last_step = step == steps
-        fresh = step > first_step  # a resumed run already evaluated and saved this step
-        # Evaluate and save first, so the state on disk always matches the step counter.
-        if fresh and (step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
-            last_eval = evaluate(model, val_loader, eval_batches, token_bytes, tcfg, device)
-            say_bar(f"step {step:>6} | val loss {last_eval['val_loss']:.4f} | val bpb {last_eval['val_bpb']:.4f}")
-            write_log({"step": step, "tokens": tokens_seen, **last_eval})
-        if fresh and (step % tcfg.ckpt_every == 0 or last_step):
-            checkpoint()
-        if last_step:
-            break
-        if stopper.signal or step == stop_after:
-            checkpoint()
-            say_bar(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {step}; continue with --resume")
-            break
-        t0 = time.perf_counter()
-        try:
-            loss, grad_norm = train_step(model, optimizer, next_batch, accum, tcfg, device,
-                                         lr_at(step, tcfg, steps))
-            if dist.is_initialized():
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-            loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-        except torch.cuda.OutOfMemoryError:
-            raise SystemExit(
-                f"CUDA out of memory at step {step} with micro_batch={B} sequences of {T} tokens "
-                f"(peak {peak_memory_gib(device):.1f} GiB): try --micro-batch {max(1, B // 2)} (the batch stays "
-                f"{tcfg.batch_tokens:,} tokens through more accumulation) or --activation-checkpointing") from None
-        dt = time.perf_counter() - t0
-        if not math.isfinite(loss_value) or not math.isfinite(norm_value):
-            if not tcfg.skip_nonfinite:
-                checkpoint_note = f"the last good checkpoint {ckpt_path} is kept" if ckpt_path.exists() else "no checkpoint was written"
-                raise SystemExit(f"loss is {loss_value} (gradient norm {norm_value}) at step {step}: stopping; "
-                                 f"{checkpoint_note}. Lower train.lr, or pass --skip-nonfinite to skip such steps")
-            skipped += 1
-            say_bar(f"step {step}: non-finite loss {loss_value}, step skipped ({skipped} so far)")
-        if step == 0:
-            expected = math.log(cfg.model.vocab_size)
-            warn = "" if abs(loss_value - expected) < 1.0 else "  WARNING: far from ln(vocab); check the init and the data"
-            say_bar(f"step 0 loss {loss_value:.4f} vs ln(vocab) = {expected:.4f}{warn}")
-        step += 1
-        tokens_seen += tcfg.batch_tokens
-        tok_s = tcfg.batch_tokens / dt
-        if step > first_step + 1:  # the first step includes compilation and warm-up
-            rates.append(tok_s)
-        step_mfu = M.mfu(tok_s / world, flops_tok, peak * 1e12) if peak else None
-        row = {"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": lr_at(step - 1, tcfg, steps),
-               "grad_norm": norm_value, "tok_s": round(tok_s), "mfu": step_mfu,
-               "peak_mem_gib": round(peak_memory_gib(device), 3), "step_s": round(dt, 4), "skipped": skipped}
-        write_log(row)
-        say_bar(f"step {step:>6} | loss {loss_value:.4f} | lr {row['lr']:.2e} | gnorm {norm_value:.3f} | "
-                f"{tok_s:,.0f} tok/s | MFU {f'{step_mfu:.1%}' if step_mfu is not None else 'n/a'} | "
-                f"mem {row['peak_mem_gib']:.2f} GiB")
-        bar.update(1)
-    bar.close()
+    last_saved = step if ckpt is not None else None
+    try:
+        while True:
+            last_step = step == steps
+            fresh = step > first_step  # a resumed run already evaluated and saved this step
+            # Evaluate and save first, so the state on disk always matches the step counter.
+            if fresh and (step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
+                last_eval = evaluate(model, r.val_loader, eval_batches, token_bytes, tcfg, device)
+                say_bar(f"step {step:>6} | val loss {last_eval['val_loss']:.4f} | val bpb {last_eval['val_bpb']:.4f}")
+                write_log({"step": step, "tokens": tokens_seen, **last_eval})
+            if fresh and (step % tcfg.ckpt_every == 0 or last_step):
+                checkpoint()
+                last_saved = step
+            if last_step:
+                break
+            if stopper.signal or step == stop_after:
+                if last_saved != step:
+                    checkpoint()
+                raise Interrupted(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {step} of "
+                                  f"{steps}; continue with --resume")
+            t0 = time.perf_counter()
+            try:
+                loss, grad_norm = train_step(model, optimizer, next_batch, accum, tcfg, device,
+                                             lr_at(step, tcfg, steps))
+                if dist.is_initialized():
+                    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+                loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+            except torch.cuda.OutOfMemoryError:
+                raise SystemExit(
+                    f"CUDA out of memory at step {step} with micro_batch={B} sequences of {T} tokens "
+                    f"(peak {peak_memory_gib(device):.1f} GiB): try --micro-batch {max(1, B // 2)} (the batch "
+                    f"stays {tcfg.batch_tokens:,} tokens through more accumulation), --fused-loss or "
+                    f"--activation-checkpointing") from None
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss_value) or not math.isfinite(norm_value):
+                if not tcfg.skip_nonfinite:
+                    raise SystemExit(f"loss is {loss_value} (gradient norm {norm_value}) at step {step}: stopping; "
+                                     f"{keep_checkpoint_before(ckpt_path, step)}. Lower train.lr, or pass "
+                                     f"--skip-nonfinite to skip such steps")
+                skipped += 1
+                say_bar(f"step {step}: non-finite loss {loss_value}, step skipped ({skipped} so far)")
+            if step == 0:
+                expected = math.log(cfg.model.vocab_size)
+                warn = "" if abs(loss_value - expected) < 1.0 else "  WARNING: far from ln(vocab); check the init and the data"
+                say_bar(f"step 0 loss {loss_value:.4f} vs ln(vocab) = {expected:.4f}{warn}")
+            step += 1
+            tokens_seen += tcfg.batch_tokens
+            tok_s = tcfg.batch_tokens / dt
+            if step > first_step + 1:  # the first step includes compilation and warm-up
+                rates.append(tok_s)
+            step_mfu = M.mfu(tok_s / world, flops_tok, peak * 1e12) if peak else None
+            row = {"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": lr_at(step - 1, tcfg, steps),
+                   "grad_norm": norm_value, "tok_s": round(tok_s), "mfu": step_mfu,
+                   "peak_mem_gib": round(peak_memory_gib(device), 3), "step_s": round(dt, 4), "skipped": skipped}
+            write_log(row)
+            say_bar(f"step {step:>6} | loss {loss_value:.4f} | lr {row['lr']:.2e} | gnorm {norm_value:.3f} | "
+                    f"{tok_s:,.0f} tok/s | MFU {f'{step_mfu:.1%}' if step_mfu is not None else 'n/a'} | "
+                    f"mem {row['peak_mem_gib']:.2f} GiB")
+            bar.update(1)
+    finally:
+        stopper.restore()
+        bar.close()
+        if master and log_path.exists() and log_path.stat().st_size:  # a plot even for a stopped run
+            plot_losses(log_path, run_dir / "loss.png", title)
 
     elapsed = time.perf_counter() - start_time
     mean_rate = float(np.mean(rates)) if rates else None
-    summary = {"run": str(run_dir), "steps": step, "tokens": tokens_seen, "seconds": round(elapsed, 1),
+    summary = {"run": str(run_dir), "steps": step, "tokens": tokens_seen, "session_seconds": round(elapsed, 1),
                "mean_tok_s": round(mean_rate) if mean_rate else None,
                "mfu": M.mfu(mean_rate / world, flops_tok, peak * 1e12) if (peak and mean_rate) else None,
                "peak_mem_gib": round(peak_memory_gib(device), 3), "skipped": skipped, "device": info["device"],
                **{k: round(v, 4) for k, v in last_eval.items()}}
-    if master and step == steps:
-        plot_losses(run_dir / "log.jsonl", run_dir / "loss.png")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        say(f"done: {tokens_seen:,} tokens in {elapsed:.0f} s, mean {summary['mean_tok_s'] or 0:,} tok/s, "
+    if master:
+        summary_path.write_text(json.dumps(summary, indent=2))
+        say(f"done: step {step}, {tokens_seen - first_step * tcfg.batch_tokens:,} tokens in this session's "
+            f"{elapsed:.0f} s, mean {summary['mean_tok_s'] or 0:,} tok/s, "
             f"MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%')}, "
             + (f"val loss {last_eval['val_loss']:.4f} (ln vocab {math.log(cfg.model.vocab_size):.2f}), "
                f"val bpb {last_eval['val_bpb']:.4f}" if last_eval else "no validation pass")
             + f"; plot {run_dir / 'loss.png'}")
         if tcfg.sample_tokens:
-            say("sample:\n" + sample_text(raw, tk.load_tokenizer(tok_path), "def ", tcfg.sample_tokens, device))
+            say("sample:\n" + sample_text(raw, tk.load_tokenizer(r.tokenizer_path), "def ", tcfg.sample_tokens, device))
     return summary
+
+
+def keep_checkpoint_before(ckpt_path: Path, step: int) -> str:
+    """After a NaN at `step`, make ckpt.pt a checkpoint from before it. The latest checkpoint may
+    be this very step's (saved just before the step ran), whose weights already diverge; then
+    the one before it (ckpt.prev.pt, kept by CK.save) takes its place."""
+    if not ckpt_path.exists():
+        return "no checkpoint was written"
+    prev = ckpt_path.with_name("ckpt.prev.pt")
+    latest = CK.load(ckpt_path).step
+    if latest == step and prev.exists():
+        ckpt_path.replace(ckpt_path.with_name("ckpt.diverged.pt"))
+        prev.replace(ckpt_path)
+        latest = CK.load(ckpt_path).step
+    return f"the last good checkpoint {ckpt_path} (step {latest}) is kept"
 
 
 def sample_text(model: M.Llama, tok, prompt: str, n: int, device: torch.device) -> str:
@@ -608,22 +557,56 @@ def sample_text(model: M.Llama, tok, prompt: str, n: int, device: torch.device) 
     return prompt + tok.decode(new)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train the Llama-style model.")
+    p.add_argument("--config", default=str(C.PRESETS_DIR / "tiny.toml"),
+                   help="TOML file with [model] [data] [train] (default: configs/tiny.toml)")
+    p.add_argument("--name", default=None, help="run name; outputs go to <runs-dir>/<name> (default: the config "
+                                                "file's name)")
+    p.add_argument("--runs-dir", default=str(ROOT / "runs"), help="folder holding the runs (default: ./runs)")
+    p.add_argument("--resume", action="store_true", help="continue runs/<name>/ckpt.pt with its saved config "
+                                                         "(flags still change [train] settings)")
+    p.add_argument("--overwrite", action="store_true", help="start over even if the run has a checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="save a checkpoint and stop after this step (continue later with --resume)")
+    p.add_argument("--fused", dest="train__optimizer", action="store_const", const="fused",
+                   default=argparse.SUPPRESS, help="fused AdamW (same as --optimizer fused)")
+    p.add_argument("--no-fused", dest="train__optimizer", action="store_const", const="foreach",
+                   default=argparse.SUPPRESS, help="foreach AdamW (same as --optimizer foreach)")
+    C.add_config_flags(p)
+    return p
+
+
+def resolve_config(args: argparse.Namespace, run_dir: Path | None = None) -> C.Config:
+    """The config file and flags; on --resume, the checkpoint's own config and the flags. Only
+    [train] settings may change on resume: the model and data are the checkpoint's."""
+    overrides = C.flag_overrides(args)
+    if args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists():
+        fixed = sorted(k.replace("__", ".") for k in overrides if not k.startswith("train__"))
+        if fixed:
+            raise ValueError(f"--resume continues the checkpoint's model and data, so {', '.join(fixed)} cannot "
+                             f"change; start a new run with --name NAME instead")
+        return CK.load(run_dir / "ckpt.pt", **overrides).config
+    return C.load_config(args.config, **overrides)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         if distributed:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        run_dir = Path(args.runs_dir) / (args.name or Path(args.config).stem)
-        base = None
-        if args.resume and (run_dir / "ckpt.pt").exists():
-            # Resume with the run's own resolved config; flags may still change the train section.
-            base = json.loads((run_dir / "config.json").read_text())["config"]
-        cfg = resolve_config(args, base)
+        name = args.name or Path(args.config).stem
+        check_run_name(name)
+        run_dir = Path(args.runs_dir) / name
+        cfg = resolve_config(args, run_dir)
         if not distributed or dist.get_rank() == 0:
             print("config: " + json.dumps(cfg.to_dict()))
         train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after)
-    except (ValueError, FileNotFoundError, tk.CorpusError) as e:
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        sys.exit(130)
+    except (ValueError, FileNotFoundError, tk.CorpusError, OSError) as e:
         sys.exit(f"error: {e}")
     finally:
         if dist.is_initialized():

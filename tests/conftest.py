@@ -40,7 +40,7 @@ def tiny_model_cfg(**overrides) -> M.ModelConfig:
 @pytest.fixture
 def train_config(data_cfg):
     """A complete run config small enough for a few CPU steps per second."""
-    import train as TR
-    tcfg = TR.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=6, eval_every=3,
+    import config as C
+    tcfg = C.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=6, eval_every=3,
                           eval_tokens=512, ckpt_every=3, sample_tokens=0, device="cpu")
-    return TR.Config(model=tiny_model_cfg(), data=dataclasses.replace(data_cfg), train=tcfg)
+    return C.Config(model=tiny_model_cfg(), data=dataclasses.replace(data_cfg), train=tcfg)

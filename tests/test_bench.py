@@ -1,76 +1,46 @@
-"""bench.py's code paths on CPU: every study runs with the tiny preset and lists what it skips."""
+"""bench.py and measure.py on CPU: plans as pure functions, one rung measured in this process,
+one through the subprocess path, and (marked slow) every study end to end on the tiny preset."""
 
 import json
 
+import numpy as np
 import pytest
-import torch
 
 import bench as B
-import model as M
+import measure as ME
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("results")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ONEGPU_CACHE", str(tmp_path_factory.mktemp("empty-cache")))  # no shards: random tokens
-        B.main(["--ladder", "--micro-batch", "--optimizer", "--profile", "--activation-checkpointing",
-                "--compile-modes", "--attention", "--only", "textbook", "default", "doc-mask", "flash",
-                "--out", str(out)])
-    return out
+# --- Plans ---------------------------------------------------------------------------------
+
+def test_ladder_plan_adds_one_setting_per_rung():
+    rungs = B.ladder_rungs("88m", 16, 3, cuda=True) + B.ladder_tail("88m", 64, 3)
+    names = [r.name for r in rungs]
+    assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
+                     "+fused loss", "+max-autotune (no CUDA graphs)"]
+    configs = [r.config() for r in rungs]  # every rung passes the strict loader
+    assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
+    assert configs[-1].model.fused_loss and configs[-1].train.compile_mode == "max-autotune-no-cudagraphs"
+    assert configs[-2].train.micro_batch == 64 and configs[-3].model.fused_loss is False
 
 
-def rows(out, study):
-    return json.loads((out / f"{study}.json").read_text())["rows"]
+def test_a_misspelled_rung_setting_fails_before_anything_runs():
+    rung = ME.Rung("typo", "tiny", {"train__micro_batchs": 4})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) train\.micro_batchs"):
+        B.run([ME.Rung("fine", "tiny"), rung], cuda=False, timeout=10)
 
 
-def test_ladder_runs_first_rung_and_names_skipped_ones(results):
-    ladder = rows(results, "ladder")
-    assert ladder[0]["tok_s"] > 0 and ladder[0]["data"] == "random tokens" and ladder[0]["micro_batch"] == 4
-    assert [r["skipped"] for r in ladder[1:]] == ["needs CUDA"] * 6
-    assert (results / "ladder.png").stat().st_size > 1000
+def test_attention_plan_is_a_model_setting():
+    rungs = B.attention_rungs("tiny", 4, 1, only=["textbook", "doc-mask"])
+    assert [r.name for r in rungs] == ["textbook eager", "textbook compiled", "doc-mask eager", "doc-mask compiled"]
+    assert rungs[0].config().model.attention == "textbook" and rungs[2].config().train.doc_mask
+    assert B.cpu_skip(B.attention_rungs("tiny", 4, 1, only=["flash"])[0]) == "SDPA backends are CUDA kernels"
 
 
-def test_attention_study_reports_the_kernel_it_saw(results):
-    by_name = {r["rung"]: r for r in rows(results, "attention")}
-    assert by_name["textbook eager"]["attention_kernels"].startswith("math")
-    assert by_name["default eager"]["tok_s"] > 0 and by_name["doc-mask eager"]["tok_s"] > 0
-    assert by_name["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
-    assert "compiled variants are measured on CUDA" in by_name["default compiled"]["skipped"]
-
-
-def test_compile_modes_compile_on_cpu_and_name_the_cuda_only_modes(results):
-    by_name = {r["rung"]: r for r in rows(results, "compile_modes")}
-    assert by_name["default"]["tok_s"] > 0 and by_name["default"]["warmup_s"] > 0
-    for mode in ("reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"):
-        assert by_name[mode]["skipped"] == "CUDA graphs and autotuning are CUDA features"
-
-
-def test_micro_batch_study_fits_memory_line(results):
-    sizes = [r["micro_batch"] for r in rows(results, "micro_batch") if "micro_batch" in r]
-    assert sizes == [1, 2, 4]
-
-
-def test_optimizer_and_profile(results):
-    optimizer = {r["rung"]: r for r in rows(results, "optimizer")}
-    assert optimizer["foreach"]["update_ms"] > 0 and optimizer["for-loop"]["update_ms"] > 0
-    assert "skipped" in optimizer["fused"]
-    profile = rows(results, "profile")
-    assert abs(sum(r["share"] for r in profile) - 1) < 1e-6
-    assert {r["rung"] for r in profile} >= {"matmul", "attention"}
-
-
-def test_activation_checkpointing_rows(results):
-    names = [r["rung"] for r in rows(results, "activation_checkpointing")]
-    assert names[:2] == ["micro-batch 4", "micro-batch 4 +AC"]
-
-
-def test_textbook_attention_equals_sdpa():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    torch.testing.assert_close(B.textbook_attention(q, k, v), M.attention(q, k, v))
-    torch.testing.assert_close(B.repeated_kv_attention(q, k, v), M.attention(q, k, v))
+def test_memory_line_recovers_a_known_fit():
+    rows = [{"micro_batch": mb, "peak_gib": 1.5 + 0.25 * mb} for mb in (1, 2, 4, 8)]
+    fit = B.memory_line(rows)
+    assert fit["fixed_gib"] == pytest.approx(1.5) and fit["gib_per_seq"] == pytest.approx(0.25)
+    assert B.memory_line(rows[:1]) is None
 
 
 def test_ladder_table_math():
@@ -80,3 +50,54 @@ def test_ladder_table_math():
               "sm_mhz": 1000, "power_w": 50, "peak_gib": 1.0}]
     table = B.ladder_table(rows_, flops_tok=1e12, roof=1000.0, spec_peak=2000.0)
     assert "| b | 4 | 250 | 0.400 | 2.50 | 2.50 | 25.0% | 12.5% | 1.00 | 1.0 | 1000 | 50 | 250 | 1.0% |" in table
+
+
+def test_budget_command_prints_table(capsys):
+    B.main(["--budget", "--tok-s", "88m=29408"])
+    assert "| 88m | 88,096,512 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--tok-s '99m=5': expected PRESET=TOKENS_PER_S with a preset from configs/"):
+        B.main(["--budget", "--tok-s", "99m=5"])
+
+
+# --- Measuring -----------------------------------------------------------------------------
+
+def test_one_rung_in_process_uses_train_setup():
+    result = ME.measure(ME.Rung("fp32", "tiny", {"train__micro_batch": 2, "train__batch_tokens": 2048}, 1))
+    assert result.tok_s > 0 and result.data == "random tokens" and result.accum == 2 and result.skipped is None
+    assert np.isfinite(result.loss)
+
+
+def test_one_rung_through_a_subprocess_returns_a_typed_result():
+    result = ME.run_in_subprocess(ME.Rung("fp32", "tiny", {"train__micro_batch": 2, "train__batch_tokens": 1024},
+                                          1, kernels=True), timeout=300)
+    assert result.skipped is None and result.tok_s > 0 and result.micro_batch == 2
+    assert result.attention_kernels.startswith("unknown") or result.attention_kernels  # CPU: no CUDA kernel names
+
+
+def test_a_failing_rung_comes_back_as_skipped_with_the_reason():
+    # batch_tokens not a multiple of micro_batch x context: setup() refuses inside the child process
+    result = ME.run_in_subprocess(ME.Rung("bad", "tiny", {"train__micro_batch": 3, "train__batch_tokens": 1000}, 1),
+                                  timeout=300)
+    assert result.tok_s is None and "ValueError: train.batch_tokens=1,000 is not a multiple" in result.skipped
+
+
+# --- Every study end to end (slow: .ci/run runs it) ------------------------------------------
+
+@pytest.mark.slow
+def test_every_study_runs_on_cpu(tmp_path):
+    B.main(["--all", "--only", "textbook", "sdpa", "doc-mask", "flash", "--out", str(tmp_path)])
+
+    def rows(study):
+        return json.loads((tmp_path / f"{study}.json").read_text())["rows"]
+    ladder = rows("ladder")
+    assert ladder[0]["tok_s"] > 0 and ladder[0]["micro_batch"] == 4
+    assert all("skipped" in r for r in ladder[1:])
+    attention = {r["rung"]: r for r in rows("attention")}
+    assert attention["textbook eager"]["attention_kernels"].startswith("math") and attention["sdpa eager"]["tok_s"] > 0
+    assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
+    assert [r["micro_batch"] for r in rows("micro_batch_sweep") if "micro_batch" in r] == [1, 2, 4]
+    assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
+    assert rows("generate")[0]["decode_tok_s"] > 0
+    for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)
+        if any(r.get(B.PLOTTED[study][0]) for r in rows(study)):
+            assert (tmp_path / f"{study}.png").stat().st_size > 1000, study

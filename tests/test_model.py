@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import config as C
 import model as M
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=32)
@@ -15,12 +16,12 @@ def small_model(dtype=torch.float64, **overrides):
     return M.Llama(M.ModelConfig(**{**SMALL, **overrides})).to(dtype).eval()
 
 
-# --- Exact parameter and FLOP counts (seed 002's table, LLaMA-2 7B) -------------------------
+# --- Exact parameter and FLOP counts (the presets of "What a Laptop Can Train", LLaMA-2 7B) -------
 
 @pytest.mark.parametrize("name, params", [("22m", 22_025_088), ("47m", 47_195_712),
                                           ("88m", 88_096_512), ("126m", 125_854_464)])
 def test_preset_parameter_counts(name, params):
-    cfg = M.preset(name)
+    cfg = C.preset(name).model
     assert cfg.head_dim == 64 and cfg.vocab_size == 32768 and cfg.context == 1024
     assert cfg.ffn_hidden == M.swiglu_hidden(cfg.d_model)
     with torch.device("meta"):
@@ -43,11 +44,11 @@ def test_llama2_7b_on_meta_device_is_exact_and_fast():
 
 
 def test_flops_per_token_88m():
-    assert M.flops_per_token(M.preset("88m")) == 622_950_912  # seed 000: 6N + 12*L*H*Q*T
-    assert M.mfu(29_408, 622_950_912, 25.3e12) == pytest.approx(0.724, abs=1e-3)  # seed 000's 72.4%
+    assert M.flops_per_token(C.preset("88m").model) == 622_950_912  # "Making Training Fast on One GPU": 6N + 12*L*H*Q*T
+    assert M.mfu(29_408, 622_950_912, 25.3e12) == pytest.approx(0.724, abs=1e-3)  # that article's 72.4%
 
 
-def test_budget_matches_seed_002():
+def test_budget_matches_the_laptop_article():
     b = M.budget("88m", 88_096_512, 29_508)
     assert b.tokens == 1_761_930_240 and f"{b.flops:.1e}" == "9.3e+17"
     assert round(b.hours, 1) == 16.6 and round(b.tokens_per_param_8h) == 10 and round(b.tokens_per_param_48h) == 58
@@ -55,7 +56,7 @@ def test_budget_matches_seed_002():
 
 def test_memory_estimate():
     # 16 bytes per parameter for 88m is 1.31 GiB; plus 16 sequences at 0.33 GiB each.
-    assert M.memory_estimate_gib(M.preset("88m"), 16, 0.33) == pytest.approx(1.3127 + 5.28, abs=1e-3)
+    assert M.memory_estimate_gib(C.preset("88m").model, 16, 0.33) == pytest.approx(1.3127 + 5.28, abs=1e-3)
 
 
 # --- One block against an independent NumPy float64 reference --------------------------------
@@ -122,7 +123,8 @@ def test_rope_scores_depend_only_on_offset():
     q, k = torch.randn(1, 1, 1, 64, generator=g, dtype=torch.float64), torch.randn(1, 1, 1, 64, generator=g, dtype=torch.float64)
 
     def score(qpos, kpos):
-        return (M.apply_rope(q, cos[qpos], sin[qpos]) * M.apply_rope(k, cos[kpos], sin[kpos])).sum().item()
+        return (M.apply_rope(q, cos[qpos:qpos + 1], sin[qpos:qpos + 1])
+                * M.apply_rope(k, cos[kpos:kpos + 1], sin[kpos:kpos + 1])).sum().item()
 
     assert score(5, 2) == pytest.approx(score(15, 12), rel=1e-12)
     assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-6)
@@ -154,17 +156,69 @@ def test_kv_cache_decode_equals_full_forward():
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = model(idx)
-        cache = M.KVCache(model.cfg, batch=2, device="cpu", dtype=torch.float64)
-        steps = [model(idx[:, :7], cache=cache)]  # a prompt,
-        steps += [model(idx[:, 7:12], cache=cache)]  # a chunk after cached tokens (offset mask),
-        steps += [model(idx[:, t:t + 1], cache=cache) for t in range(12, 20)]  # then one at a time
-    assert cache.k[0].shape == (2, 2, 32, 16)  # sized for the 2 kv heads, not the 4 query heads
+        model.setup_cache(2)
+        steps = [model(idx[:, :7], pos=torch.arange(7))]  # a prompt,
+        steps += [model(idx[:, 7:12], pos=torch.arange(7, 12))]  # a chunk after cached tokens,
+        steps += [model(idx[:, t:t + 1], pos=torch.tensor([t])) for t in range(12, 20)]  # then one at a time
+    assert model.blocks[0].attn.cache.k.shape == (2, 2, 32, 16)  # the 2 kv heads, not the 4 query heads
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
+
+
+def test_cache_is_never_read_past_the_current_length():
+    """Positions after the tokens written so far hold garbage (stale keys of a longer earlier
+    generation); the mask must keep every one of them out of the result."""
+    model = small_model()
+    idx = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model.setup_cache(1)
+        clean = model(idx, pos=torch.arange(12))
+        for block in model.blocks:
+            block.attn.cache.k[:, :, 12:] = 1e4 * torch.randn_like(block.attn.cache.k[:, :, 12:])
+            block.attn.cache.v[:, :, 12:] = 1e4 * torch.randn_like(block.attn.cache.v[:, :, 12:])
+        dirty = model(idx, pos=torch.arange(12))
+        next_clean = model(idx[:, -1:], pos=torch.tensor([12]))
+    torch.testing.assert_close(dirty, clean, rtol=0, atol=1e-12)
+    assert torch.isfinite(next_clean).all()
+
+
+def test_cached_attention_folds_query_groups_like_native_gqa():
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 6, 5, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(5, 9, generator=g) > 0.3
+    mask[:, 0] = True  # every query sees at least one key
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(M.cached_attention(q, k, v, mask), expected)
+
+
+@pytest.mark.parametrize("rows", [7, 64])  # several chunks with a short last one; one chunk
+def test_fused_loss_equals_plain_loss_and_gradients(rows, monkeypatch):
+    monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", rows)
+    idx, targets = torch.randint(0, 97, (2, 2, 30), generator=torch.Generator().manual_seed(7))
+    results = []
+    for fused in (False, True):
+        model = small_model(fused_loss=fused)
+        model.train()
+        loss = model(idx, targets)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_kinds_agree_on_cpu():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    reference = M.attention(q, k, v, "sdpa")
+    for kind in ("textbook", "flash", "cudnn", "efficient", "math"):  # backends pin on CUDA only
+        torch.testing.assert_close(M.attention(q, k, v, kind), reference)
 
 
 def test_loss_at_init_is_near_ln_vocab():
     torch.manual_seed(0)
-    model = M.Llama(M.preset("tiny"))
+    model = M.Llama(C.preset("tiny").model)
     idx, targets = torch.randint(0, 4096, (2, 64)), torch.randint(0, 4096, (2, 64))
     with torch.no_grad():
         loss = model(idx, targets=targets).item()
@@ -188,24 +242,3 @@ def test_sequence_longer_than_context_is_refused():
     model = small_model()
     with pytest.raises(ValueError, match=r"33 tokens is longer than model\.context=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
-
-
-def test_config_file_unknown_key_and_wrong_type(tmp_path):
-    path = tmp_path / "bad.toml"
-    path.write_text("[model]\nd_model = 64\nn_layer = 2\n")
-    with pytest.raises(ValueError, match=r"bad\.toml: unknown key\(s\) model\.n_layer; valid keys .* n_layers"):
-        M.from_dict(M.ModelConfig, M.read_toml(path, ("model",))["model"], str(path), "model")
-    path.write_text("[model]\nd_model = \"wide\"\n")
-    with pytest.raises(ValueError, match=r"model\.d_model must be int, got str 'wide'"):
-        M.from_dict(M.ModelConfig, M.read_toml(path, ("model",))["model"], str(path), "model")
-    path.write_text("[modle]\nd_model = 64\n")
-    with pytest.raises(ValueError, match=r"unknown section\(s\) \['modle'\]"):
-        M.read_toml(path, ("model",))
-
-
-def test_budget_command_prints_table(capsys):
-    M.main(["--budget", "--tok-s", "88m=29408"])
-    out = capsys.readouterr().out
-    assert "| 88m | 88,096,512 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in out
-    with pytest.raises(SystemExit, match="expected PRESET=TOKENS_PER_S"):
-        M.main(["--budget", "--tok-s", "99m=5"])

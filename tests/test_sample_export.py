@@ -4,6 +4,8 @@ import json
 import pytest
 import torch
 
+import checkpoint as CK
+import config as C
 import export as E
 import model as M
 import sample as S
@@ -14,8 +16,8 @@ from conftest import tiny_model_cfg
 @pytest.fixture(scope="module")
 def run_dir(data_cfg, tmp_path_factory):
     """A checkpoint trained for a few steps, so its predictions are not uniform."""
-    cfg = TR.Config(model=tiny_model_cfg(n_kv_heads=1, n_heads=2, d_model=128), data=data_cfg,
-                    train=TR.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=8,
+    cfg = C.Config(model=tiny_model_cfg(n_kv_heads=1, n_heads=2, d_model=128), data=data_cfg,
+                   train=C.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=8,
                                          eval_every=8, eval_tokens=512, ckpt_every=8, sample_tokens=0, device="cpu"))
     folder = tmp_path_factory.mktemp("runs") / "tiny"
     TR.train(cfg, folder, log=lambda *a, **k: None)
@@ -24,9 +26,13 @@ def run_dir(data_cfg, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(run_dir):
-    ckpt = S.load_checkpoint(run_dir, "cpu")
-    tok, tok_path = S.checkpoint_tokenizer(ckpt)
-    return ckpt, tok, tok_path, M.from_checkpoint(ckpt).eval()
+    ckpt = CK.load(run_dir, "cpu")
+    tok, tok_path = CK.tokenizer_for(ckpt)
+    return ckpt, tok, tok_path, ckpt.build_model().eval()
+
+
+def greedy(model, ids, n, **kwargs):
+    return S.generate_batch(model, ids, 1, n, 0.0, 0, 1.0, None, **kwargs)[0][0]
 
 
 # --- sample.py -----------------------------------------------------------------------------
@@ -34,16 +40,31 @@ def loaded(run_dir):
 def test_greedy_with_cache_equals_without(loaded):
     ckpt, tok, _, model = loaded
     ids = tok.encode("# document 3\n").ids
-    with_cache = S.stream(model, tok, ids, 40, 0.0, 0, 1.0, None, use_cache=True, out=None)
-    without = S.stream(model, tok, ids, 40, 0.0, 0, 1.0, None, use_cache=False, out=None)
-    assert with_cache == without and len(with_cache) == 40
+    with_cache = greedy(model, ids, 40)
+    assert with_cache == greedy(model, ids, 40, use_cache=False) and len(with_cache) == 40
+
+
+def test_batch_of_n_equals_n_single_runs(loaded):
+    ckpt, tok, _, model = loaded
+    ids = tok.encode("the").ids
+    batch, _ = S.generate_batch(model, ids, 3, 25, 0.0, 0, 1.0, None)
+    assert batch == [greedy(model, ids, 25)] * 3
+
+
+def test_sampling_with_a_seed_is_reproducible(loaded):
+    ckpt, tok, _, model = loaded
+    runs = [S.generate_batch(model, [5, 6], 2, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(4))[0] for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]  # same seed, same text; the two samples differ
 
 
 def test_streamed_text_is_the_decoded_tokens(loaded):
     ckpt, tok, _, model = loaded
     out = io.StringIO()
-    new = S.stream(model, tok, tok.encode("the").ids, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(1), out=out)
-    assert out.getvalue() == tok.decode(new) + "\n"
+    printer = S.StreamPrinter(tok, out)
+    new, _ = S.generate_batch(model, tok.encode("the").ids, 1, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(1),
+                              on_token=printer)
+    printer.finish()
+    assert out.getvalue() == tok.decode(new[0]) + "\n"
 
 
 def test_sampling_respects_top_k_and_top_p():
@@ -64,7 +85,7 @@ def test_sampling_respects_top_k_and_top_p():
     (dict(top_k=-3), r"--top-k -3: must be >= 0"),
 ])
 def test_invalid_settings_are_clear_errors(args, message):
-    settings = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 10, **args}
+    settings = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 10, "num_samples": 1, **args}
     with pytest.raises(ValueError, match=message):
         S.check_settings(**settings)
 
@@ -84,13 +105,14 @@ def test_tokenizer_mismatch_is_refused(loaded, tmp_path):
     data["model"]["merges"] = data["model"]["merges"][:-1]
     other.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"has hash [0-9a-f]{16}, but the checkpoint was trained with tokenizer"):
-        S.checkpoint_tokenizer(ckpt, str(other))
+        CK.tokenizer_for(ckpt, str(other))
 
 
 def test_sample_command_runs(run_dir, capsys):
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "12", "--num-samples", "2", "--seed", "3"])
     captured = capsys.readouterr()
-    assert captured.out.count("--- sample") == 2 and "tokens/s, KV cache, cpu" in captured.err
+    assert captured.out.count("--- sample") == 2 and "[KV cache, cpu, batch 2: first token after" in captured.err
+    assert "tok/s decoding 11 more per sample" in captured.err
 
 
 def test_cached_decoding_feeds_one_token_per_step(loaded):
@@ -100,10 +122,10 @@ def test_cached_decoding_feeds_one_token_per_step(loaded):
     lengths = []
     hook = model.embed.register_forward_hook(lambda mod, args, out: lengths.append(args[0].shape[1]))
     try:
-        S.stream(model, tok, [5, 6, 7], 10, 0.0, 0, 1.0, None, use_cache=True, out=None)
+        greedy(model, [5, 6, 7], 10)
         assert lengths == [3] + [1] * 9
         lengths.clear()
-        S.stream(model, tok, [5, 6, 7], 10, 0.0, 0, 1.0, None, use_cache=False, out=None)
+        greedy(model, [5, 6, 7], 10, use_cache=False)
         assert lengths == list(range(3, 13))
     finally:
         hook.remove()
@@ -124,7 +146,7 @@ def test_export_loads_in_transformers_with_equal_logits(loaded, tmp_path):
         ours, theirs = model(idx), hf(idx).logits
     assert (ours - theirs).abs().max().item() < 1e-4
     prompt = torch.tensor([tok.encode("the").ids])
-    greedy_ours = S.stream(model, tok, prompt[0].tolist(), 20, 0.0, 0, 1.0, None, out=None)
+    greedy_ours = greedy(model, prompt[0].tolist(), 20)
     greedy_hf = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
                             min_new_tokens=20)[0, prompt.shape[1]:].tolist()
     assert greedy_ours == greedy_hf

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint as CK
+import config as C
 import model as M
 import train as TR
 
@@ -21,10 +23,10 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "ckpt.pt", weights_only=False)["model"]
+    return CK.load(run_dir).model
 
 
-def with_train(cfg: TR.Config, **changes) -> TR.Config:
+def with_train(cfg: C.Config, **changes) -> C.Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
 
 
@@ -36,8 +38,9 @@ QUIET = dict(log=lambda *a, **k: None)
 def test_resume_is_bitwise_exact(train_config, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     TR.train(train_config, straight, **QUIET)
-    TR.train(train_config, split, stop_after=3, **QUIET)
-    assert torch.load(split / "ckpt.pt", weights_only=False)["step"] == 3
+    with pytest.raises(TR.Interrupted, match="--stop-after: saved .* at step 3 of 6; continue with --resume"):
+        TR.train(train_config, split, stop_after=3, **QUIET)
+    assert CK.load(split).step == 3
     TR.train(train_config, split, resume=True, **QUIET)
     assert losses(straight) == losses(split) and len(losses(split)) == 6
     a, b = weights(straight), weights(split)
@@ -46,17 +49,17 @@ def test_resume_is_bitwise_exact(train_config, tmp_path):
 
 def test_checkpoint_carries_its_context(train_config, tmp_path):
     TR.train(train_config, tmp_path / "run", **QUIET)
-    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
-    assert {"model", "optimizer", "step", "loader", "rng", "config", "tokenizer_hash"} <= set(ckpt)
-    assert {"python", "numpy", "torch"} <= set(ckpt["rng"]) and ckpt["loader"]["pos"] > 0
-    assert ckpt["config"]["model"] == dataclasses.asdict(train_config.model)
+    ckpt = CK.load(tmp_path / "run")
+    assert ckpt.optimizer["state"] and ckpt.step == 6 and ckpt.tokenizer_hash
+    assert {"python", "numpy", "torch"} <= set(ckpt.rngs[0]) and ckpt.loaders[0]["pos"] > 0
+    assert ckpt.config == train_config
     assert not list((tmp_path / "run").glob("*.tmp"))
 
 
 # --- The recipe ----------------------------------------------------------------------------
 
 def test_learning_rate_schedule():
-    cfg = TR.TrainConfig(lr=1.0, warmup_steps=10, steps=110)
+    cfg = C.TrainConfig(lr=1.0, warmup_steps=10, steps=110)
     assert TR.lr_at(0, cfg, 110) == pytest.approx(0.1) and TR.lr_at(9, cfg, 110) == pytest.approx(1.0)
     assert TR.lr_at(60, cfg, 110) == pytest.approx(0.55)  # halfway down the cosine
     assert TR.lr_at(110, cfg, 110) == pytest.approx(0.1)  # ends at 10% of the peak
@@ -64,7 +67,7 @@ def test_learning_rate_schedule():
 
 def test_weight_decay_only_on_block_matrices():
     model = M.Llama(M.ModelConfig(d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=300, context=16))
-    opt = TR.configure_optimizer(model, TR.TrainConfig(steps=1))
+    opt = TR.configure_optimizer(model, C.TrainConfig(steps=1))
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in decayed}
     assert names == {n for n, _ in model.named_parameters() if n.startswith("blocks.") and n.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight"))}
@@ -197,9 +200,20 @@ def poison(monkeypatch, at_call: int, value=float("nan"), error=None, raise_sign
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(train_config, tmp_path, monkeypatch):
     run = tmp_path / "run"
     poison(monkeypatch, at_call=9)  # step 4's first micro-batch (2 per step)
-    with pytest.raises(SystemExit, match=r"loss is nan .* at step 4: stopping; the last good checkpoint .*ckpt\.pt is kept"):
+    with pytest.raises(SystemExit, match=r"loss is nan .* at step 4: stopping; the last good checkpoint .*ckpt\.pt \(step 3\) is kept"):
         TR.train(train_config, run, **QUIET)
-    assert torch.load(run / "ckpt.pt", weights_only=False)["step"] == 3
+    assert CK.load(run).step == 3
+
+
+def test_nan_right_after_a_checkpoint_falls_back_to_the_one_before(train_config, tmp_path, monkeypatch):
+    """The checkpoint saved at step 3 holds the weights that give NaN at step 3: resuming from it
+    would stop again, so the one before it (step 2) takes its place."""
+    run = tmp_path / "run"
+    cfg = with_train(train_config, ckpt_every=1, steps=6)
+    poison(monkeypatch, at_call=7)  # step 3's first micro-batch
+    with pytest.raises(SystemExit, match=r"the last good checkpoint .*ckpt\.pt \(step 2\) is kept"):
+        TR.train(cfg, run, **QUIET)
+    assert CK.load(run).step == 2 and CK.load(run / "ckpt.diverged.pt").step == 3
 
 
 def test_nan_step_can_be_skipped_and_counted(train_config, tmp_path, monkeypatch):
@@ -214,11 +228,12 @@ def test_sigterm_saves_and_resume_continues(train_config, tmp_path, monkeypatch)
     poison(monkeypatch, at_call=5, raise_signal=signal.SIGTERM)  # during step 3
     old = signal.getsignal(signal.SIGTERM)
     try:
-        TR.train(with_train(train_config, ckpt_every=100), run, **QUIET)
+        with pytest.raises(TR.Interrupted, match="SIGTERM: saved"):
+            TR.train(with_train(train_config, ckpt_every=100), run, **QUIET)
     finally:
         signal.signal(signal.SIGTERM, old)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    assert torch.load(run / "ckpt.pt", weights_only=False)["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert CK.load(run).step == 3
     monkeypatch.undo()
     summary = TR.train(train_config, run, resume=True, **QUIET)
     assert summary["steps"] == 6
@@ -235,12 +250,12 @@ def test_checkpoint_from_another_shape_or_tokenizer_is_refused(train_config, tmp
     TR.train(train_config, run, **QUIET)
     wider = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, d_model=128, n_heads=2, n_kv_heads=2))
     with pytest.raises(ValueError, match=r"another model shape \(d_model: checkpoint 64, config 128; n_heads"):
-        TR.train(wider, run, resume=True, **QUIET)
-    ckpt = torch.load(run / "ckpt.pt", weights_only=False)
+        TR.train(with_train(wider, steps=9), run, resume=True, **QUIET)
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
     ckpt["tokenizer_hash"] = "0123456789abcdef"
     torch.save(ckpt, run / "ckpt.pt")
     with pytest.raises(ValueError, match=r"trained with tokenizer 0123456789abcdef, but the data now uses tokenizer"):
-        TR.train(train_config, run, resume=True, **QUIET)
+        TR.train(with_train(train_config, steps=9), run, resume=True, **QUIET)
 
 
 def test_existing_run_is_not_overwritten(train_config, tmp_path):
@@ -256,6 +271,7 @@ def test_flags_override_file_override_defaults(tmp_path):
     path.write_text('[model]\nd_model = 128\nn_heads = 2\nn_kv_heads = 1\n[train]\nsteps = 7\nlr = 1\ncompile = true\n')
     args = TR.build_parser().parse_args(["--config", str(path), "--steps", "9", "--no-compile", "--fused"])
     cfg = TR.resolve_config(args)
+    assert cfg == C.load_config(path, train__steps=9, train__compile=False, train__optimizer="fused")
     assert (cfg.model.d_model, cfg.model.n_layers) == (128, 10)  # file, default
     assert (cfg.train.steps, cfg.train.lr, cfg.train.compile, cfg.train.optimizer) == (9, 1.0, False, "fused")
 
@@ -263,8 +279,8 @@ def test_flags_override_file_override_defaults(tmp_path):
 @pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m"])
 def test_every_preset_file_loads(name):
     cfg = TR.resolve_config(TR.build_parser().parse_args(["--config", str(ROOT / "configs" / f"{name}.toml")]))
-    assert cfg.model == M.preset(name)
-    if name != "tiny":  # seed 000's fast path is on for the GPU presets
+    assert cfg == C.preset(name)
+    if name != "tiny":  # the fast path is on for the GPU presets
         assert cfg.train.compile and cfg.train.bf16 and cfg.train.tf32 and cfg.train.optimizer == "fused"
         assert TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1) > 0
 

@@ -1,0 +1,188 @@
+"""Checkpoints: the one module that writes and reads them.
+
+A checkpoint is one file, runs/<name>/ckpt.pt, holding everything a bit-exact resume needs:
+weights, optimizer state, step and token counters, every rank's loader cursor and RNG state,
+the resolved config and the tokenizer's hash.
+
+Safety: a checkpoint is loaded with `torch.load(..., weights_only=True)`, which unpickles only
+tensors and plain data (dicts, lists, numbers, strings). A file that asks for anything else,
+as a crafted pickle that would run a command does, is refused with a clear error. So that our
+own checkpoints pass that check, everything in them is stored as plain types, RNG states too.
+
+Writing is atomic: a temporary file, fsync, rename. A crash or a full disk mid-write leaves
+the previous checkpoint as it was and no temporary file behind. The checkpoint before the
+latest is kept as ckpt.prev.pt, so that after a divergence (a NaN loss) a checkpoint from
+before it still exists: the latest one may already hold the diverging weights.
+"""
+
+import dataclasses
+import os
+import pickle
+import random
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import config as C
+import data as D
+import model as M
+import tokenizer as tk
+
+FORMAT = 2  # bump when the layout below changes; load() refuses other versions with advice
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message names the file, what is wrong and what to do."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: C.Config
+    model: dict  # state_dict of the raw (uncompiled) model
+    optimizer: dict | None
+    step: int
+    tokens: int
+    skipped: int
+    loaders: list  # one ShardLoader.state_dict() per rank
+    rngs: list  # one rng_state() per rank
+    tokenizer_hash: str
+
+    def build_model(self) -> M.Llama:
+        model = M.Llama(self.config.model)
+        try:
+            model.load_state_dict(self.model, strict=True)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0]
+            raise CheckpointError(f"{self.path}: its weights do not match its own config ({first}): "
+                                  f"the file is damaged or was not written by onegpu") from None
+        return model
+
+
+# --- RNG state as plain types --------------------------------------------------------------
+
+def rng_state() -> dict:
+    """Python, NumPy, torch (and CUDA) generators, in types weights_only loading accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- Save ----------------------------------------------------------------------------------
+
+def save(path: Path, *, model: dict, optimizer: dict, step: int, tokens: int, skipped: int, loaders: list,
+         rngs: list, config: C.Config, tokenizer_hash: str):
+    """Write atomically: a crash or a full disk mid-write leaves the previous checkpoint intact."""
+    state = {"format": FORMAT, "model": model, "optimizer": optimizer, "step": step, "tokens": tokens,
+             "skipped": skipped, "loaders": list(loaders), "rngs": list(rngs), "config": config.to_dict(),
+             "tokenizer_hash": tokenizer_hash}
+    tmp = path.with_name(path.name + ".tmp")
+    prev, prev_tmp = path.with_name("ckpt.prev.pt"), path.with_name("ckpt.prev.pt.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():  # keep the one before as ckpt.prev.pt (a hard link: no copy, no gap)
+            prev_tmp.unlink(missing_ok=True)
+            os.link(path, prev_tmp)
+            prev_tmp.replace(prev)
+        tmp.replace(path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        tmp.unlink(missing_ok=True)
+        prev_tmp.unlink(missing_ok=True)
+        reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0][:120]
+        kept = "the previous checkpoint is kept" if path.exists() else "no checkpoint exists yet"
+        raise CheckpointError(f"could not write checkpoint {path} ({reason}); {kept}: free disk space or "
+                              f"check that the folder is writable") from None
+
+
+# --- Load ----------------------------------------------------------------------------------
+
+def resolve_path(path: str | Path) -> Path:
+    """A run folder (runs/NAME) or a ckpt.pt file -> the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "ckpt.pt"
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: pass a run folder (runs/NAME) or its ckpt.pt")
+    return path
+
+
+def load(path: str | Path, device="cpu", **overrides) -> Checkpoint:
+    """Read a checkpoint safely (tensors and plain data only) and check its config strictly.
+    overrides (section__name=value) change the saved config, e.g. train__lr for a resumed run."""
+    path = resolve_path(path)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:120]
+        raise CheckpointError(f"{path}: refused, it holds Python objects other than tensors and plain data "
+                              f"({detail}); loading it could run code. Only a checkpoint written by onegpu's "
+                              f"train.py loads") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise CheckpointError(f"{path}: not a readable checkpoint ({first}): it is truncated or corrupt; "
+                              f"use another checkpoint or retrain") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format", "none") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path}: checkpoint format {found}, this version of onegpu reads format {FORMAT}: "
+                              f"load it with the onegpu version that wrote it, or retrain")
+    try:
+        config = C.load_config(values=state["config"], source=f"{path} (saved config)", **overrides)
+        return Checkpoint(path=path, config=config, model=state["model"], optimizer=state["optimizer"],
+                          step=int(state["step"]), tokens=int(state["tokens"]), skipped=int(state["skipped"]),
+                          loaders=list(state["loaders"]), rngs=list(state["rngs"]),
+                          tokenizer_hash=str(state["tokenizer_hash"]))
+    except KeyError as e:
+        raise CheckpointError(f"{path}: checkpoint lacks {e.args[0]!r}: it was not written by onegpu's "
+                              f"train.py or is damaged") from None
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def check_compatible(ckpt: Checkpoint, cfg: C.Config, tok_hash: str):
+    """Refuse a checkpoint from another model shape or tokenizer, naming what differs."""
+    saved, now = dataclasses.asdict(ckpt.config.model), dataclasses.asdict(cfg.model)
+    diff = [f"{k}: checkpoint {saved[k]!r}, config {now[k]!r}" for k in M.SHAPE_FIELDS if saved[k] != now[k]]
+    if diff:
+        raise CheckpointError(f"{ckpt.path} is from another model shape ({'; '.join(diff)}): use the run's own "
+                              f"config or start a new run with --name NAME")
+    if ckpt.tokenizer_hash != tok_hash:
+        raise CheckpointError(f"{ckpt.path} was trained with tokenizer {ckpt.tokenizer_hash}, but the data now "
+                              f"uses tokenizer {tok_hash}: point the run at its original tokenizer and shards")
+
+
+def tokenizer_for(ckpt: Checkpoint, override: str | Path | None = None):
+    """(tokenizer, path): the one the checkpoint was trained with, from its data folder or from
+    `override`. Refuses a tokenizer whose hash differs from the checkpoint's."""
+    if override:
+        path = Path(override)
+    else:
+        path = D.data_dir(ckpt.config.data, ckpt.config.model.vocab_size) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"tokenizer {path} not found: pass --tokenizer PATH to the tokenizer.json "
+                              f"the checkpoint was trained with (hash {ckpt.tokenizer_hash})")
+    found = tk.tokenizer_hash(path)
+    if found != ckpt.tokenizer_hash:
+        raise CheckpointError(f"tokenizer {path} has hash {found}, but the checkpoint was trained with tokenizer "
+                              f"{ckpt.tokenizer_hash}: pass --tokenizer with the original tokenizer.json")
+    return tk.load_tokenizer(path), path

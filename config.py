@@ -1,0 +1,250 @@
+"""Reading configs: TOML files and command-line flags into checked dataclasses.
+
+The one place settings are read. A config file has three sections a person edits by hand:
+
+    [model]   ModelConfig (model.py): the shape of the network and which kernels it runs
+    [data]    DataConfig (data.py): corpus, tokenizer and shard cache
+    [train]   TrainConfig (here): batch, schedule, speed flags
+
+Defaults come from the dataclasses, the file overrides them, flags override the file. A typo
+must never pass silently: unknown keys and wrong types are errors naming the key, the file and
+what is allowed, and every number has its range checked in the dataclass it belongs to.
+Every field is also a flag (`--micro-batch 32`, `--no-compile`) whose help is the field's comment.
+
+TrainConfig lives here rather than in train.py so that checkpoints, sampling and bench can read a
+run's config without importing the training script.
+"""
+
+import argparse
+import dataclasses
+import inspect
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import data as D
+import model as M
+
+PRESETS_DIR = Path(__file__).resolve().parent / "configs"
+CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+@dataclass
+class TrainConfig:
+    batch_tokens: int = 524_288  # tokens per optimizer step, all ranks (GPT-3 125M's 0.5M)
+    micro_batch: int = 16  # sequences per forward/backward; the rest is gradient accumulation
+    lr: float = 6e-4  # peak learning rate (GPT-3's for 125M)
+    min_lr_ratio: float = 0.1  # cosine decays to this share of lr (Llama, GPT-3)
+    warmup_steps: int = 200  # linear warm-up steps
+    steps: int = 0  # optimizer steps; 0 means tokens // batch_tokens
+    tokens: int = 0  # training tokens, used when steps is 0
+    weight_decay: float = 0.1  # on block matrices only (see train.configure_optimizer)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    grad_clip: float = 1.0  # max global gradient norm
+    eval_every: int = 250  # steps between validation passes (and at the end)
+    eval_tokens: int = 1_048_576  # validation tokens per pass
+    ckpt_every: int = 250  # steps between checkpoints (and at the end, and on Ctrl-C/SIGTERM)
+    seed: int = 1337  # seeds the init, the data order and sampling
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    tf32: bool = False  # TF32 tensor-core matmuls for float32 (CUDA)
+    bf16: bool = False  # bfloat16 autocast; float32 master weights and optimizer (CUDA)
+    compile: bool = False  # torch.compile the model
+    compile_mode: CompileMode = "default"  # torch.compile mode
+    optimizer: Literal["fused", "foreach", "for-loop"] = "foreach"  # AdamW implementation
+    pin: bool = False  # pinned host memory and non_blocking copies (CUDA)
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
+    doc_mask: bool = False  # attend only within each packed document
+    overfit_batch: bool = False  # train on one fixed micro-batch: the loss must go to ~0
+    skip_nonfinite: bool = False  # skip (and count) steps with a NaN/inf loss instead of stopping
+    peak_tflops: float = 0.0  # dense BF16 peak for MFU; 0 looks the GPU up by name
+    sample_tokens: int = 200  # tokens of text generated at the end of the run
+
+    def __post_init__(self):
+        for name in ("batch_tokens", "micro_batch", "eval_every", "eval_tokens", "ckpt_every"):
+            check_range(self, "train", name, low=1)
+        for name in ("warmup_steps", "steps", "tokens", "sample_tokens"):
+            check_range(self, "train", name, low=0)
+        check_range(self, "train", "lr", low=0, low_open=True, high=1.0)
+        check_range(self, "train", "min_lr_ratio", low=0, high=1)
+        check_range(self, "train", "weight_decay", low=0)
+        check_range(self, "train", "beta1", low=0, high=1, high_open=True)
+        check_range(self, "train", "beta2", low=0, high=1, high_open=True)
+        check_range(self, "train", "grad_clip", low=0, low_open=True)
+        check_range(self, "train", "peak_tflops", low=0)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"train.device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.steps <= 0 and self.tokens <= 0:
+            raise ValueError("set train.steps or train.tokens (how long to train)")
+
+
+def check_range(obj, section: str, name: str, low=None, high=None, low_open=False, high_open=False):
+    """Raise ValueError naming section.name when its value lies outside [low, high] (or open ends)."""
+    v = getattr(obj, name)
+    bad = (low is not None and (v <= low if low_open else v < low)) or \
+          (high is not None and (v >= high if high_open else v > high))
+    if bad:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
+        hi = "" if high is None else f"{high}" + (")" if high_open else "]")
+        allowed = f"in {lo}, {hi}" if low is not None and high is not None else \
+            (f"{'>' if low_open else '>='} {low}" if low is not None else f"{'<' if high_open else '<='} {high}")
+        raise ValueError(f"{section}.{name}={v!r} is out of range: it must be {allowed}")
+
+
+@dataclass
+class Config:
+    model: M.ModelConfig
+    data: D.DataConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"model": M.ModelConfig, "data": D.DataConfig, "train": TrainConfig}
+
+
+# --- The strict loader ---------------------------------------------------------------------
+
+def field_types(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _type_name(kind) -> str:
+    if typing.get_origin(kind) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(kind))
+    return getattr(kind, "__name__", str(kind))
+
+
+def _check_type(value, kind, where: str):
+    if typing.get_origin(kind) is Literal:
+        if value not in typing.get_args(kind):
+            raise ValueError(f"{where}={value!r}: choose {_type_name(kind)}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # TOML writes 3 for 3.0; accept it
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        kind = next(t for t in options if t is not type(None))
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"{where} must be {_type_name(kind)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(cls, values: dict, source: str, section: str):
+    """Build dataclass `cls` from a dict, refusing unknown keys and wrong types."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{source}: [{section}] must be a table of settings, got {type(values).__name__}")
+    types_ = field_types(cls)
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
+            f"valid keys in [{section}] are: {', '.join(types_)}")
+    checked = {k: _check_type(v, types_[k], f"{source}: {section}.{k}") for k, v in values.items()}
+    try:
+        return cls(**checked)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def read_toml(path: str | Path) -> dict:
+    """Read a config file; only [model], [data] and [train] may appear in it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist (presets live in {PRESETS_DIR})")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid TOML ({e}): fix the file or start from a preset in configs/") from None
+    extra = sorted(set(data) - set(SECTIONS))
+    if extra:
+        raise ValueError(f"{path}: unknown section(s) {extra}; valid sections are {list(SECTIONS)}")
+    return data
+
+
+def load_config(path: str | Path | None = None, *, values: dict | None = None, source: str | None = None,
+                **overrides) -> Config:
+    """Defaults, then the file at `path` (or `values`, a dict shaped like one), then overrides
+    given as section__name=value (`train__lr=1e-3`) or as {"section.name": value} via merge."""
+    if values is None:
+        values = read_toml(path) if path is not None else {}
+        source = source or (str(path) if path is not None else "defaults")
+    source = source or "config"
+    merged = {s: dict(values.get(s) or {}) for s in SECTIONS}
+    for key, value in overrides.items():
+        section, _, name = key.partition("__")
+        if section not in SECTIONS or not name:
+            raise ValueError(f"override {key!r}: write it as <section>__<name>, section one of {list(SECTIONS)}")
+        merged[section][name] = value
+    return Config(**{s: from_dict(cls, merged[s], source, s) for s, cls in SECTIONS.items()})
+
+
+def preset(name: str, **overrides) -> Config:
+    """configs/<name>.toml, with overrides as in load_config."""
+    path = PRESETS_DIR / f"{name}.toml"
+    if not path.is_file():
+        names = sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+        raise ValueError(f"preset {name!r} does not exist: choose one of {names}")
+    return load_config(path, **overrides)
+
+
+def pick_device(name: str):
+    """The one device picker (train, bench and sample call it): auto is CUDA when there is one."""
+    import torch
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ValueError(f"device {name!r}: use auto, cpu, cuda or cuda:N")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}, but CUDA is not available on this machine: use auto or cpu")
+    return torch.device(name)
+
+
+# --- Flags generated from the dataclasses --------------------------------------------------
+
+def field_comments(cls) -> dict[str, str]:
+    """Each field's trailing comment in the class source: the flag's help text."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+):[^#]*#\s*(.+)$", line)
+        if m:
+            comments[m.group(1)] = m.group(2).strip()
+    return comments
+
+
+def add_config_flags(parser: argparse.ArgumentParser, sections=tuple(SECTIONS)):
+    """One flag per field of the named sections: --micro-batch, --lr, --compile/--no-compile.
+    Values land in args as "<section>__<name>" and only when given, so the file's values stand."""
+    for section in sections:
+        cls = SECTIONS[section]
+        group = parser.add_argument_group(f"[{section}] settings (override the config file)")
+        comments = field_comments(cls)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for name, kind in field_types(cls).items():
+            flag = "--" + name.replace("_", "-")
+            help_ = f"{comments.get(name, '')} (default {defaults[name]!r})".replace("%", "%%")
+            dest = f"{section}__{name}"
+            if kind is bool:
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=help_)
+            elif typing.get_origin(kind) is Literal:
+                group.add_argument(flag, dest=dest, choices=typing.get_args(kind), default=argparse.SUPPRESS,
+                                   help=help_)
+            else:
+                group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=help_,
+                                   metavar=kind.__name__.upper())
+
+
+def flag_overrides(args: argparse.Namespace) -> dict:
+    """The config flags the user gave, as load_config overrides."""
+    return {k: v for k, v in vars(args).items() if "__" in k and k.split("__")[0] in SECTIONS}

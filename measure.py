@@ -1,0 +1,276 @@
+"""Measuring one rung: a configuration set up by train.py's own setup(), timed over full
+optimizer steps of train.py's own train_step(), with the GPU's clock and the kernels that ran.
+
+bench.py decides which rungs a study compares; this module measures one. Each rung runs in a
+fresh process (so one rung's compilation, allocator state or crash cannot touch the next):
+
+    python measure.py RUNG.json RESULT.json
+
+reads a Rung and writes a Result (both JSON). Timing: a warm-up of up to 4 micro-batches and one
+optimizer step (compilation happens here and is reported as warm-up), then `timed_steps` full
+steps, wall clock with the device synchronised on both sides; the median is reported with the
+spread (max - min over median).
+"""
+
+import dataclasses
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import config as C
+import model as M
+import train as TR
+
+ROOT = Path(__file__).resolve().parent
+
+
+@dataclass
+class Rung:
+    """One configuration to measure: a preset and overrides checked by the config loader."""
+    name: str
+    preset: str
+    overrides: dict = field(default_factory=dict)  # "section__name": value, as config.load_config takes
+    timed_steps: int = 3
+    kernels: bool = False  # also record which attention kernel ran (one extra profiled micro-batch)
+
+    def config(self) -> C.Config:
+        """The rung's config through the strict loader: a misspelled key or a bad value raises."""
+        return C.preset(self.preset, **{"train__sample_tokens": 0, **self.overrides,
+                                        "train__steps": self.timed_steps + 1})
+
+
+@dataclass
+class Result:
+    rung: str
+    micro_batch: int = 0
+    tok_s: float | None = None
+    step_s: float | None = None
+    spread: float | None = None
+    warmup_s: float | None = None
+    loss: float | None = None
+    peak_gib: float | None = None
+    reserved_gib: float | None = None  # CUDA graphs replay in a private pool the allocated peak does not see
+    accum: int | None = None
+    device: str = ""
+    data: str = ""
+    sm_mhz: float | None = None
+    power_w: float | None = None
+    attention_kernels: str | None = None
+    skipped: str | None = None  # why the rung did not run (out of memory, timed out, needs CUDA ...)
+
+    def row(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+class ClockSampler(threading.Thread):
+    """SM clock (MHz) and board power (W) sampled while a rung runs: through NVML (nvidia-ml-py)
+    every 100 ms, or by polling nvidia-smi when that is not installed."""
+
+    def __init__(self, device_index: int):
+        super().__init__(daemon=True)
+        # NVML and nvidia-smi number GPUs ignoring CUDA_VISIBLE_DEVICES; the UUID names the same card.
+        self.card = f"GPU-{torch.cuda.get_device_properties(device_index).uuid}"
+        self.samples, self.stop_flag = [], threading.Event()
+        self.nvml, self.smi = None, None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByUUID(self.card)
+        except Exception:  # no nvidia-ml-py, or no driver access through it
+            self.smi = shutil.which("nvidia-smi")
+
+    def read(self) -> tuple[float, float] | None:
+        if self.nvml:
+            return (self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM),
+                    self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000)
+        if self.smi:
+            out = subprocess.run([self.smi, "-i", self.card, "--query-gpu=clocks.sm,power.draw",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+            try:
+                clock, power = (float(v) for v in out.strip().split(","))
+                return clock, power
+            except ValueError:
+                return None
+        return None
+
+    def run(self):
+        while True:
+            sample = self.read()
+            if sample is None:
+                return
+            self.samples.append(sample)
+            if self.stop_flag.wait(0.1):
+                return
+
+    def summary(self) -> dict:
+        self.stop_flag.set()
+        if not self.samples:
+            return {}
+        clocks, powers = zip(*self.samples)
+        return {"sm_mhz": statistics.median(clocks), "power_w": round(statistics.median(powers), 1)}
+
+
+def kernel_times(fn, device) -> dict[str, float]:
+    """Total device (or CPU) milliseconds per kernel name while fn() runs, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    totals = {}
+    for e in prof.events():
+        if device.type == "cuda" and e.device_type.name != "CUDA":
+            continue
+        t = (e.device_time if device.type == "cuda" else e.self_cpu_time_total) / 1000  # CPU ops nest: self time
+        totals[e.name] = totals.get(e.name, 0.0) + t
+    return totals
+
+
+# cuDNN's kernel names contain "flash" too (cudnn_generated_..._flash_fprop): test for cudnn first.
+ATTENTION_SIGNS = [("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "fmha"), ("efficient", "efficient_attention"),
+                   ("flex", "flex_attention"), ("math", "softmax")]
+
+
+def attention_kernels(run: TR.Run) -> str:
+    """Which attention implementation really ran, read from the kernel names of one micro-batch:
+    a silent fallback to the math backend shows up as softmax kernels and no fused kernel."""
+    def one():
+        TR.forward_loss(run.model, run.train_loader.next_batch(), run.cfg.train, run.device).backward()
+    names = kernel_times(one, run.device)
+    seen = [label for label, sign in ATTENTION_SIGNS if any(sign in n.lower() for n in names)]
+    fused = [s for s in seen if s != "math"]
+    return fused[0] if fused else ("math (softmax kernels, no fused attention)" if "math" in seen else "unknown")
+
+
+def measure(rung: Rung) -> Result:
+    """Set up and time one rung in this process (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        run = TR.setup(rung.config(), log=lambda *a, **k: None, random_tokens_dir=Path(workdir))
+        return time_run(run, rung)
+
+
+def time_run(run: TR.Run, rung: Rung) -> Result:
+    device, tcfg = run.device, run.cfg.train
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step(accum):
+        loss, _ = TR.train_step(run.model, run.optimizer, run.train_loader.next_batch, accum, tcfg, device, 1e-4)
+        return loss.item()  # one read-back per step, as a logger would
+
+    sync()
+    t0 = time.perf_counter()
+    step(min(4, run.accum))  # compilation happens here
+    sync()
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sampler = ClockSampler(device.index or 0) if cuda else None
+    if sampler:
+        sampler.start()
+    times, loss = [], None
+    for _ in range(rung.timed_steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = step(run.accum)
+        sync()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    result = Result(rung=rung.name, micro_batch=tcfg.micro_batch, tok_s=tcfg.batch_tokens / step_s, step_s=step_s,
+                    spread=(max(times) - min(times)) / step_s, warmup_s=warmup_s, loss=loss, accum=run.accum,
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                    reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                    device=torch.cuda.get_device_name() if cuda else "cpu", data=run.data_source,
+                    **(sampler.summary() if sampler else {}))
+    if rung.kernels:
+        result.attention_kernels = attention_kernels(run)
+    return result
+
+
+def run_in_subprocess(rung: Rung, timeout: int) -> Result:
+    """Measure a rung in a fresh Python process; a failure (out of memory, a compile error, a
+    timeout) comes back as a Result with `skipped` saying why."""
+    rung.config()  # a typo in a rung fails here, before any process starts
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "rung.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps(dataclasses.asdict(rung)))
+        try:
+            done = subprocess.run([sys.executable, str(ROOT / "measure.py"), str(spec), str(out)],
+                                  capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return Result(rung=rung.name, skipped=f"timed out after {timeout} s")
+        if out.exists():
+            return Result(**json.loads(out.read_text()))
+        tail = (done.stderr or done.stdout).strip().splitlines()
+        return Result(rung=rung.name, skipped=f"crashed (exit {done.returncode}): {tail[-1][:160] if tail else ''}")
+
+
+def failure_reason(error: BaseException) -> str:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "out of memory"
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}"
+
+
+# --- The card's ceilings ---------------------------------------------------------------------
+
+def matmul_tflops(m: int, k: int, n: int, device, repeats: int = 20) -> float:
+    """Median TFLOP/s of a bf16 (m x k) @ (k x n) matmul on random data (never zeros: they run
+    faster than real data would)."""
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * m * k * n / statistics.median(times) / 1e12
+
+
+def measure_roof(mcfg: M.ModelConfig, micro_batch: int) -> dict:
+    """The card's BF16 roof (8192^3 matmul) and the rate at the model's own matmul shapes."""
+    device = torch.device("cuda")
+    roof = matmul_tflops(8192, 8192, 8192, device)
+    rows = micro_batch * mcfg.context
+    d, kv, f, v = mcfg.d_model, mcfg.n_kv_heads * mcfg.head_dim, mcfg.ffn_hidden, mcfg.vocab_size
+    shapes = {"wqkv": (rows, d, d + 2 * kv), "wo": (rows, d, d), "w13": (rows, d, 2 * f), "w2": (rows, f, d),
+              "head": (rows, d, v)}
+    rates = {name: matmul_tflops(*s, device) for name, s in shapes.items()}
+    flops = {name: 2 * math.prod(s) * (1 if name == "head" else mcfg.n_layers) for name, s in shapes.items()}
+    blended = sum(flops.values()) / sum(flops[n] / rates[n] for n in rates)
+    return {"roof_tflops": roof, "model_shapes_tflops": {k: round(r, 1) for k, r in rates.items()},
+            "model_matmul_tflops": blended}
+
+
+def main(argv=None):
+    spec_path, out_path = (argv or sys.argv[1:])[:2]
+    rung = Rung(**json.loads(Path(spec_path).read_text()))
+    try:
+        result = measure(rung)
+    except Exception as e:  # the parent reads why from the result file
+        traceback.print_exc()
+        result = Result(rung=rung.name, skipped=failure_reason(e))
+    Path(out_path).write_text(json.dumps(dataclasses.asdict(result)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""config.py: strict TOML loading, range checks, flags generated from the dataclasses."""
+
+import pytest
+
+import config as C
+import train as TR
+
+
+def test_config_file_unknown_key_and_wrong_type(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\nd_model = 64\nn_layer = 2\n")
+    with pytest.raises(ValueError, match=r"bad\.toml: unknown key\(s\) model\.n_layer; valid keys .* n_layers"):
+        C.load_config(path)
+    path.write_text("[model]\nd_model = \"wide\"\n")
+    with pytest.raises(ValueError, match=r"model\.d_model must be int, got str 'wide'"):
+        C.load_config(path)
+    path.write_text("[modle]\nd_model = 64\n")
+    with pytest.raises(ValueError, match=r"unknown section\(s\) \['modle'\]"):
+        C.load_config(path)
+    path.write_text("[train]\ncompile_mode = \"fast\"\n")
+    with pytest.raises(ValueError, match=r"train\.compile_mode='fast': choose one of 'default', 'reduce-overhead'"):
+        C.load_config(path)
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(train__grad_clip=-1.0), r"train\.grad_clip=-1\.0 is out of range: it must be > 0"),
+    (dict(train__warmup_steps=-5), r"train\.warmup_steps=-5 is out of range: it must be >= 0"),
+    (dict(train__lr=0.0), r"train\.lr=0\.0 is out of range: it must be in \(0, 1\.0\]"),
+    (dict(train__beta2=1.0), r"train\.beta2=1\.0 is out of range: it must be in \[0, 1\)"),
+    (dict(train__min_lr_ratio=2.0), r"train\.min_lr_ratio=2\.0 is out of range"),
+    (dict(train__device="gpu"), r"train\.device='gpu': use auto, cpu, cuda or cuda:N"),
+    (dict(data__shard_tokens=0), r"data\.shard_tokens=0 is out of range: it must be >= 1"),
+    (dict(data__max_documents=-1), r"data\.max_documents=-1 is out of range"),
+    (dict(model__norm_eps=0.0), r"model\.rope_theta .* and model\.norm_eps .* must be positive"),
+    (dict(model__attention="fast"), r"model\.attention='fast': choose one of 'sdpa'"),
+])
+def test_every_number_is_range_checked(override, message):
+    with pytest.raises(ValueError, match=message):
+        C.preset("tiny", **override)
+
+
+def test_misspelled_override_is_an_error():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) train\.micro_batchs"):
+        C.preset("tiny", train__micro_batchs=4)
+    with pytest.raises(ValueError, match=r"override 'micro_batch'"):
+        C.preset("tiny", micro_batch=4)
+
+
+def test_every_flag_has_help_from_the_field_comment(capsys):
+    with pytest.raises(SystemExit):
+        TR.build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "--micro-batch INT" in text and "sequences per forward/backward" in text
+    assert "--fused-loss, --no-fused-loss" in text and "--attention {sdpa,flash,cudnn,efficient,math,textbook}" in text
+    for cls in C.SECTIONS.values():
+        comments = C.field_comments(cls)
+        assert set(comments) == set(C.field_types(cls)), f"{cls.__name__} has fields without a comment"
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '22m'"):
+        C.preset("99m")
