@@ -259,7 +259,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     rows, ours = [], {}
     for batch in batches:
         for compiled in ((False, True) if cuda else (False,)):
-            decode = S.compiled_decoder(device, compiled)
+            decode = S.decoder(model, device, compiled)
             t0 = time.perf_counter()
             S.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None, decode=decode)  # warm-up (compile)
             warm = time.perf_counter() - t0

@@ -169,7 +169,7 @@ def cached_attention(q, k, v, mask):
     Hkv = k.shape[1]
     G = H // Hkv
     y = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Tq, hd), k, v, attn_mask=mask.repeat(G, 1))
-    return y.view(B, H, Tq, hd)
+    return y.reshape(B, H, Tq, hd)
 
 
 def doc_mask(doc_ids):
@@ -289,7 +289,8 @@ class Block(nn.Module):
 # once in the forward pass (the loss is the graph's end, so its incoming gradient is a scalar),
 # and only the input's and the weight's gradients are kept: memory for one chunk's logits.
 
-LOSS_CHUNK_ROWS = 2048  # 2,048 x 32,768 logits: 256 MiB in float32 per chunk
+LOSS_CHUNK_ROWS = 2048  # at least 2,048 rows a chunk: 2,048 x 32,768 logits are 128 MiB in bf16
+LOSS_MAX_CHUNKS = 16  # larger batches take larger chunks: each chunk also reads and adds the (vocab, d) weight gradient
 
 
 def _loss_chunk(x, w, targets, scale: float):
@@ -298,9 +299,11 @@ def _loss_chunk(x, w, targets, scale: float):
     logits = (x @ w.t()).to(torch.promote_types(x.dtype, torch.float32))  # (rows, vocab), at least float32
     lse = torch.logsumexp(logits, dim=-1)
     loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
-    grad = torch.exp(logits - lse[:, None])  # softmax
-    grad.scatter_add_(1, targets[:, None], torch.full_like(lse[:, None], -1.0))
-    grad = (grad * scale).to(x.dtype)  # d loss / d logits, in the matmul dtype as autocast's backward has it
+    # d loss / d logits = softmax - one-hot, written as one elementwise expression (no in-place
+    # scatter), so the compiled chunk reads the logits once more and writes the gradient once, in
+    # the matmul dtype as autocast's backward has it.
+    onehot = torch.arange(logits.shape[1], device=x.device)[None, :] == targets[:, None]
+    grad = ((torch.exp(logits - lse[:, None]) - onehot.to(logits.dtype)) * scale).to(x.dtype)
     return loss, grad @ w, grad.t() @ x
 
 
@@ -326,9 +329,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
         total = torch.zeros((), device=x.device, dtype=torch.promote_types(compute_dtype, torch.float32))
-        chunk = loss_chunk_fn(x.device)
-        for start in range(0, n, LOSS_CHUNK_ROWS):
-            rows = slice(start, start + LOSS_CHUNK_ROWS)
+        chunk, size = loss_chunk_fn(x.device), max(LOSS_CHUNK_ROWS, -(-n // LOSS_MAX_CHUNKS))
+        for start in range(0, n, size):
+            rows = slice(start, start + size)
             loss, gx, gw = chunk(x[rows].to(compute_dtype), w, targets[rows], 1.0 / n)
             total += loss
             grad_x[rows] = gx
@@ -391,12 +394,14 @@ class Llama(nn.Module):
         return self.embed.weight if self.head is None else self.head.weight
 
     def setup_cache(self, batch: int, dtype=None):
-        """Give every layer a KVCache for `batch` sequences (see KVCache); None removes them."""
-        device = self.embed.weight.device
+        """Give every layer a KVCache for `batch` sequences (see KVCache). A cache of the same
+        size and dtype is kept, not reallocated: a captured CUDA graph holds its address."""
+        device, dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
         for block in self.blocks:
-            block.attn.cache = None if batch is None else KVCache(
-                batch, self.cfg.n_kv_heads, self.cfg.context, self.cfg.head_dim, device,
-                dtype or self.embed.weight.dtype)
+            cache = block.attn.cache
+            if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:
+                block.attn.cache = KVCache(batch, self.cfg.n_kv_heads, self.cfg.context, self.cfg.head_dim,
+                                           device, dtype)
 
     def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
@@ -455,7 +460,8 @@ def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float =
 
 def decode_one(model: "Llama", token, pos):
     """Logits (B, vocab) for the next token after token (B, 1) at position pos (1,), through the
-    cache. Every call has the same shapes: compiled once, it replays as one CUDA graph."""
+    cache. Every call has the same shapes and addresses, so it can be captured once as a CUDA
+    graph and replayed (sample.GraphDecoder)."""
     return model(token, pos=pos)[:, -1]
 
 
@@ -464,8 +470,8 @@ def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, generator=None, use_cache: bool = True, decode=None):
     """Yield (B, 1) new tokens one at a time after the prompt idx (B, T). With the cache, the
     prompt is read in one pass (prefill) and each step feeds one token through `decode`
-    (decode_one, or a compiled copy of it: see sample.compiled_decoder); without it, every step
-    re-reads the whole sequence (the slow reference). Stops at the context length."""
+    (decode_one, or its CUDA-graph replay: sample.GraphDecoder); without it, every step re-reads
+    the whole sequence (the slow reference). Stops at the context length."""
     cfg = model.cfg
     B, T = idx.shape
     max_new_tokens = min(max_new_tokens, cfg.context - T)
@@ -478,21 +484,19 @@ def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0,
         model.setup_cache(B, dtype)
         decode = decode or decode_one
         logits = model(idx, pos=torch.arange(T, device=idx.device))[:, -1]
-    try:
-        for i in range(max_new_tokens):
-            if not use_cache:
-                logits = model(idx)[:, -1]
-            token = sample_next(logits, temperature, top_k, top_p, generator)
-            yield token
-            if i + 1 == max_new_tokens:
-                return
-            if use_cache:
-                logits = decode(model, token, torch.tensor([T + i], device=idx.device)).clone()
-            else:
-                idx = torch.cat([idx, token], dim=1)
-    finally:
+        pos = torch.full((1,), T, device=idx.device)  # on the device: no host-to-device copy per token
+    for i in range(max_new_tokens):
+        if not use_cache:
+            logits = model(idx)[:, -1]
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        yield token
+        if i + 1 == max_new_tokens:
+            return
         if use_cache:
-            model.setup_cache(None)
+            logits = decode(model, token, pos).clone()  # clone: a graph replay reuses its output memory
+            pos += 1
+        else:
+            idx = torch.cat([idx, token], dim=1)
 
 
 # --- Arithmetic ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 
 The prompt is read in one pass (prefill), then each new token is one decode step through the
 KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (every step has
-the same shapes: see model.KVCache); --no-compile runs it eagerly and --no-cache re-reads the
+the same shapes: see model.KVCache and GraphDecoder); --no-compile runs it eagerly and --no-cache re-reads the
 whole sequence every token (the slow reference both are tested against). bfloat16 weights on
 CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to first token,
 prefill and decode tokens per second.
@@ -48,12 +48,52 @@ def prompt_ids(tok, prompt: str, context: int, warn=print) -> list[int]:
     return ids
 
 
-def compiled_decoder(device: torch.device, compile: bool = True):
-    """The decode step: on CUDA compiled with CUDA graphs ("reduce-overhead"), so one token costs
-    one graph replay instead of a hundred kernel launches from Python; elsewhere plain."""
-    if compile and device.type == "cuda":
-        return torch.compile(M.decode_one, mode="reduce-overhead", fullgraph=True)
-    return M.decode_one
+class GraphDecoder:
+    """The decode step as one CUDA graph: model.decode_one compiled by Inductor (fused kernels),
+    captured once per batch size and replayed for every token. A replay is one launch from
+    Python for the whole step, where eager decoding launches about a hundred kernels and
+    torch.compile's own CUDA graphs ("reduce-overhead") still check every weight on each call.
+    Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by
+    the next replay (generate() clones them)."""
+
+    def __init__(self, model: M.Llama):
+        self.model = model
+        self.step = torch.compile(M.decode_one, fullgraph=True)
+        self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
+
+    def __call__(self, model, token, pos):
+        key = (token.shape[0], model.blocks[0].attn.cache.k.data_ptr())
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(token, pos)
+        graph, token_in, pos_in, logits = self.graphs[key]
+        token_in.copy_(token)
+        pos_in.copy_(pos)
+        graph.replay()
+        return logits
+
+    def capture(self, token, pos):
+        token_in, pos_in = token.clone(), pos.clone()
+        # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
+        saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
+            for _ in range(3):
+                self.step(self.model, token_in, pos_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.step(self.model, token_in, pos_in)
+        for b, (k, v) in zip(self.model.blocks, saved):
+            b.attn.cache.k.copy_(k)
+            b.attn.cache.v.copy_(v)
+        return graph, token_in, pos_in, logits
+
+
+def decoder(model: M.Llama, device: torch.device, fast: bool = True):
+    """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
+    elsewhere or with fast=False (the reference the fast path is tested against)."""
+    return GraphDecoder(model) if fast and device.type == "cuda" else M.decode_one
 
 
 class Timer:
@@ -156,8 +196,8 @@ def main(argv=None):
     if device.type == "cuda":  # bfloat16 weights: each decode step reads every weight once, so half the bytes
         model = model.to(torch.bfloat16)
     use_cache = not args.no_cache
-    decode = compiled_decoder(device, compile=use_cache and not args.no_compile)
-    if decode is not M.decode_one:  # compile and record the CUDA graph before the timed run
+    decode = decoder(model, device, fast=use_cache and not args.no_compile)
+    if decode is not M.decode_one:  # compile and capture the CUDA graph before the timed run
         t0 = time.perf_counter()
         generate_batch(model, ids, args.num_samples, 4, args.temperature, args.top_k, args.top_p, None,
                        decode=decode)

@@ -194,6 +194,7 @@ def test_cached_attention_folds_query_groups_like_native_gqa():
 @pytest.mark.parametrize("rows", [7, 64])  # several chunks with a short last one; one chunk
 def test_fused_loss_equals_plain_loss_and_gradients(rows, monkeypatch):
     monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", rows)
+    monkeypatch.setattr(M, "LOSS_MAX_CHUNKS", 1000)
     idx, targets = torch.randint(0, 97, (2, 2, 30), generator=torch.Generator().manual_seed(7))
     results = []
     for fused in (False, True):
