@@ -244,7 +244,11 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, fused_loss: bool) -
 
 # --- Generation ------------------------------------------------------------------------------
 
-def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16) -> list[dict]:
+DECODE_MODES = ("default", "max-autotune-no-cudagraphs")  # Inductor modes for the captured decode step
+
+
+def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
+                   vs_transformers: bool = True) -> list[dict]:
     """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
     weights (written by export.py), same prompt, same number of new tokens. Random weights:
     speed does not depend on what the model learned."""
@@ -258,20 +262,21 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     rows, ours = [], {}
     for batch in batches:
-        for compiled in ((False, True) if cuda else (False,)):
-            decode = S.decoder(model, device, compiled)
+        for mode in (("eager",) + DECODE_MODES if cuda else ("eager",)):
+            decode = S.decoder(model, device, mode != "eager", mode)
             t0 = time.perf_counter()
             S.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None, decode=decode)  # warm-up (compile)
             warm = time.perf_counter() - t0
             tokens, timer = S.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
             start, first, end = timer.marks
-            name = f"onegpu {'CUDA graph' if compiled else 'eager'} batch {batch}"
+            name = f"onegpu {'eager' if mode == 'eager' else 'CUDA graph, ' + mode} batch {batch}"
             rows.append({"rung": name, "batch": batch, "first_token_ms": round((first - start) * 1000, 2),
                          "prefill_tok_s": batch * prompt_len / (first - start),
                          "decode_tok_s": batch * (new_tokens - 1) / (end - first), "warmup_s": round(warm, 1)})
             ours[batch] = tokens
             print(f"{name}: {rows[-1]['decode_tok_s']:,.0f} tok/s", flush=True)
-    rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)
+    if vs_transformers:
+        rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)
     return rows
 
 
@@ -427,6 +432,7 @@ def main(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
     p.add_argument("--fused-loss", action="store_true", help="profile with the fused loss")
     p.add_argument("--new-tokens", type=int, default=500, help="tokens each generation run decodes (default 500)")
+    p.add_argument("--no-transformers", action="store_true", help="--generate measures onegpu only")
     p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung (default 900)")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
@@ -489,7 +495,8 @@ def run_studies(args, chosen: list[str], argv):
         elif study == "profile":
             rows = profile_study(preset, mb, cuda, args.fused_loss)
         else:
-            rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40))
+            rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40),
+                                  vs_transformers=not args.no_transformers)
         if study == "ladder":
             table = ladder_table(rows, flops_tok, roof.get("roof_tflops"), spec_peak)
             if roof:

@@ -56,9 +56,11 @@ class GraphDecoder:
     Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by
     the next replay (generate() clones them)."""
 
-    def __init__(self, model: M.Llama):
+    def __init__(self, model: M.Llama, mode: str = "max-autotune-no-cudagraphs"):
         self.model = model
-        self.step = torch.compile(M.decode_one, fullgraph=True)
+        # max-autotune lets Inductor pick (and time) Triton matmul kernels for these one-row
+        # products and fuse their epilogues; the graph replay is this step's only launch.
+        self.step = torch.compile(M.decode_one, mode=mode, fullgraph=True)
         self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
 
     def __call__(self, model, token, pos):
@@ -90,10 +92,10 @@ class GraphDecoder:
         return graph, token_in, pos_in, logits
 
 
-def decoder(model: M.Llama, device: torch.device, fast: bool = True):
+def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs"):
     """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
     elsewhere or with fast=False (the reference the fast path is tested against)."""
-    return GraphDecoder(model) if fast and device.type == "cuda" else M.decode_one
+    return GraphDecoder(model, mode) if fast and device.type == "cuda" else M.decode_one
 
 
 class Timer:
