@@ -163,12 +163,16 @@ def cached_attention(q, k, v, mask):
     with S the whole cache; mask: (Tq, S) booleans, True where a query may look.
 
     The G = H / Hkv query heads that share a kv head are folded into the query axis,
-    (B, Hkv, G * Tq, hd), so a plain masked SDPA call serves grouped-query attention without
-    copying K/V, and the memory-efficient kernel (which takes a mask) can run it."""
+    (B, Hkv, G * Tq, hd), so grouped-query attention needs no copies of K/V. Written as two
+    matmuls and a softmax rather than one SDPA call: with a handful of queries, a fused attention
+    kernel runs one thread block per (batch, kv head) down all S keys, while a matmul spreads
+    the keys over the whole GPU (the decode step is latency-bound, not FLOP-bound)."""
     B, H, Tq, hd = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    y = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Tq, hd), k, v, attn_mask=mask.repeat(G, 1))
+    scores = (q.reshape(B, Hkv, G * Tq, hd) @ k.transpose(-2, -1)) * hd ** -0.5  # (B, Hkv, G * Tq, S)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~mask.repeat(G, 1), float("-inf"))
+    y = torch.softmax(scores, dim=-1).to(v.dtype) @ v  # (B, Hkv, G * Tq, hd)
     return y.reshape(B, H, Tq, hd)
 
 
