@@ -1,6 +1,8 @@
 """Text to token shards, and shards to micro-batches.
 
-    python data.py prepare --corpus stdlib --vocab 4096      # tokenizer + shards in the cache
+    python data.py prepare                                # tiny config: stdlib corpus, 4,096 tokens
+    python data.py prepare --config configs/88m.toml      # what the 88m run trains on
+    python data.py prepare --corpus 'my/*.txt' --vocab-size 8192
 
 A shard is one file: a fixed 256-byte little-endian header, the tokens as uint16, then the
 document-start index as uint64 offsets into the tokens. Readers check every header field
@@ -71,7 +73,8 @@ def data_dir(cfg: DataConfig, vocab_size: int) -> Path:
         raise ValueError(f"vocab_size={vocab_size}: shards store tokens as uint16, so the vocabulary "
                          f"must be between 257 and 65,536")
     slug = re.sub(r"[^A-Za-z0-9.-]+", "_", cfg.corpus).strip("_")[-60:]
-    suffix = f"-{cfg.max_documents}docs" if cfg.max_documents else ""
+    limited = cfg.max_documents and not (cfg.corpus == "stdlib" and cfg.max_documents >= len(tk.stdlib_files()))
+    suffix = f"-{cfg.max_documents}docs" if limited else ""  # a limit the corpus does not reach changes nothing
     return cache_root(cfg) / f"{slug}-{vocab_size}{suffix}"
 
 
@@ -150,7 +153,7 @@ def ensure_tokenizer(cfg: DataConfig, vocab_size: int, log=print) -> Path:
     log(f"tokenizer: training a {vocab_size:,}-token byte-level BPE on {cfg.corpus} -> {path}")
     t0 = time.perf_counter()
     limit = cfg.tokenizer_documents or cfg.max_documents or None
-    docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, limit)
+    docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, limit, warn=log)
     tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc"), vocab_size, path.parent)
     log(f"tokenizer: trained in {time.perf_counter() - t0:.0f} s")
     return path
@@ -181,17 +184,51 @@ class _ShardWriter:
         self.parts, self.starts, self.n, self.bytes = [], [], 0, 0
 
 
-def prepare(cfg: DataConfig, vocab_size: int, log=print) -> Path:
-    """Tokenize the corpus into train/val shards (once; a finished prepare is reused)."""
+def read_manifest(folder: Path) -> dict | None:
+    """manifest.json of a finished prepare, or None when there is none or it cannot be trusted."""
+    path = Path(folder) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    needed = {"tokenizer_hash", "val_fraction", "train", "val", "train_tokens", "val_tokens"}
+    return manifest if isinstance(manifest, dict) and needed <= set(manifest) else None
+
+
+def prepare(cfg: DataConfig, vocab_size: int, log=print, rebuild: bool = False) -> Path:
+    """Tokenize the corpus into train/val shards (once; a finished prepare is reused after its
+    shards pass the header checks). A corpus whose files changed since is refused, naming what
+    changed; rebuild=True retrains the tokenizer and rewrites the shards."""
     folder = data_dir(cfg, vocab_size)
+    manifest_path = folder / "manifest.json"
+    source = tk.source_fingerprint(cfg.corpus)
+    manifest = read_manifest(folder)
+    if manifest_path.exists() and manifest is None:
+        log(f"shards: {manifest_path} is unreadable or incomplete: writing the shards again")
+    if manifest is not None and manifest.get("source") not in (None, source) and not rebuild:
+        raise ValueError(f"corpus {cfg.corpus!r} changed since {folder} was prepared (then {manifest['source']}, "
+                         f"now {source}): rebuild it with `python data.py prepare --config <your config> --rebuild` "
+                         f"(this retrains the tokenizer, so older checkpoints will not resume on it)")
+    if rebuild and folder.exists():
+        log(f"rebuild: removing the tokenizer and shards in {folder}")
+        for path in folder.iterdir():
+            if path.name == "tokenizer.json" or path.suffix == ".bin" or path.name == "manifest.json":
+                path.unlink()
+        manifest = None
     tok_path = ensure_tokenizer(cfg, vocab_size, log)
     tok_hash = tk.tokenizer_hash(tok_path)
-    manifest_path = folder / "manifest.json"
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("tokenizer_hash") == tok_hash and manifest.get("val_fraction") == cfg.val_fraction:
+    if manifest is not None and manifest["tokenizer_hash"] == tok_hash and manifest["val_fraction"] == cfg.val_fraction:
+        broken = []
+        for name in manifest["train"] + manifest["val"]:
+            try:
+                read_header(folder / name, vocab_size, tok_hash)
+            except (ShardError, OSError) as e:
+                broken.append(str(e).split(":")[0] if isinstance(e, ShardError) else f"{folder / name} (missing)")
+        if not broken:
             log(f"shards: reusing {folder} ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens)")
             return folder
+        log(f"shards: {len(broken)} shard(s) failed their checks ({', '.join(broken[:3])}): writing the shards again")
+    manifest_path.unlink(missing_ok=True)
     tok = tk.load_tokenizer(tok_path)
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"{tok_path} has {tok.get_vocab_size():,} tokens but the model's vocab_size is "
@@ -203,7 +240,7 @@ def prepare(cfg: DataConfig, vocab_size: int, log=print) -> Path:
     writers = {s: _ShardWriter(folder, s, cfg, vocab_size, tok_hash) for s in ("train", "val")}
     log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")
     t0, total_bytes, index = time.perf_counter(), 0, 0
-    docs = tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None)
+    docs = tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None, warn=log)
     bar = tqdm(desc="tokenizing", unit="B", unit_scale=True)
     for batch in _batches(docs, max_bytes=16 << 20):
         # encode_batch runs on all cores (Rust threads), so no process pool is needed.
@@ -218,7 +255,7 @@ def prepare(cfg: DataConfig, vocab_size: int, log=print) -> Path:
     for w in writers.values():
         w.flush()
     seconds = time.perf_counter() - t0
-    manifest = {"corpus": cfg.corpus, "tokenizer_hash": tok_hash, "vocab_size": vocab_size,
+    manifest = {"corpus": cfg.corpus, "source": source, "tokenizer_hash": tok_hash, "vocab_size": vocab_size,
                 "val_fraction": cfg.val_fraction, "documents": index,
                 "train_tokens": _count(folder, writers["train"].files), "val_tokens": _count(folder, writers["val"].files),
                 "source_bytes": total_bytes, "seconds": round(seconds, 1),
@@ -252,11 +289,11 @@ def _batches(docs, max_bytes: int):
 
 
 def shard_files(folder: Path, split: str) -> list[Path]:
-    manifest = Path(folder) / "manifest.json"
-    if not manifest.is_file():
-        raise FileNotFoundError(f"{folder} has no finished shards (no manifest.json): run "
-                                f"`python data.py prepare` first")
-    return [Path(folder) / name for name in json.loads(manifest.read_text())[split]]
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise FileNotFoundError(f"{folder} has no finished shards (manifest.json missing or unreadable): run "
+                                f"`python data.py prepare --config <your config>`")
+    return [Path(folder) / name for name in manifest[split]]
 
 
 # --- The loader ----------------------------------------------------------------------------
@@ -358,34 +395,37 @@ class ShardLoader:
 
 
 def main(argv=None):
+    import config as C  # the CLI reads settings through the one config loader (config imports this module)
     parser = argparse.ArgumentParser(description="Tokenize a corpus into uint16 shards.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="train (or reuse) the tokenizer and write train/val shards")
-    defaults = DataConfig()
-    p.add_argument("--corpus", default=defaults.corpus, help=f"one of {tk.CORPORA} or a path/glob of local files")
-    p.add_argument("--text-field", default=defaults.text_field)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
-    p.add_argument("--max-documents", type=int, default=0)
-    p.add_argument("--tokenizer-documents", type=int, default=0, help="documents to train the BPE on (0: all)")
-    p.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens)
-    p.add_argument("--cache-dir", default="", help="default: $ONEGPU_CACHE or ./cache")
-    bench = sub.add_parser("bench-loader", help="CPU cost of one micro-batch from prepared shards")
-    bench.add_argument("--corpus", default=defaults.corpus)
-    bench.add_argument("--vocab", type=int, default=32768)
-    bench.add_argument("--batch", type=int, default=16)
-    bench.add_argument("--seq-len", type=int, default=1024)
+    commands = {"prepare": "train (or reuse) the tokenizer and write train/val shards",
+                "bench-loader": "CPU cost of one micro-batch from prepared shards"}
+    for name, help_ in commands.items():
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--config", default=str(C.PRESETS_DIR / "tiny.toml"),
+                       help="TOML file whose [data] section and model.vocab_size are used (default: configs/tiny.toml)")
+        p.add_argument("--vocab-size", type=int, default=None, help="tokens in the vocabulary (default: the config's "
+                                                                    "model.vocab_size)")
+        if name == "prepare":
+            p.add_argument("--rebuild", action="store_true", help="retrain the tokenizer and rewrite the shards")
+        else:
+            p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch (default 16)")
+        C.add_config_flags(p, ("data",))
     args = parser.parse_args(argv)
     try:
+        overrides = C.flag_overrides(args)
+        if args.vocab_size is not None:
+            overrides["model__vocab_size"] = args.vocab_size
+        cfg = C.load_config(args.config, **overrides)
         if args.command == "prepare":
-            prepare(DataConfig(corpus=args.corpus, text_field=args.text_field, val_fraction=args.val_fraction,
-                               max_documents=args.max_documents, tokenizer_documents=args.tokenizer_documents,
-                               shard_tokens=args.shard_tokens, cache_dir=args.cache_dir), args.vocab)
+            prepare(cfg.data, cfg.model.vocab_size, rebuild=args.rebuild)
         else:
-            folder = data_dir(DataConfig(corpus=args.corpus), args.vocab)
-            print(json.dumps(bench_loader(shard_files(folder, "train"), args.batch, args.seq_len)))
+            folder = data_dir(cfg.data, cfg.model.vocab_size)
+            print(json.dumps(bench_loader(shard_files(folder, "train"), args.micro_batch, cfg.model.context)))
     except (tk.CorpusError, ShardError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {e.filename or ''}: {e.strerror or e}: check the path and its permissions")
 
 
 def bench_loader(files: list[Path], batch: int, seq_len: int, n: int = 2000) -> dict:

@@ -4,14 +4,17 @@ Every corpus is an iterator of documents (strings). The tokenizer is HuggingFace
 byte-level BPE, saved as a standard tokenizer.json that `tokenizers.Tokenizer.from_file` and
 transformers' fast tokenizer load unchanged.
 
-    python tokenizer.py train --corpus stdlib --vocab 32768 --out cache/stdlib-32768
+    python tokenizer.py train --corpus stdlib --vocab-size 32768 --out cache/stdlib-32768
     python tokenizer.py stats --tokenizer cache/stdlib-32768/tokenizer.json --corpus stdlib
 """
 
 import argparse
+import functools
 import glob
 import hashlib
 import json
+import os
+import socket
 import sys
 import sysconfig
 from pathlib import Path
@@ -21,7 +24,7 @@ from tqdm import tqdm
 
 EOT = "<|endoftext|>"  # separates documents; always token id 0
 CORPORA = ("stdlib", "tinystories", "fineweb-edu")  # or a path to local .txt / .jsonl / .parquet files
-HUB = {  # name -> (dataset, config, split, text field), read with streaming as seed 002 chose
+HUB = {  # name -> (dataset, config, split, text field), streamed: nothing is downloaded whole
     "tinystories": ("roneneldan/TinyStories", None, "train", "text"),
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", "text"),
 }
@@ -33,11 +36,12 @@ class CorpusError(ValueError):
 
 # --- Corpora -------------------------------------------------------------------------------
 
-def stdlib_files() -> list[Path]:
+@functools.lru_cache(maxsize=1)
+def stdlib_files() -> tuple[Path, ...]:
     """The running Python's standard library sources: about 30 MB of code and English docstrings
     that every machine with Python has, so the project trains offline on a fresh machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts))
 
 
 def stdlib_documents() -> Iterator[str]:
@@ -47,63 +51,117 @@ def stdlib_documents() -> Iterator[str]:
             yield text
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when offline is asked for (HF_HUB_OFFLINE) or the hub does not answer within
+    timeout seconds: the datasets library would otherwise retry for about half a minute."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def hub_documents(name: str, limit: int | None = None) -> Iterator[str]:
-    """Stream a HuggingFace dataset. With no network this fails with one clear message."""
-    import datasets
+    """Stream a HuggingFace dataset. With no network this fails at once with one clear message."""
     path, config, split, field = HUB[name]
+    local = (f"download its files elsewhere and pass them as a local corpus, e.g. --corpus "
+             f"'/path/to/files/*.parquet' --text-field {field} (or use --corpus stdlib, which needs no network)")
+    if not hub_reachable():
+        raise CorpusError(f"corpus {name!r} streams {path} from the HuggingFace hub, which cannot be reached "
+                          f"(offline, or HF_HUB_OFFLINE is set): {local}")
+    import datasets
     try:
         stream = datasets.load_dataset(path, config, split=split, streaming=True)
         yield from _texts(stream, field, f"{path} ({name})", limit)
     except CorpusError:
         raise
     except Exception as e:  # the hub raises many types for "offline"; all mean the same here
-        raise CorpusError(
-            f"could not stream {path} from the HuggingFace hub ({type(e).__name__}: {str(e)[:200]}). "
-            f"Without network access, download the files elsewhere and pass them as a local corpus, "
-            f"e.g. --corpus /path/to/shards/*.parquet --text-field {field}") from None
+        raise CorpusError(f"could not stream {path} from the HuggingFace hub ({type(e).__name__}: "
+                          f"{str(e)[:200]}): {local}") from None
 
 
-def local_documents(pattern: str, field: str = "text", limit: int | None = None) -> Iterator[str]:
-    """Local .txt files (one document per file) or .jsonl / .parquet files (one per record),
-    read through the same `datasets` call path as the hub corpora."""
+def local_files(pattern: str) -> list[Path]:
     files = [Path(f) for f in sorted(glob.glob(pattern))] if glob.has_magic(pattern) else [Path(pattern)]
     files = [f for f in files if f.is_file()]
     if not files:
         raise CorpusError(f"corpus {pattern!r}: no such file; give one of {CORPORA} or a path to "
                           f".txt, .jsonl or .parquet files")
+    return files
+
+
+def source_fingerprint(corpus: str) -> dict:
+    """What the corpus is made of, to notice later that it changed: for local files their names,
+    sizes and modification times; for the stdlib the Python version and file count; for a hub
+    corpus its name (the hub's revision is not checked)."""
+    if corpus == "stdlib":
+        return {"python": sys.version.split()[0], "files": len(stdlib_files())}
+    if corpus in HUB:
+        return {"hub": HUB[corpus][0]}
+    files = local_files(corpus)
+    listing = "\n".join(f"{f.resolve()} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files)
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
+            "listing_sha256": hashlib.sha256(listing.encode()).hexdigest()[:16]}
+
+
+def local_documents(pattern: str, field: str = "text", limit: int | None = None, warn=print) -> Iterator[str]:
+    """Local .txt files (one document per file) or .jsonl / .parquet files (one per record),
+    read through the same `datasets` call path as the hub corpora. Text that is not valid UTF-8
+    is decoded with replacement characters, and records without text are skipped: both are
+    counted and reported with the file they came from."""
+    files = local_files(pattern)
     kinds = {f.suffix for f in files}
     if kinds == {".txt"}:
         for f in files:
-            yield f.read_text(encoding="utf-8", errors="replace")
+            raw = f.read_bytes()
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                warn(f"warning: {f} is not valid UTF-8 (byte {e.start}): its undecodable bytes became U+FFFD")
+                yield raw.decode("utf-8", errors="replace")
         return
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
     if len(kinds) != 1 or next(iter(kinds)) not in builder:
         raise CorpusError(f"corpus {pattern!r}: files must all be .txt, .jsonl or .parquet, got {sorted(kinds)}")
     import datasets
-    stream = datasets.load_dataset(builder[next(iter(kinds))], data_files=[str(f) for f in files],
-                                   split="train", streaming=True)
-    yield from _texts(stream, field, pattern, limit)
+    import datasets
+    for f in files:  # file by file, so that a skipped record can be reported with its file
+        try:
+            stream = datasets.load_dataset(builder[f.suffix], data_files=[str(f)], split="train", streaming=True)
+            yield from _texts(stream, field, str(f), None, warn)
+        except CorpusError:
+            raise
+        except Exception as e:  # datasets raises its own types for a malformed file
+            raise CorpusError(f"{f}: cannot be read as {f.suffix[1:]} ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}): fix or remove "
+                              f"the file") from None
 
 
-def _texts(stream, field: str, source: str, limit: int | None) -> Iterator[str]:
+def _texts(stream, field: str, source: str, limit: int | None, warn=print) -> Iterator[str]:
+    skipped = 0
     for i, record in enumerate(stream):
         if limit is not None and i >= limit:
-            return
+            break
         if field not in record:
             raise CorpusError(f"{source}: record {i} has no text field {field!r} (fields: {sorted(record)}); "
                               f"pass the right one with --text-field")
-        if record[field]:
+        if isinstance(record[field], str) and record[field]:
             yield record[field]
+        else:
+            skipped += 1
+    if skipped:
+        warn(f"warning: {source}: skipped {skipped} record(s) whose {field!r} is missing, empty or not text")
 
 
-def documents(corpus: str, text_field: str = "text", limit: int | None = None) -> Iterator[str]:
+def documents(corpus: str, text_field: str = "text", limit: int | None = None, warn=print) -> Iterator[str]:
     """The documents of a corpus by name, or of local files by path or glob. Refuses an empty one."""
     if corpus == "stdlib":
         docs = stdlib_documents()
     elif corpus in HUB:
         docs = hub_documents(corpus, limit)
     else:
-        docs = local_documents(corpus, text_field, limit)
+        docs = local_documents(corpus, text_field, limit, warn)
     empty = True
     for i, doc in enumerate(docs):
         if limit is not None and i >= limit:
@@ -148,7 +206,11 @@ def load_tokenizer(path: Path):
     if not Path(path).is_file():
         raise FileNotFoundError(f"tokenizer {path} does not exist: train one with "
                                 f"`python tokenizer.py train --corpus stdlib --out {Path(path).parent}`")
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust library raises a plain Exception for a malformed file
+        raise ValueError(f"tokenizer {path} is not a readable tokenizer.json ({str(e)[:120]}): delete it to "
+                         f"retrain, or point --tokenizer at the original") from None
     if tok.token_to_id(EOT) is None:
         raise ValueError(f"tokenizer {path} has no {EOT} token: it was not trained by this project")
     return tok
@@ -183,8 +245,8 @@ def is_val(index: int, val_fraction: float) -> bool:
     return val_fraction > 0 and index % max(1, round(1 / val_fraction)) == 0
 
 
-def train_documents(corpus: str, text_field: str, val_fraction: float, limit: int | None = None):
-    return (d for i, d in enumerate(documents(corpus, text_field, limit)) if not is_val(i, val_fraction))
+def train_documents(corpus: str, text_field: str, val_fraction: float, limit: int | None = None, warn=print):
+    return (d for i, d in enumerate(documents(corpus, text_field, limit, warn)) if not is_val(i, val_fraction))
 
 
 def held_out(corpus: str, text_field: str, val_fraction: float, n: int = 200) -> list[str]:
@@ -199,30 +261,35 @@ def held_out(corpus: str, text_field: str, val_fraction: float, n: int = 200) ->
 
 
 def main(argv=None):
+    import config as C  # settings come through the one config loader
     parser = argparse.ArgumentParser(description="Train or inspect the byte-level BPE tokenizer.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a tokenizer on a corpus")
-    train.add_argument("--corpus", default="stdlib", help=f"one of {CORPORA} or a path/glob of local files")
-    train.add_argument("--text-field", default="text")
-    train.add_argument("--vocab", type=int, default=32768)
-    train.add_argument("--limit", type=int, default=None, help="use at most this many documents")
     train.add_argument("--out", type=Path, required=True, help="folder to write tokenizer.json into")
-    train.add_argument("--val-fraction", type=float, default=0.05, help="documents held out (never trained on)")
     stats = sub.add_parser("stats", help="bytes per token on held-out documents")
-    stats.add_argument("--tokenizer", type=Path, required=True)
-    stats.add_argument("--corpus", default="stdlib")
-    stats.add_argument("--text-field", default="text")
-    stats.add_argument("--val-fraction", type=float, default=0.05)
+    stats.add_argument("--tokenizer", type=Path, required=True, help="tokenizer.json to measure")
+    for p in (train, stats):
+        p.add_argument("--config", default=str(C.PRESETS_DIR / "tiny.toml"),
+                       help="TOML file whose [data] section and model.vocab_size are used (default: configs/tiny.toml)")
+        p.add_argument("--vocab-size", type=int, default=None, help="tokens in the vocabulary (default: the config's "
+                                                                    "model.vocab_size)")
+        C.add_config_flags(p, ("data",))
     args = parser.parse_args(argv)
     try:
+        overrides = C.flag_overrides(args)
+        if args.vocab_size is not None:
+            overrides["model__vocab_size"] = args.vocab_size
+        cfg = C.load_config(args.config, **overrides)
+        data = cfg.data
         if args.command == "train":
-            docs = tqdm(train_documents(args.corpus, args.text_field, args.val_fraction, args.limit),
+            limit = data.tokenizer_documents or data.max_documents or None
+            docs = tqdm(train_documents(data.corpus, data.text_field, data.val_fraction, limit),
                         desc="documents", unit="doc")
-            train_tokenizer(docs, args.vocab, args.out)
+            train_tokenizer(docs, cfg.model.vocab_size, args.out)
             print(f"wrote {args.out / 'tokenizer.json'} (hash {tokenizer_hash(args.out / 'tokenizer.json')})")
         else:
             tok = load_tokenizer(args.tokenizer)
-            docs = held_out(args.corpus, args.text_field, args.val_fraction)
+            docs = held_out(data.corpus, data.text_field, data.val_fraction)
             print(json.dumps({"tokenizer": str(args.tokenizer), "vocab": tok.get_vocab_size(),
                               "documents": len(docs), "bytes_per_token": round(bytes_per_token(tok, docs), 3)}))
     except (CorpusError, FileNotFoundError, ValueError) as e:

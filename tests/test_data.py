@@ -1,4 +1,5 @@
 import json
+import time
 
 import numpy as np
 import pytest
@@ -95,11 +96,61 @@ def test_empty_corpus_and_missing_files(tmp_path):
         list(tk.documents(str(tmp_path / "nothing*.txt")))
 
 
-def test_unreachable_hub_gives_one_clear_message(monkeypatch):
+def test_unreachable_hub_fails_at_once_with_one_clear_message(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what a machine without network sees, without waiting
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(tk.CorpusError, match=r"could not stream roneneldan/TinyStories.*--corpus /path"):
+    start = time.perf_counter()
+    with pytest.raises(tk.CorpusError, match=r"streams roneneldan/TinyStories from the HuggingFace hub, which cannot "
+                                             r"be reached .* --corpus '/path/to/files/\*\.parquet'"):
         next(tk.documents("tinystories"))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_bad_records_and_bad_bytes_are_counted_and_named(tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in [{"text": "one"}, {"text": None}, {"text": "two"}]))
+    said = []
+    assert list(tk.documents(str(tmp_path / "a.jsonl"), warn=said.append)) == ["one", "two"]
+    assert said == [f"warning: {tmp_path / 'a.jsonl'}: skipped 1 record(s) whose 'text' is missing, empty or not text"]
+    (tmp_path / "b.txt").write_bytes(b"caf\xe9 au lait")
+    said.clear()
+    assert list(tk.documents(str(tmp_path / "b.txt"), warn=said.append)) == ["caf\ufffd au lait"]
+    assert said == [f"warning: {tmp_path / 'b.txt'} is not valid UTF-8 (byte 3): its undecodable bytes became U+FFFD"]
+
+
+def test_prepare_notices_a_changed_corpus(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"d{i}.txt").write_text(f"document {i} " + "words and more words " * 40)
+    cfg = D.DataConfig(corpus=str(corpus / "*.txt"), cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
+    D.prepare(cfg, 300, log=lambda *a: None)
+    (corpus / "new.txt").write_text("a new document " * 50)
+    with pytest.raises(ValueError, match=r"changed since .* was prepared .*data\.py prepare --config <your config> --rebuild"):
+        D.prepare(cfg, 300, log=lambda *a: None)
+    D.prepare(cfg, 300, log=lambda *a: None, rebuild=True)
+    assert json.loads((D.data_dir(cfg, 300) / "manifest.json").read_text())["documents"] == 31
+
+
+def test_a_corrupt_shard_is_rewritten_by_prepare(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"d{i}.txt").write_text(f"document {i} " + "words and more words " * 40)
+    cfg = D.DataConfig(corpus=str(corpus / "*.txt"), cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
+    folder = D.prepare(cfg, 300, log=lambda *a: None)
+    shard = folder / "train_00000.bin"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-100])  # truncated: the loader refuses it and says to rerun prepare
+    with pytest.raises(D.ShardError, match="truncated or corrupted, rerun prepare"):
+        D.ShardLoader([shard], 2, 16)
+    said = []
+    D.prepare(cfg, 300, log=said.append)
+    assert any("failed their checks" in s for s in said) and shard.read_bytes() == good
+
+
+def test_a_document_limit_the_stdlib_never_reaches_shares_the_folder():
+    assert D.data_dir(D.DataConfig(corpus="stdlib", max_documents=1_800_000), 32768) == \
+        D.data_dir(D.DataConfig(corpus="stdlib"), 32768)
+    assert D.data_dir(D.DataConfig(corpus="stdlib", max_documents=10), 32768).name == "stdlib-32768-10docs"
 
 
 def test_stdlib_corpus_is_the_standard_library():
