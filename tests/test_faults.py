@@ -1,0 +1,198 @@
+"""What a user can rely on when things go wrong: every bad input is one line naming the file and
+a non-zero exit with nothing else touched; interrupted and finished runs lose nothing."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import checkpoint as CK
+import config as C
+import export as E
+import sample as S
+import train as TR
+from conftest import tiny_model_cfg
+
+QUIET = dict(log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def finished(data_cfg, tmp_path_factory):
+    """A finished 4-step run of the tiny test model, its config written as a TOML file."""
+    cfg = C.Config(model=tiny_model_cfg(), data=data_cfg,
+                   train=C.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=4,
+                                       eval_every=2, eval_tokens=512, ckpt_every=2, sample_tokens=0, device="cpu"))
+    runs = tmp_path_factory.mktemp("runs")
+    TR.train(cfg, runs / "run", **QUIET)
+    return cfg, runs / "run"
+
+
+def snapshot(folder: Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def one_line_error(excinfo, names: str):
+    message = str(excinfo.value.code)
+    assert message.startswith("error: ") and "\n" not in message and names in message, message
+    assert "Traceback" not in message
+
+
+# --- Bad inputs: one line naming the file, non-zero exit, nothing touched ------------------
+
+@pytest.mark.parametrize("content", [b"[model\nd_model = 64", b"\x89PNG\r\n\x1a\n\x00\x00", b"[train]\nsteps = -3\n"],
+                         ids=["truncated", "not-utf8", "out-of-range"])
+def test_bad_config_file(tmp_path, content):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(content)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--config", str(path), "--runs-dir", str(tmp_path / "runs")])
+    one_line_error(e, "bad.toml")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated zip", b"not a checkpoint at all"],
+                         ids=["empty", "truncated", "wrong-kind"])
+@pytest.mark.parametrize("script", ["sample", "export"])
+def test_bad_checkpoint_file(tmp_path, content, script):
+    (tmp_path / "ckpt.pt").write_bytes(content)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        if script == "sample":
+            S.main(["--ckpt", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"])
+        else:
+            E.main(["--ckpt", str(tmp_path), "--out", str(tmp_path / "hf")])
+    one_line_error(e, "ckpt.pt")
+    assert snapshot(tmp_path) == before
+
+
+def test_bad_tokenizer_file(finished, tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "truncated')
+    with pytest.raises(SystemExit) as e:
+        S.main(["--ckpt", str(finished[1]), "--tokenizer", str(tmp_path / "tokenizer.json"), "--prompt", "a"])
+    one_line_error(e, "tokenizer.json")
+
+
+def test_stdin_that_is_not_text(finished, monkeypatch):
+    import io
+    import sys
+
+    class Stdin(io.TextIOWrapper):
+        def isatty(self):
+            return False
+    monkeypatch.setattr(sys, "stdin", Stdin(io.BytesIO(b"\xff\xfe\x00binary")))
+    with pytest.raises(SystemExit) as e:
+        S.main(["--ckpt", str(finished[1]), "--max-new-tokens", "2"])
+    one_line_error(e, "stdin is not UTF-8")
+
+
+def test_device_cuda_without_a_gpu(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--device", "cuda", "--runs-dir", str(tmp_path)])
+    one_line_error(e, "CUDA is not available on this machine: use auto or cpu")
+    assert not any(tmp_path.iterdir())
+
+
+def test_unwritable_runs_folder(finished, tmp_path):
+    (tmp_path / "file").write_text("a file, not a folder")
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(toml_of(finished[0]))
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path / "file")])
+    one_line_error(e, "file")
+
+
+def test_run_name_cannot_leave_the_runs_folder(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--name", "../../x", "--runs-dir", str(tmp_path / "runs")])
+    one_line_error(e, "--name '../../x': a run name is one folder name")
+    assert not any(tmp_path.iterdir())
+
+
+def toml_of(cfg: C.Config) -> str:
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines += [f"[{section}]"] + [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+# --- Results are never lost ----------------------------------------------------------------
+
+def test_resume_of_a_finished_run_keeps_its_summary(finished):
+    cfg, run = finished
+    summary = json.loads((run / "summary.json").read_text())
+    said = []
+    again = TR.train(cfg, run, resume=True, log=said.append)
+    assert again == summary and "val_loss" in summary and "already finished at step 4" in said[0]
+    assert json.loads((run / "summary.json").read_text()) == summary
+
+
+def test_export_never_writes_into_a_run_or_a_full_folder(finished, tmp_path):
+    run = finished[1]
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as e:
+        E.main(["--ckpt", str(run), "--out", str(run)])
+    one_line_error(e, "is a training run's folder")
+    assert snapshot(run) == before
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "mine.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as e:
+        E.main(["--ckpt", str(run), "--out", str(tmp_path / "hf")])
+    one_line_error(e, "is not empty")
+    E.main(["--ckpt", str(run), "--out", str(tmp_path / "hf"), "--force"])
+    assert (tmp_path / "hf" / "mine.txt").read_text() == "keep me" and (tmp_path / "hf" / "config.json").exists()
+
+
+def test_log_has_each_step_once_after_a_crash_and_resume(finished, tmp_path, monkeypatch):
+    cfg = finished[0]
+    run = tmp_path / "run"
+    real, calls = TR.forward_loss, {"n": 0}
+
+    def crash_in_step_3(*args):
+        calls["n"] += 1
+        if calls["n"] == 7:  # step 3's first micro-batch: steps 0-2 were logged, the checkpoint is at 2
+            raise RuntimeError("the machine went away")
+        return real(*args)
+    monkeypatch.setattr(TR, "forward_loss", crash_in_step_3)
+    with pytest.raises(RuntimeError):
+        TR.train(cfg, run, **QUIET)
+    monkeypatch.undo()
+    TR.train(cfg, run, resume=True, **QUIET)
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == [1, 2, 3, 4]
+    assert (run / "loss.png").stat().st_size > 1000
+
+
+def test_ctrl_c_says_it_will_save_and_a_second_one_exits_cleanly():
+    said = []
+    stopper = TR.Stopper(said.append)
+    try:
+        stopper._handle(signal.SIGINT, None)
+        assert stopper.signal == "SIGINT" and "saving a checkpoint after the current step" in said[0]
+        with pytest.raises(SystemExit, match="SIGINT again: stopped at once without saving; continue from the last "
+                                             "checkpoint with --resume"):
+            stopper._handle(signal.SIGINT, None)
+    finally:
+        stopper.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupted_run_exits_non_zero_and_plots(finished, tmp_path, capsys):
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(toml_of(finished[0]))
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "r", "--stop-after", "1"])
+    assert e.value.code == 130 and "--stop-after: saved" in capsys.readouterr().err
+    assert CK.load(tmp_path / "r").step == 1 and (tmp_path / "r" / "loss.png").exists()
+    assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_resume_cannot_change_the_model(finished, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--runs-dir", str(finished[1].parent), "--name", "run", "--resume", "--d-model", "128"])
+    one_line_error(e, "model.d_model cannot change")
