@@ -246,7 +246,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, window=None):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)
@@ -254,7 +254,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:
             k, v = self.cache.update(pos, k, v)
-            y = cached_attention(q, k.to(q.dtype), v.to(q.dtype), cache_mask)
+            if cache_mask is not None:  # the whole fixed-size cache, masked: the CUDA-graph step's shapes
+                y = cached_attention(q, k.to(q.dtype), v.to(q.dtype), cache_mask)
+            else:  # eager: the first `window` positions are exactly the sequence so far (Llama.forward)
+                k, v = k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
         else:
             y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -281,8 +285,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos)
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, window=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos, window)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -349,10 +353,21 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_x * grad_out, grad_w * grad_out, None, None
 
 
-@torch.compiler.disable  # a plain Python loop over compiled chunks: compiled once, not unrolled
 def linear_cross_entropy(x, weight, targets):
     """Mean cross-entropy of softmax(x @ weight.T) against targets. x: (N, d); weight: (vocab, d);
-    targets: (N,). Equals F.cross_entropy(F.linear(x, weight).float(), targets), computed in chunks."""
+    targets: (N,). Equals F.cross_entropy(F.linear(x, weight).float(), targets), computed in chunks.
+    Kept out of an enclosing torch.compile graph: a plain Python loop over compiled chunks is
+    compiled once, where tracing it would unroll one copy per chunk."""
+    global _uncompiled_loss
+    if _uncompiled_loss is None:  # torch.compiler imports the compiler stack: only when this is used
+        _uncompiled_loss = torch.compiler.disable(_linear_cross_entropy)
+    return _uncompiled_loss(x, weight, targets)
+
+
+_uncompiled_loss = None
+
+
+def _linear_cross_entropy(x, weight, targets):
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with torch.autocast(x.device.type, enabled=False):
         return LinearCrossEntropy.apply(x, weight, targets, dtype)
@@ -407,11 +422,14 @@ class Llama(nn.Module):
                 block.attn.cache = KVCache(batch, self.cfg.n_kv_heads, self.cfg.context, self.cfg.head_dim,
                                            device, dtype)
 
-    def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None):
+    def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None, window: int | None = None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
         cross-entropy. doc_ids (B, T) restrict attention to each packed document.
         pos: (T,) positions of idx's tokens when generating with the cache (setup_cache): their
-        keys and values are stored there and attention reads the cache up to them."""
+        keys and values are stored there and attention reads the cache up to them. window: None
+        reads the whole cache through a mask (the fixed shapes a CUDA graph needs); eager decoding
+        passes the length so far and reads only that much, with plain causal attention. It then
+        requires idx to be either one new token or the whole sequence so far (the prompt)."""
         B, T = idx.shape
         if pos is None and T > self.cfg.context:
             raise ValueError(
@@ -423,15 +441,17 @@ class Llama(nn.Module):
             cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
         else:
             cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)
-            # (T, context): query at position p sees cached keys at positions <= p. Positions
-            # past the current length hold zeros or stale keys and are always masked out.
-            cache_mask = torch.arange(self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
+            if window is None:  # (T, context): a query at position p sees cached keys at positions <= p;
+                # positions past the current length hold zeros or stale keys and are masked out
+                cache_mask = torch.arange(self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
+            elif not (T == 1 or T == window):
+                raise ValueError(f"window={window} with {T} new tokens: pass one token or the whole sequence")
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask,
                                                       use_reentrant=False)
             else:
-                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos)
+                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos, window)
         x = self.norm(x)
         if targets is not None and self.cfg.fused_loss:
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten())
@@ -462,11 +482,12 @@ def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float =
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
 
 
-def decode_one(model: "Llama", token, pos):
+def decode_one(model: "Llama", token, pos, window: int | None = None):
     """Logits (B, vocab) for the next token after token (B, 1) at position pos (1,), through the
-    cache. Every call has the same shapes and addresses, so it can be captured once as a CUDA
-    graph and replayed (sample.GraphDecoder)."""
-    return model(token, pos=pos)[:, -1]
+    cache, reading `window` cache positions (all when None). With window None every call has the
+    same shapes and addresses, so it can be captured once as a CUDA graph and replayed
+    (sample.GraphDecoder, which always reads the whole cache and ignores window)."""
+    return model(token, pos=pos, window=window)[:, -1]
 
 
 @torch.no_grad()
@@ -487,7 +508,7 @@ def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0,
             dtype = torch.get_autocast_dtype(idx.device.type)
         model.setup_cache(B, dtype)
         decode = decode or decode_one
-        logits = model(idx, pos=torch.arange(T, device=idx.device))[:, -1]
+        logits = model(idx, pos=torch.arange(T, device=idx.device), window=T)[:, -1]
         pos = torch.full((1,), T, device=idx.device)  # on the device: no host-to-device copy per token
     for i in range(max_new_tokens):
         if not use_cache:
@@ -497,7 +518,7 @@ def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0,
         if i + 1 == max_new_tokens:
             return
         if use_cache:
-            logits = decode(model, token, pos).clone()  # clone: a graph replay reuses its output memory
+            logits = decode(model, token, pos, T + i + 1).clone()  # clone: a graph replay reuses its output
             pos += 1
         else:
             idx = torch.cat([idx, token], dim=1)

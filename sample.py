@@ -63,7 +63,7 @@ class GraphDecoder:
         self.step = torch.compile(M.decode_one, mode=mode, fullgraph=True)
         self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
 
-    def __call__(self, model, token, pos):
+    def __call__(self, model, token, pos, window=None):  # window: ignored, the graph reads the whole cache
         key = (token.shape[0], model.blocks[0].attn.cache.k.data_ptr())
         if key not in self.graphs:
             self.graphs[key] = self.capture(token, pos)

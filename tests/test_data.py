@@ -277,7 +277,7 @@ def test_doc_mask_is_block_diagonal_and_causal():
 
 
 def test_doc_mask_stops_attention_across_documents():
-    """Seed 001's check: document A ends with a distinctive token and B continues it. With the
+    """The check the "Making it fast" lesson suggests: document A ends with a distinctive token and B continues it. With the
     mask, B's logits do not depend on A; without it, they do."""
     torch.manual_seed(0)
     model = M.Llama(tiny_model_cfg()).double().eval()

@@ -164,6 +164,20 @@ def test_kv_cache_decode_equals_full_forward():
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
 
 
+def test_windowed_eager_decode_equals_full_forward():
+    """Eager decoding reads only the tokens so far (window) with plain causal attention."""
+    model = small_model()
+    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(idx)
+        model.setup_cache(2)
+        steps = [model(idx[:, :7], pos=torch.arange(7), window=7)]
+        steps += [model(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1) for t in range(7, 20)]
+        with pytest.raises(ValueError, match="pass one token or the whole sequence"):
+            model(idx[:, 3:6], pos=torch.arange(3, 6), window=6)
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
+
+
 def test_cache_is_never_read_past_the_current_length():
     """Positions after the tokens written so far hold garbage (stale keys of a longer earlier
     generation); the mask must keep every one of them out of the result."""
