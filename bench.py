@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import checkpoint as CK
 import config as C
 import measure as ME
 import model as M
@@ -118,8 +119,9 @@ def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int)
     context = C.preset(preset).model.context
     fits = [mb for mb in (64, 32, 16, 8, 4, 2, 1) if batch_tokens % (mb * context) == 0]
     bt = {"train__batch_tokens": batch_tokens}
-    first = largest_fitting(lambda mb: ME.Rung("fp32 eager", preset, {**ladder_rungs(preset, mb, steps, cuda)[0].overrides, **bt}, steps),
-                            fits if cuda else [4], cuda, timeout)
+    def fp32(mb):
+        return ME.Rung("fp32 eager", preset, {**ladder_rungs(preset, mb, steps, cuda)[0].overrides, **bt}, steps)
+    first = largest_fitting(fp32, fits if cuda else [4], cuda, timeout)
     mb = first.get("micro_batch", 4)
     rest = [ME.Rung(r.name, r.preset, {**r.overrides, **bt}, steps) for r in ladder_rungs(preset, mb, steps, cuda)[1:]]
     if not cuda:  # the ladder's settings are CUDA settings: the CPU smoke test stops at its first rung
@@ -252,7 +254,6 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
     weights (written by export.py), same prompt, same number of new tokens. Random weights:
     speed does not depend on what the model learned."""
-    import sample as S
     device = torch.device("cuda" if cuda else "cpu")
     cfg = C.preset(preset).model
     torch.manual_seed(0)
@@ -263,11 +264,11 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     rows, ours = [], {}
     for batch in batches:
         for mode in (("eager",) + DECODE_MODES if cuda else ("eager",)):
-            decode = S.decoder(model, device, mode != "eager", mode)
+            decode = M.decoder(model, device, mode != "eager", mode)
             t0 = time.perf_counter()
-            S.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None, decode=decode)  # warm-up (compile)
+            M.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None, decode=decode)  # warm-up (compile)
             warm = time.perf_counter() - t0
-            tokens, timer = S.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
+            tokens, timer = M.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
             start, first, end = timer.marks
             name = f"onegpu {'eager' if mode == 'eager' else 'CUDA graph, ' + mode} batch {batch}"
             rows.append({"rung": name, "batch": batch, "first_token_ms": round((first - start) * 1000, 2),
@@ -285,10 +286,9 @@ def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype
         import transformers
     except ImportError:
         return [{"rung": "transformers", "skipped": "transformers is not installed (pip install -e '.[dev]')"}]
-    import export as EX
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        EX.write_model(model.float().state_dict(), cfg, Path(tmp), eot_id=0)
+        CK.write_hf_model(model.float().state_dict(), cfg, Path(tmp), eot_id=0)
         model.to(dtype)
         key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{key: dtype}).to(device).eval()
@@ -421,13 +421,15 @@ def budget_table(rates: list[str]) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description="Speed ladder and studies; every training rung in its own process.")
     for study in STUDIES:
-        p.add_argument("--" + study.replace("_", "-"), action="store_true", help=f"run the {study.replace('_', ' ')} study")
+        p.add_argument("--" + study.replace("_", "-"), action="store_true",
+                       help=f"run the {study.replace('_', ' ')} study")
     p.add_argument("--all", action="store_true", help="every study")
     p.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
     p.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="measured tokens/s per preset, "
                    "for --budget (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")
     p.add_argument("--preset", default=None, help="model preset from configs/ (default: 88m on CUDA, tiny on CPU)")
-    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per rung (default 3 on CUDA, 2 on CPU)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed optimizer steps per rung (default 3 on CUDA, 2 on CPU)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
     p.add_argument("--fused-loss", action="store_true", help="profile with the fused loss")
@@ -455,7 +457,7 @@ LAPTOP_TOK_S = {"22m": 103_618, "47m": 49_459, "88m": 29_508, "126m": 19_096}
 
 
 def run_studies(args, chosen: list[str], argv):
-    cuda = torch.cuda.is_available()
+    cuda = C.pick_device("auto").type == "cuda"
     preset = args.preset or ("88m" if cuda else "tiny")
     mcfg = C.preset(preset).model
     batch_tokens = args.batch_tokens or (524_288 if cuda else 4 * mcfg.context * 2)
@@ -505,7 +507,9 @@ def run_studies(args, chosen: list[str], argv):
         else:
             table = simple_table(rows)
         value, label = PLOTTED[study]
-        mfu_of = (lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)) if study == "ladder" and roof else None
+        mfu_of = None
+        if study == "ladder" and roof:
+            mfu_of = lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
         plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | {results['date']}",
                   out / f"{study}.png", mfu_of)
         results[study] = rows

@@ -16,6 +16,7 @@ before it still exists: the latest one may already hold the diverging weights.
 """
 
 import dataclasses
+import json
 import os
 import pickle
 import random
@@ -186,3 +187,49 @@ def tokenizer_for(ckpt: Checkpoint, override: str | Path | None = None):
         raise CheckpointError(f"tokenizer {path} has hash {found}, but the checkpoint was trained with tokenizer "
                               f"{ckpt.tokenizer_hash}: pass --tokenizer with the original tokenizer.json")
     return tk.load_tokenizer(path), path
+
+
+# --- The HuggingFace Llama format (export.py writes it; bench compares generation on it) ----
+# Our model already is a Llama: RMSNorm, rotary embeddings in HF's "rotate half" layout (so q
+# and k need no permutation), grouped-query attention, SwiGLU, no biases. Only the fused
+# matrices are split back: wqkv into q_proj, k_proj, v_proj and w13 into gate_proj, up_proj.
+
+def hf_config(cfg: M.ModelConfig, eot_id: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02, "torch_dtype": "float32",
+        "bos_token_id": eot_id, "eos_token_id": eot_id,
+    }
+
+
+def hf_state_dict(state: dict, cfg: M.ModelConfig) -> dict:
+    """Our parameter names and fused matrices -> HF LlamaForCausalLM's."""
+    d, kv, f = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    for i in range(cfg.n_layers):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        q, k, v = state[ours + "attn.wqkv.weight"].split([d, kv, kv])
+        gate, up = state[ours + "mlp.w13.weight"].split([f, f])
+        out.update({
+            theirs + "input_layernorm.weight": state[ours + "attn_norm.weight"],
+            theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
+            theirs + "self_attn.v_proj.weight": v, theirs + "self_attn.o_proj.weight": state[ours + "attn.wo.weight"],
+            theirs + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"],
+            theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
+            theirs + "mlp.down_proj.weight": state[ours + "mlp.w2.weight"],
+        })
+    if not cfg.tie_embeddings:  # a tied head is the embedding; safetensors stores it once
+        out["lm_head.weight"] = state["head.weight"]
+    return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
+
+
+def write_hf_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
+    """config.json, generation_config.json and model.safetensors: enough for from_pretrained."""
+    from safetensors.torch import save_file
+    save_file(hf_state_dict(state, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))

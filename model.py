@@ -1,16 +1,19 @@
 """A Llama-style decoder and the arithmetic around it: parameters, FLOPs, memory, budget.
 
 Read top to bottom: ModelConfig; the layers (RMSNorm, RoPE, attention, SwiGLU, block); the
-fused loss; the model with its KV cache and generation; then the closed-form arithmetic.
+fused loss; the model with its KV cache; generation and its CUDA-graph decoder; then the
+closed-form arithmetic.
 
-Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
-`attention` picks the attention kernel (this file is the one place that choice is made) and
-`fused_loss` computes the output head and cross-entropy in chunks without keeping the logits.
+Every fast path here has the plain PyTorch code beside it and a switch: `attention` picks the
+attention kernel (this file is the one place that choice is made), `fused_loss` computes the
+output head and cross-entropy in chunks without keeping the logits, and GraphDecoder replays
+the decode step as one CUDA graph (decoder(fast=False) is the plain step).
 
 This file imports nothing else of the project.
 """
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -522,6 +525,89 @@ def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0,
             pos += 1
         else:
             idx = torch.cat([idx, token], dim=1)
+
+
+class GraphDecoder:
+    """The decode step as one CUDA graph: decode_one compiled by Inductor (fused kernels),
+    captured once per batch size and replayed for every token. A replay is one launch from
+    Python for the whole step, where eager decoding launches about a hundred kernels and
+    torch.compile's own CUDA graphs ("reduce-overhead") still check every weight on each call.
+    Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by
+    the next replay (generate() clones them)."""
+
+    def __init__(self, model: "Llama", mode: str = "max-autotune-no-cudagraphs"):
+        self.model = model
+        # max-autotune lets Inductor pick (and time) Triton matmul kernels for these one-row
+        # products and fuse their epilogues; the graph replay is this step's only launch.
+        self.step = torch.compile(decode_one, mode=mode, fullgraph=True)
+        self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
+
+    def __call__(self, model, token, pos, window=None):  # window: ignored, the graph reads the whole cache
+        key = (token.shape[0], model.blocks[0].attn.cache.k.data_ptr())
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(token, pos)
+        graph, token_in, pos_in, logits = self.graphs[key]
+        token_in.copy_(token)
+        pos_in.copy_(pos)
+        graph.replay()
+        return logits
+
+    def capture(self, token, pos):
+        token_in, pos_in = token.clone(), pos.clone()
+        # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
+        saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
+            for _ in range(3):
+                self.step(self.model, token_in, pos_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.step(self.model, token_in, pos_in)
+        for b, (k, v) in zip(self.model.blocks, saved):
+            b.attn.cache.k.copy_(k)
+            b.attn.cache.v.copy_(v)
+        return graph, token_in, pos_in, logits
+
+
+def decoder(model: "Llama", device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs"):
+    """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
+    elsewhere or with fast=False (the reference the fast path is tested against)."""
+    return GraphDecoder(model, mode) if fast and device.type == "cuda" else decode_one
+
+
+class Timer:
+    """Time to first token, then the decode rate, synchronising the device at each mark."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.marks = device, []
+
+    def mark(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.marks.append(time.perf_counter())
+
+
+def generate_batch(model: "Llama", ids: list[int], batch: int, max_new_tokens: int, temperature: float,
+                   top_k: int, top_p: float, generator, use_cache: bool = True, decode=None,
+                   on_token=None) -> tuple[list[list[int]], Timer]:
+    """`batch` continuations of ids decoded together. on_token(step, tokens (B,)) sees each step.
+    Returns the new token ids per sample and the timer (start, first token, end)."""
+    device = model.embed.weight.device
+    idx = torch.tensor([ids] * batch, device=device)
+    new, timer = [], Timer(device)
+    timer.mark()
+    for token in generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
+                            decode=decode):
+        new.append(token)
+        if len(new) == 1:
+            timer.mark()
+        if on_token is not None:
+            on_token(len(new) - 1, token[:, 0])
+    timer.mark()
+    tokens = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(batch)]
+    return tokens, timer
 
 
 # --- Arithmetic ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 
 The prompt is read in one pass (prefill), then each new token is one decode step through the
 KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (every step has
-the same shapes: see model.KVCache and GraphDecoder); --no-compile runs it eagerly and --no-cache re-reads the
+the same shapes: see model.KVCache and model.GraphDecoder); --no-compile runs it eagerly and --no-cache re-reads the
 whole sequence every token (the slow reference both are tested against). bfloat16 weights on
 CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to first token,
 prefill and decode tokens per second.
@@ -48,88 +48,6 @@ def prompt_ids(tok, prompt: str, context: int, warn=print) -> list[int]:
     return ids
 
 
-class GraphDecoder:
-    """The decode step as one CUDA graph: model.decode_one compiled by Inductor (fused kernels),
-    captured once per batch size and replayed for every token. A replay is one launch from
-    Python for the whole step, where eager decoding launches about a hundred kernels and
-    torch.compile's own CUDA graphs ("reduce-overhead") still check every weight on each call.
-    Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by
-    the next replay (generate() clones them)."""
-
-    def __init__(self, model: M.Llama, mode: str = "max-autotune-no-cudagraphs"):
-        self.model = model
-        # max-autotune lets Inductor pick (and time) Triton matmul kernels for these one-row
-        # products and fuse their epilogues; the graph replay is this step's only launch.
-        self.step = torch.compile(M.decode_one, mode=mode, fullgraph=True)
-        self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
-
-    def __call__(self, model, token, pos, window=None):  # window: ignored, the graph reads the whole cache
-        key = (token.shape[0], model.blocks[0].attn.cache.k.data_ptr())
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(token, pos)
-        graph, token_in, pos_in, logits = self.graphs[key]
-        token_in.copy_(token)
-        pos_in.copy_(pos)
-        graph.replay()
-        return logits
-
-    def capture(self, token, pos):
-        token_in, pos_in = token.clone(), pos.clone()
-        # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
-        saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
-            for _ in range(3):
-                self.step(self.model, token_in, pos_in)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self.step(self.model, token_in, pos_in)
-        for b, (k, v) in zip(self.model.blocks, saved):
-            b.attn.cache.k.copy_(k)
-            b.attn.cache.v.copy_(v)
-        return graph, token_in, pos_in, logits
-
-
-def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs"):
-    """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
-    elsewhere or with fast=False (the reference the fast path is tested against)."""
-    return GraphDecoder(model, mode) if fast and device.type == "cuda" else M.decode_one
-
-
-class Timer:
-    """Time to first token, then the decode rate, synchronising the device at each mark."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.marks = device, []
-
-    def mark(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.marks.append(time.perf_counter())
-
-
-def generate_batch(model: M.Llama, ids: list[int], batch: int, max_new_tokens: int, temperature: float,
-                   top_k: int, top_p: float, generator, use_cache: bool = True, decode=None, on_token=None) -> tuple[list[list[int]], Timer]:
-    """`batch` continuations of ids decoded together. on_token(step, tokens (B,)) sees each step.
-    Returns the new token ids per sample and the timer (start, first token, end)."""
-    device = model.embed.weight.device
-    idx = torch.tensor([ids] * batch, device=device)
-    new, timer = [], Timer(device)
-    timer.mark()
-    for token in M.generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
-                            decode=decode):
-        new.append(token)
-        if len(new) == 1:
-            timer.mark()
-        if on_token is not None:
-            on_token(len(new) - 1, token[:, 0])
-    timer.mark()
-    tokens = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(batch)]
-    return tokens, timer
-
-
 class StreamPrinter:
     """An on_token callback that writes sample 0's text as it grows, whole characters only."""
 
@@ -148,7 +66,7 @@ class StreamPrinter:
         self.out.write(self.tok.decode(self.new)[len(self.shown):] + "\n")
 
 
-def speed_report(timer: Timer, prompt_tokens: int, batch: int, new_tokens: int, mode: str, device) -> str:
+def speed_report(timer: M.Timer, prompt_tokens: int, batch: int, new_tokens: int, mode: str, device) -> str:
     start, first, end = timer.marks
     prefill_s, decode_s = first - start, end - first
     decode_rate = batch * (new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else float("nan")
@@ -198,10 +116,10 @@ def main(argv=None):
     if device.type == "cuda":  # bfloat16 weights: each decode step reads every weight once, so half the bytes
         model = model.to(torch.bfloat16)
     use_cache = not args.no_cache
-    decode = decoder(model, device, fast=use_cache and not args.no_compile)
+    decode = M.decoder(model, device, fast=use_cache and not args.no_compile)
     if decode is not M.decode_one:  # compile and capture the CUDA graph before the timed run
         t0 = time.perf_counter()
-        generate_batch(model, ids, args.num_samples, 4, args.temperature, args.top_k, args.top_p, None,
+        M.generate_batch(model, ids, args.num_samples, 4, args.temperature, args.top_k, args.top_p, None,
                        decode=decode)
         say(f"[warm-up: compiled the decode step and recorded its CUDA graph in {time.perf_counter() - t0:.1f} s]")
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -209,7 +127,7 @@ def main(argv=None):
     on_token = StreamPrinter(tok, sys.stdout) if batch == 1 else None
     if batch == 1:
         sys.stdout.write(prompt)
-    tokens, timer = generate_batch(model, ids, batch, args.max_new_tokens, args.temperature, args.top_k,
+    tokens, timer = M.generate_batch(model, ids, batch, args.max_new_tokens, args.temperature, args.top_k,
                                    args.top_p, generator, use_cache, decode=decode, on_token=on_token)
     if batch == 1:
         on_token.finish()

@@ -125,7 +125,6 @@ def local_documents(pattern: str, field: str = "text", limit: int | None = None,
     if len(kinds) != 1 or next(iter(kinds)) not in builder:
         raise CorpusError(f"corpus {pattern!r}: files must all be .txt, .jsonl or .parquet, got {sorted(kinds)}")
     import datasets
-    import datasets
     for f in files:  # file by file, so that a skipped record can be reported with its file
         try:
             stream = datasets.load_dataset(builder[f.suffix], data_files=[str(f)], split="train", streaming=True)

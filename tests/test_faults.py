@@ -2,7 +2,6 @@
 a non-zero exit with nothing else touched; interrupted and finished runs lose nothing."""
 
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -196,3 +195,36 @@ def test_resume_cannot_change_the_model(finished, tmp_path):
     with pytest.raises(SystemExit) as e:
         TR.main(["--runs-dir", str(finished[1].parent), "--name", "run", "--resume", "--d-model", "128"])
     one_line_error(e, "model.d_model cannot change")
+
+
+# --- Rough edges ---------------------------------------------------------------------------
+
+def test_help_names_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        TR.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.index("--name NAME run name")
+    name_help = text[start:text.index("--runs-dir", start)]
+    assert name_help.count("default") == 1
+
+
+def test_one_name_and_one_default_per_setting(capsys):
+    """data.py and tokenizer.py take --vocab-size, defaulting to the config's model.vocab_size,
+    as train.py does; bench's micro-batch study is --micro-batch-sweep, not --micro-batch."""
+    import bench as B
+    import data as D
+    import tokenizer as tk
+    for main in (D.main, tk.main):
+        with pytest.raises(SystemExit):
+            main(["prepare" if main is D.main else "train", "--help"])
+        text = capsys.readouterr().out
+        assert "--vocab-size" in text and "--vocab " not in text and "model.vocab_size" in text
+    with pytest.raises(SystemExit):
+        B.main(["--help"])
+    assert "--micro-batch-sweep" in capsys.readouterr().out
+
+
+def test_sample_says_when_the_context_cuts_generation(finished, capsys):
+    S.main(["--ckpt", str(finished[1]), "--prompt", "a", "--max-new-tokens", "100", "--temperature", "0"])
+    err = capsys.readouterr().err
+    assert "the context holds 64 tokens and the prompt uses 1, so at most 63 new tokens are generated" in err

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import model as M
-import sample as S
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CFG = dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32768, context=256)
@@ -46,8 +45,8 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     model = M.Llama(M.ModelConfig(**CFG)).cuda().eval()
     ids = torch.randint(0, 32768, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     torch.backends.cuda.matmul.allow_tf32 = False
-    plain = S.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, use_cache=False)[0]
-    eager = S.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None)[0]
-    graph = S.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=S.decoder(model, torch.device("cuda")))[0]
-    again = S.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=S.decoder(model, torch.device("cuda")))[0]
+    plain = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, use_cache=False)[0]
+    eager = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None)[0]
+    graph = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=M.decoder(model, torch.device("cuda")))[0]
+    again = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=M.decoder(model, torch.device("cuda")))[0]
     assert eager == plain and graph == plain and again == plain

@@ -32,7 +32,7 @@ def loaded(run_dir):
 
 
 def greedy(model, ids, n, **kwargs):
-    return S.generate_batch(model, ids, 1, n, 0.0, 0, 1.0, None, **kwargs)[0][0]
+    return M.generate_batch(model, ids, 1, n, 0.0, 0, 1.0, None, **kwargs)[0][0]
 
 
 # --- sample.py -----------------------------------------------------------------------------
@@ -47,13 +47,13 @@ def test_greedy_with_cache_equals_without(loaded):
 def test_batch_of_n_equals_n_single_runs(loaded):
     ckpt, tok, _, model = loaded
     ids = tok.encode("the").ids
-    batch, _ = S.generate_batch(model, ids, 3, 25, 0.0, 0, 1.0, None)
+    batch, _ = M.generate_batch(model, ids, 3, 25, 0.0, 0, 1.0, None)
     assert batch == [greedy(model, ids, 25)] * 3
 
 
 def test_sampling_with_a_seed_is_reproducible(loaded):
     ckpt, tok, _, model = loaded
-    runs = [S.generate_batch(model, [5, 6], 2, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(4))[0] for _ in range(2)]
+    runs = [M.generate_batch(model, [5, 6], 2, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(4))[0] for _ in range(2)]
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1]  # same seed, same text; the two samples differ
 
 
@@ -61,7 +61,7 @@ def test_streamed_text_is_the_decoded_tokens(loaded):
     ckpt, tok, _, model = loaded
     out = io.StringIO()
     printer = S.StreamPrinter(tok, out)
-    new, _ = S.generate_batch(model, tok.encode("the").ids, 1, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(1),
+    new, _ = M.generate_batch(model, tok.encode("the").ids, 1, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(1),
                               on_token=printer)
     printer.finish()
     assert out.getvalue() == tok.decode(new[0]) + "\n"
