@@ -246,7 +246,10 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, fused_loss: bool) -
 
 # --- Generation ------------------------------------------------------------------------------
 
-DECODE_MODES = ("default", "max-autotune-no-cudagraphs")  # Inductor modes for the captured decode step
+# CUDA-graph decoders compared: (label, Inductor mode, cache windows; None: powers of two to the context)
+DECODE_VARIANTS = [("CUDA graph, full window, Inductor default", "default", "full"),
+                   ("CUDA graph, full window, max-autotune", "max-autotune-no-cudagraphs", "full"),
+                   ("CUDA graph, windows, max-autotune", "max-autotune-no-cudagraphs", None)]
 
 
 def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
@@ -263,14 +266,18 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     rows, ours = [], {}
     for batch in batches:
-        for mode in (("eager",) + DECODE_MODES if cuda else ("eager",)):
-            decode = M.decoder(model, device, mode != "eager", mode)
+        for label, mode, windows in [("eager", None, None)] + (DECODE_VARIANTS if cuda else []):
+            windows = [cfg.context] if windows == "full" else windows
+            decode = M.decoder(model, device, mode is not None, mode or "default", windows)
             t0 = time.perf_counter()
-            M.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None, decode=decode)  # warm-up (compile)
+            if decode is M.decode_one:
+                M.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None)  # warm-up
+            else:
+                decode.capture_all(batch)  # compile and capture every window's graph
             warm = time.perf_counter() - t0
             tokens, timer = M.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
             start, first, end = timer.marks
-            name = f"onegpu {'eager' if mode == 'eager' else 'CUDA graph, ' + mode} batch {batch}"
+            name = f"onegpu {label} batch {batch}"
             rows.append({"rung": name, "batch": batch, "first_token_ms": round((first - start) * 1000, 2),
                          "prefill_tok_s": batch * prompt_len / (first - start),
                          "decode_tok_s": batch * (new_tokens - 1) / (end - first), "warmup_s": round(warm, 1)})

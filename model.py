@@ -162,21 +162,31 @@ def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None):
 
 
 def cached_attention(q, k, v, mask):
-    """Attention of Tq new tokens over a fixed-size cache. q: (B, H, Tq, hd); k, v: (B, Hkv, S, hd)
-    with S the whole cache; mask: (Tq, S) booleans, True where a query may look.
+    """Attention of Tq new tokens over the cache. q: (B, H, Tq, hd); k, v: (B, Hkv, S, hd) with S
+    the cache positions read; mask: (Tq, S) booleans, True where a query may look.
 
     The G = H / Hkv query heads that share a kv head are folded into the query axis,
-    (B, Hkv, G * Tq, hd), so grouped-query attention needs no copies of K/V. Written as two
-    matmuls and a softmax rather than one SDPA call: with a handful of queries, a fused attention
-    kernel runs one thread block per (batch, kv head) down all S keys, while a matmul spreads
-    the keys over the whole GPU (the decode step is latency-bound, not FLOP-bound)."""
+    (B, Hkv, G * Tq, hd), so grouped-query attention needs no copies of K/V. On CUDA this is two
+    matmuls and a softmax (decode_attention_matmuls); elsewhere one masked SDPA call, which is
+    fewer operations for the CPU to dispatch."""
     B, H, Tq, hd = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    scores = (q.reshape(B, Hkv, G * Tq, hd) @ k.transpose(-2, -1)) * hd ** -0.5  # (B, Hkv, G * Tq, S)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~mask.repeat(G, 1), float("-inf"))
-    y = torch.softmax(scores, dim=-1).to(v.dtype) @ v  # (B, Hkv, G * Tq, hd)
+    q, mask = q.reshape(B, Hkv, G * Tq, hd), mask.repeat(G, 1)
+    if q.is_cuda:
+        y = decode_attention_matmuls(q, k, v, mask)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return y.reshape(B, H, Tq, hd)
+
+
+def decode_attention_matmuls(q, k, v, mask):
+    """softmax(q k^T / sqrt(hd), masked) v for a few queries. With a handful of queries a fused
+    attention kernel runs one thread block per (batch, kv head) down all the keys; a matmul
+    spreads the keys over the whole GPU (the decode step is latency-bound, not FLOP-bound)."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
 def doc_mask(doc_ids):
@@ -249,19 +259,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, window=None):
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
-        if pos is not None:
+        if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
             k, v = self.cache.update(pos, k, v)
-            if cache_mask is not None:  # the whole fixed-size cache, masked: the CUDA-graph step's shapes
-                y = cached_attention(q, k.to(q.dtype), v.to(q.dtype), cache_mask)
-            else:  # eager: the first `window` positions are exactly the sequence so far (Llama.forward)
-                k, v = k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype)
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+            window = cache_mask.shape[1]
+            y = cached_attention(q, k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype), cache_mask)
         else:
             y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -288,8 +295,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, window=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos, window)
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -429,10 +436,10 @@ class Llama(nn.Module):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
         cross-entropy. doc_ids (B, T) restrict attention to each packed document.
         pos: (T,) positions of idx's tokens when generating with the cache (setup_cache): their
-        keys and values are stored there and attention reads the cache up to them. window: None
-        reads the whole cache through a mask (the fixed shapes a CUDA graph needs); eager decoding
-        passes the length so far and reads only that much, with plain causal attention. It then
-        requires idx to be either one new token or the whole sequence so far (the prompt)."""
+        keys and values are stored there and attention reads the cache up to them. window: how
+        many cache positions attention reads, through a mask (default: all of them). Eager
+        decoding passes the length so far; a CUDA-graph step passes a fixed bucket (GraphDecoder),
+        since its shapes cannot change between replays."""
         B, T = idx.shape
         if pos is None and T > self.cfg.context:
             raise ValueError(
@@ -444,17 +451,15 @@ class Llama(nn.Module):
             cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
         else:
             cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)
-            if window is None:  # (T, context): a query at position p sees cached keys at positions <= p;
-                # positions past the current length hold zeros or stale keys and are masked out
-                cache_mask = torch.arange(self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
-            elif not (T == 1 or T == window):
-                raise ValueError(f"window={window} with {T} new tokens: pass one token or the whole sequence")
+            # (T, window): a query at position p sees cached keys at positions <= p; positions past
+            # the current length hold zeros or stale keys and are masked out.
+            cache_mask = torch.arange(window or self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask,
                                                       use_reentrant=False)
             else:
-                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos, window)
+                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos)
         x = self.norm(x)
         if targets is not None and self.cfg.fused_loss:
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten())
@@ -487,9 +492,8 @@ def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float =
 
 def decode_one(model: "Llama", token, pos, window: int | None = None):
     """Logits (B, vocab) for the next token after token (B, 1) at position pos (1,), through the
-    cache, reading `window` cache positions (all when None). With window None every call has the
-    same shapes and addresses, so it can be captured once as a CUDA graph and replayed
-    (sample.GraphDecoder, which always reads the whole cache and ignores window)."""
+    cache, reading its first `window` positions (all when None). Eager decoding passes the length
+    so far; GraphDecoder passes a fixed window, so that every replay has the same shapes."""
     return model(token, pos=pos, window=window)[:, -1]
 
 
@@ -528,31 +532,49 @@ def generate(model: "Llama", idx, max_new_tokens: int, temperature: float = 1.0,
 
 
 class GraphDecoder:
-    """The decode step as one CUDA graph: decode_one compiled by Inductor (fused kernels),
-    captured once per batch size and replayed for every token. A replay is one launch from
-    Python for the whole step, where eager decoding launches about a hundred kernels and
+    """The decode step as CUDA graphs: decode_one compiled by Inductor (fused kernels), captured
+    once per batch size and cache window, and replayed for every token. A replay is one launch
+    from Python for the whole step, where eager decoding launches about a hundred kernels and
     torch.compile's own CUDA graphs ("reduce-overhead") still check every weight on each call.
-    Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by
-    the next replay (generate() clones them)."""
 
-    def __init__(self, model: "Llama", mode: str = "max-autotune-no-cudagraphs"):
+    A graph's shapes are fixed, so attention reads a fixed number of cache positions, masked past
+    the current length. Reading all `context` positions for every token wastes most of that
+    work early in a generation, so there is one graph per window in `windows` (powers of two up
+    to the context by default) and each token uses the smallest that holds it. Inputs are copied
+    into the graph's fixed buffers; the logits it returns are overwritten by the next replay
+    (generate() clones them)."""
+
+    def __init__(self, model: "Llama", mode: str = "max-autotune-no-cudagraphs", windows=None):
         self.model = model
+        context = model.cfg.context
+        self.windows = sorted(set(windows or [w for w in (128, 256, 512) if w < context] + [context]))
+        assert self.windows[-1] == context, "the largest window must hold the whole context"
         # max-autotune lets Inductor pick (and time) Triton matmul kernels for these one-row
         # products and fuse their epilogues; the graph replay is this step's only launch.
-        self.step = torch.compile(decode_one, mode=mode, fullgraph=True)
-        self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
+        self.step = torch.compile(decode_one, mode=mode, fullgraph=True, dynamic=False)  # one graph per window
+        self.graphs = {}  # (batch, window, cache address) -> (graph, token, pos, logits)
 
-    def __call__(self, model, token, pos, window=None):  # window: ignored, the graph reads the whole cache
-        key = (token.shape[0], model.blocks[0].attn.cache.k.data_ptr())
+    def __call__(self, model, token, pos, length: int):
+        """Logits after `token` at `pos`, where the sequence then holds `length` tokens."""
+        window = next(w for w in self.windows if w >= length)
+        key = (token.shape[0], window, model.blocks[0].attn.cache.k.data_ptr())
         if key not in self.graphs:
-            self.graphs[key] = self.capture(token, pos)
+            self.graphs[key] = self.capture(token, pos, window)
         graph, token_in, pos_in, logits = self.graphs[key]
         token_in.copy_(token)
         pos_in.copy_(pos)
         graph.replay()
         return logits
 
-    def capture(self, token, pos):
+    def capture_all(self, batch: int):
+        """Compile and capture every window's graph now (warm-up), not during a timed generation."""
+        self.model.setup_cache(batch)
+        device = self.model.embed.weight.device
+        token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        for window in self.windows:
+            self(self.model, token, torch.zeros(1, dtype=torch.long, device=device), window)
+
+    def capture(self, token, pos, window: int):
         token_in, pos_in = token.clone(), pos.clone()
         # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
         saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
@@ -560,21 +582,22 @@ class GraphDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
             for _ in range(3):
-                self.step(self.model, token_in, pos_in)
+                self.step(self.model, token_in, pos_in, window)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self.step(self.model, token_in, pos_in)
+            logits = self.step(self.model, token_in, pos_in, window)
         for b, (k, v) in zip(self.model.blocks, saved):
             b.attn.cache.k.copy_(k)
             b.attn.cache.v.copy_(v)
         return graph, token_in, pos_in, logits
 
 
-def decoder(model: "Llama", device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs"):
+def decoder(model: "Llama", device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs",
+            windows=None):
     """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
     elsewhere or with fast=False (the reference the fast path is tested against)."""
-    return GraphDecoder(model, mode) if fast and device.type == "cuda" else decode_one
+    return GraphDecoder(model, mode, windows) if fast and device.type == "cuda" else decode_one
 
 
 class Timer:

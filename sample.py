@@ -117,11 +117,11 @@ def main(argv=None):
         model = model.to(torch.bfloat16)
     use_cache = not args.no_cache
     decode = M.decoder(model, device, fast=use_cache and not args.no_compile)
-    if decode is not M.decode_one:  # compile and capture the CUDA graph before the timed run
+    if decode is not M.decode_one:  # compile and capture the CUDA graphs before the timed run
         t0 = time.perf_counter()
-        M.generate_batch(model, ids, args.num_samples, 4, args.temperature, args.top_k, args.top_p, None,
-                       decode=decode)
-        say(f"[warm-up: compiled the decode step and recorded its CUDA graph in {time.perf_counter() - t0:.1f} s]")
+        decode.capture_all(args.num_samples)
+        say(f"[warm-up: compiled the decode step and captured {len(decode.windows)} CUDA graphs in "
+            f"{time.perf_counter() - t0:.1f} s]")
     generator = torch.Generator(device=device).manual_seed(args.seed)
     batch = args.num_samples
     on_token = StreamPrinter(tok, sys.stdout) if batch == 1 else None

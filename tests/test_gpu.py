@@ -43,10 +43,13 @@ def test_attention_kinds_agree_in_bf16():
 def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     torch.manual_seed(0)
     model = M.Llama(M.ModelConfig(**CFG)).cuda().eval()
-    ids = torch.randint(0, 32768, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(0, 32768, (120,), generator=torch.Generator().manual_seed(2)).tolist()  # crosses 128
     torch.backends.cuda.matmul.allow_tf32 = False
     plain = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, use_cache=False)[0]
     eager = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None)[0]
     graph = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=M.decoder(model, torch.device("cuda")))[0]
     again = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=M.decoder(model, torch.device("cuda")))[0]
-    assert eager == plain and graph == plain and again == plain
+    full = M.decoder(model, torch.device("cuda"), mode="default", windows=[256])  # one graph reading all 256
+    assert full.windows == [256] and M.decoder(model, torch.device("cuda")).windows == [128, 256]
+    one_window = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=full)[0]
+    assert eager == plain and graph == plain and again == plain and one_window == plain
