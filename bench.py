@@ -28,6 +28,7 @@ import torch
 
 import checkpoint as CK
 import config as C
+import generate as G
 import measure as ME
 import model as M
 import train as TR
@@ -268,14 +269,14 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     for batch in batches:
         for label, mode, windows in [("eager", None, None)] + (DECODE_VARIANTS if cuda else []):
             windows = [cfg.context] if windows == "full" else windows
-            decode = M.decoder(model, device, mode is not None, mode or "default", windows)
+            decode = G.decoder(model, device, mode is not None, mode or "default", windows)
             t0 = time.perf_counter()
-            if decode is M.decode_one:
-                M.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None)  # warm-up
+            if decode is G.decode_one:
+                G.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None)  # warm-up
             else:
                 decode.capture_all(batch)  # compile and capture every window's graph
             warm = time.perf_counter() - t0
-            tokens, timer = M.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
+            tokens, timer = G.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
             start, first, end = timer.marks
             name = f"onegpu {label} batch {batch}"
             rows.append({"rung": name, "batch": batch, "first_token_ms": round((first - start) * 1000, 2),

@@ -20,7 +20,7 @@ import torch
 
 import checkpoint as CK
 import config as C
-import model as M
+import generate as G
 import tokenizer as tk
 
 
@@ -66,7 +66,7 @@ class StreamPrinter:
         self.out.write(self.tok.decode(self.new)[len(self.shown):] + "\n")
 
 
-def speed_report(timer: M.Timer, prompt_tokens: int, batch: int, new_tokens: int, mode: str, device) -> str:
+def speed_report(timer: G.Timer, prompt_tokens: int, batch: int, new_tokens: int, mode: str, device) -> str:
     start, first, end = timer.marks
     prefill_s, decode_s = first - start, end - first
     decode_rate = batch * (new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else float("nan")
@@ -116,8 +116,8 @@ def main(argv=None):
     if device.type == "cuda":  # bfloat16 weights: each decode step reads every weight once, so half the bytes
         model = model.to(torch.bfloat16)
     use_cache = not args.no_cache
-    decode = M.decoder(model, device, fast=use_cache and not args.no_compile)
-    if decode is not M.decode_one:  # compile and capture the CUDA graphs before the timed run
+    decode = G.decoder(model, device, fast=use_cache and not args.no_compile)
+    if decode is not G.decode_one:  # compile and capture the CUDA graphs before the timed run
         t0 = time.perf_counter()
         decode.capture_all(args.num_samples)
         say(f"[warm-up: compiled the decode step and captured {len(decode.windows)} CUDA graphs in "
@@ -127,14 +127,14 @@ def main(argv=None):
     on_token = StreamPrinter(tok, sys.stdout) if batch == 1 else None
     if batch == 1:
         sys.stdout.write(prompt)
-    tokens, timer = M.generate_batch(model, ids, batch, args.max_new_tokens, args.temperature, args.top_k,
+    tokens, timer = G.generate_batch(model, ids, batch, args.max_new_tokens, args.temperature, args.top_k,
                                    args.top_p, generator, use_cache, decode=decode, on_token=on_token)
     if batch == 1:
         on_token.finish()
     else:
         for i, sample in enumerate(tokens):
             print(f"--- sample {i + 1} ---\n{prompt}{tok.decode(sample)}")
-    mode = "no cache" if args.no_cache else ("KV cache, CUDA graph" if decode is not M.decode_one else "KV cache")
+    mode = "no cache" if args.no_cache else ("KV cache, CUDA graph" if decode is not G.decode_one else "KV cache")
     say(speed_report(timer, len(ids), batch, len(tokens[0]), mode, device))
 
 

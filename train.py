@@ -37,6 +37,7 @@ from tqdm import tqdm
 import checkpoint as CK
 import config as C
 import data as D
+import generate as G
 import model as M
 import tokenizer as tk
 
@@ -552,7 +553,7 @@ def keep_checkpoint_before(ckpt_path: Path, step: int) -> str:
 def sample_text(model: M.Llama, tok, prompt: str, n: int, device: torch.device) -> str:
     idx = torch.tensor([tok.encode(prompt).ids], device=device)
     gen = torch.Generator(device=device).manual_seed(0)
-    new = [t.item() for t in M.generate(model.eval(), idx, n, temperature=0.8, top_k=50, generator=gen)]
+    new = [t.item() for t in G.generate(model.eval(), idx, n, temperature=0.8, top_k=50, generator=gen)]
     model.train()
     return prompt + tok.decode(new)
 

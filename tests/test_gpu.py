@@ -4,6 +4,7 @@ Each skips on a machine without CUDA."""
 import pytest
 import torch
 
+import generate as G
 import model as M
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -45,11 +46,11 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     model = M.Llama(M.ModelConfig(**CFG)).cuda().eval()
     ids = torch.randint(0, 32768, (120,), generator=torch.Generator().manual_seed(2)).tolist()  # crosses 128
     torch.backends.cuda.matmul.allow_tf32 = False
-    plain = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, use_cache=False)[0]
-    eager = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None)[0]
-    graph = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=M.decoder(model, torch.device("cuda")))[0]
-    again = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=M.decoder(model, torch.device("cuda")))[0]
-    full = M.decoder(model, torch.device("cuda"), mode="default", windows=[256])  # one graph reading all 256
-    assert full.windows == [256] and M.decoder(model, torch.device("cuda")).windows == [128, 256]
-    one_window = M.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=full)[0]
+    plain = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, use_cache=False)[0]
+    eager = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None)[0]
+    graph = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=G.decoder(model, torch.device("cuda")))[0]
+    again = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=G.decoder(model, torch.device("cuda")))[0]
+    full = G.decoder(model, torch.device("cuda"), mode="default", windows=[256])  # one graph reading all 256
+    assert full.windows == [256] and G.decoder(model, torch.device("cuda")).windows == [128, 256]
+    one_window = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=full)[0]
     assert eager == plain and graph == plain and again == plain and one_window == plain

@@ -7,7 +7,7 @@ import torch
 import checkpoint as CK
 import config as C
 import export as E
-import model as M
+import generate as G
 import sample as S
 import train as TR
 from conftest import tiny_model_cfg
@@ -32,7 +32,7 @@ def loaded(run_dir):
 
 
 def greedy(model, ids, n, **kwargs):
-    return M.generate_batch(model, ids, 1, n, 0.0, 0, 1.0, None, **kwargs)[0][0]
+    return G.generate_batch(model, ids, 1, n, 0.0, 0, 1.0, None, **kwargs)[0][0]
 
 
 # --- sample.py -----------------------------------------------------------------------------
@@ -47,13 +47,13 @@ def test_greedy_with_cache_equals_without(loaded):
 def test_batch_of_n_equals_n_single_runs(loaded):
     ckpt, tok, _, model = loaded
     ids = tok.encode("the").ids
-    batch, _ = M.generate_batch(model, ids, 3, 25, 0.0, 0, 1.0, None)
+    batch, _ = G.generate_batch(model, ids, 3, 25, 0.0, 0, 1.0, None)
     assert batch == [greedy(model, ids, 25)] * 3
 
 
 def test_sampling_with_a_seed_is_reproducible(loaded):
     ckpt, tok, _, model = loaded
-    runs = [M.generate_batch(model, [5, 6], 2, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(4))[0] for _ in range(2)]
+    runs = [G.generate_batch(model, [5, 6], 2, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(4))[0] for _ in range(2)]
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1]  # same seed, same text; the two samples differ
 
 
@@ -61,7 +61,7 @@ def test_streamed_text_is_the_decoded_tokens(loaded):
     ckpt, tok, _, model = loaded
     out = io.StringIO()
     printer = S.StreamPrinter(tok, out)
-    new, _ = M.generate_batch(model, tok.encode("the").ids, 1, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(1),
+    new, _ = G.generate_batch(model, tok.encode("the").ids, 1, 30, 0.9, 20, 0.9, torch.Generator().manual_seed(1),
                               on_token=printer)
     printer.finish()
     assert out.getvalue() == tok.decode(new[0]) + "\n"
@@ -70,12 +70,12 @@ def test_streamed_text_is_the_decoded_tokens(loaded):
 def test_sampling_respects_top_k_and_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, -5.0]])
     g = torch.Generator().manual_seed(0)
-    draws = {M.sample_next(logits, 1.0, top_k=2, generator=g).item() for _ in range(200)}
+    draws = {G.sample_next(logits, 1.0, top_k=2, generator=g).item() for _ in range(200)}
     assert draws == {0, 1}
     # softmax is about [0.705, 0.259, 0.035, 0.0]: top_p 0.9 keeps the first two
-    draws = {M.sample_next(logits, 1.0, top_p=0.9, generator=g).item() for _ in range(200)}
+    draws = {G.sample_next(logits, 1.0, top_p=0.9, generator=g).item() for _ in range(200)}
     assert draws == {0, 1}
-    assert M.sample_next(logits, 0.0).item() == 0
+    assert G.sample_next(logits, 0.0).item() == 0
 
 
 @pytest.mark.parametrize("args, message", [

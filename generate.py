@@ -1,0 +1,176 @@
+"""Generation: the decode loop over the model's KV cache, and its fast path.
+
+generate() reads the prompt in one pass (prefill), then feeds one token per step through
+decode_one, which writes that token's keys and values into the preallocated cache
+(model.KVCache) and attends over the positions written so far. Without the cache
+(use_cache=False) every step re-reads the whole sequence: the slow reference.
+
+The fast path, GraphDecoder, replays the decode step as CUDA graphs; decoder(fast=False) is the
+plain step it is tested against. sample.py (the command) and bench.py --generate use this module.
+"""
+
+import time
+
+import torch
+
+import model as M
+
+
+def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator=None):
+    """One token per row from logits (B, vocab). temperature 0 is greedy; top_k keeps the k most
+    likely tokens, top_p the smallest set whose probability reaches p (nucleus sampling)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keeps the token that crosses p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+def decode_one(model: M.Llama, token, pos, window: int | None = None):
+    """Logits (B, vocab) for the next token after token (B, 1) at position pos (1,), through the
+    cache, reading its first `window` positions (all when None). Eager decoding passes the length
+    so far; GraphDecoder passes a fixed window, so that every replay has the same shapes."""
+    return model(token, pos=pos, window=window)[:, -1]
+
+
+@torch.no_grad()
+def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, generator=None, use_cache: bool = True, decode=None):
+    """Yield (B, 1) new tokens one at a time after the prompt idx (B, T). With the cache, the
+    prompt is read in one pass (prefill) and each step feeds one token through `decode`
+    (decode_one, or its CUDA-graph replay: GraphDecoder); without it, every step re-reads
+    the whole sequence (the slow reference). Stops at the context length."""
+    cfg = model.cfg
+    B, T = idx.shape
+    max_new_tokens = min(max_new_tokens, cfg.context - T)
+    if max_new_tokens <= 0:
+        return
+    if use_cache:
+        dtype = model.embed.weight.dtype
+        if torch.is_autocast_enabled(idx.device.type):  # keys and values come out of autocast's matmuls
+            dtype = torch.get_autocast_dtype(idx.device.type)
+        model.setup_cache(B, dtype)
+        decode = decode or decode_one
+        logits = model(idx, pos=torch.arange(T, device=idx.device), window=T)[:, -1]
+        pos = torch.full((1,), T, device=idx.device)  # on the device: no host-to-device copy per token
+    for i in range(max_new_tokens):
+        if not use_cache:
+            logits = model(idx)[:, -1]
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        yield token
+        if i + 1 == max_new_tokens:
+            return
+        if use_cache:
+            logits = decode(model, token, pos, T + i + 1).clone()  # clone: a graph replay reuses its output
+            pos += 1
+        else:
+            idx = torch.cat([idx, token], dim=1)
+
+
+class GraphDecoder:
+    """The decode step as CUDA graphs: decode_one compiled by Inductor (fused kernels), captured
+    once per batch size and cache window, and replayed for every token. A replay is one launch
+    from Python for the whole step, where eager decoding launches about a hundred kernels and
+    torch.compile's own CUDA graphs ("reduce-overhead") still check every weight on each call.
+
+    A graph's shapes are fixed, so attention reads a fixed number of cache positions, masked past
+    the current length. Reading all `context` positions for every token wastes most of that
+    work early in a generation, so there is one graph per window in `windows` (powers of two up
+    to the context by default) and each token uses the smallest that holds it. Inputs are copied
+    into the graph's fixed buffers; the logits it returns are overwritten by the next replay
+    (generate() clones them)."""
+
+    def __init__(self, model: M.Llama, mode: str = "max-autotune-no-cudagraphs", windows=None):
+        self.model = model
+        context = model.cfg.context
+        self.windows = sorted(set(windows or [w for w in (128, 256, 512) if w < context] + [context]))
+        assert self.windows[-1] == context, "the largest window must hold the whole context"
+        # max-autotune lets Inductor pick (and time) Triton matmul kernels for these one-row
+        # products and fuse their epilogues; the graph replay is this step's only launch.
+        self.step = torch.compile(decode_one, mode=mode, fullgraph=True, dynamic=False)  # one graph per window
+        self.graphs = {}  # (batch, window, cache address) -> (graph, token, pos, logits)
+
+    def __call__(self, model, token, pos, length: int):
+        """Logits after `token` at `pos`, where the sequence then holds `length` tokens."""
+        window = next(w for w in self.windows if w >= length)
+        key = (token.shape[0], window, model.blocks[0].attn.cache.k.data_ptr())
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(token, pos, window)
+        graph, token_in, pos_in, logits = self.graphs[key]
+        token_in.copy_(token)
+        pos_in.copy_(pos)
+        graph.replay()
+        return logits
+
+    def capture_all(self, batch: int):
+        """Compile and capture every window's graph now (warm-up), not during a timed generation."""
+        self.model.setup_cache(batch)
+        device = self.model.embed.weight.device
+        token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        for window in self.windows:
+            self(self.model, token, torch.zeros(1, dtype=torch.long, device=device), window)
+
+    def capture(self, token, pos, window: int):
+        token_in, pos_in = token.clone(), pos.clone()
+        # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
+        saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
+            for _ in range(3):
+                self.step(self.model, token_in, pos_in, window)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.step(self.model, token_in, pos_in, window)
+        for b, (k, v) in zip(self.model.blocks, saved):
+            b.attn.cache.k.copy_(k)
+            b.attn.cache.v.copy_(v)
+        return graph, token_in, pos_in, logits
+
+
+def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs",
+            windows=None):
+    """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
+    elsewhere or with fast=False (the reference the fast path is tested against)."""
+    return GraphDecoder(model, mode, windows) if fast and device.type == "cuda" else decode_one
+
+
+class Timer:
+    """Time to first token, then the decode rate, synchronising the device at each mark."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.marks = device, []
+
+    def mark(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.marks.append(time.perf_counter())
+
+
+def generate_batch(model: M.Llama, ids: list[int], batch: int, max_new_tokens: int, temperature: float,
+                   top_k: int, top_p: float, generator, use_cache: bool = True, decode=None,
+                   on_token=None) -> tuple[list[list[int]], Timer]:
+    """`batch` continuations of ids decoded together. on_token(step, tokens (B,)) sees each step.
+    Returns the new token ids per sample and the timer (start, first token, end)."""
+    device = model.embed.weight.device
+    idx = torch.tensor([ids] * batch, device=device)
+    new, timer = [], Timer(device)
+    timer.mark()
+    for token in generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
+                            decode=decode):
+        new.append(token)
+        if len(new) == 1:
+            timer.mark()
+        if on_token is not None:
+            on_token(len(new) - 1, token[:, 0])
+    timer.mark()
+    tokens = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(batch)]
+    return tokens, timer
