@@ -1,7 +1,7 @@
 """Where the speed comes from: the ladder, one study per setting, and generation, on any GPU.
 
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
-                                             #   AdamW -> pinned -> fused loss -> compile tuning
+                                             #   AdamW -> pinned -> fused loss -> FP8 -> compile tuning
     python bench.py --ladder --preset 22m    # any preset in configs/
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
     python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile
@@ -51,14 +51,16 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, cuda: bool) -> list[
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:
-    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, compile tuning."""
-    base = {**FAST, "train__micro_batch": micro_batch, "train__optimizer": "fused"}
-    return [ME.Rung("+fused AdamW", preset, base, steps),
-            ME.Rung("+pinned memory", preset, {**base, "train__pin": True}, steps),
-            ME.Rung("+fused loss", preset, {**base, "train__pin": True, "model__fused_loss": True}, steps),
-            ME.Rung("+max-autotune (no CUDA graphs)", preset,
-                    {**base, "train__pin": True, "model__fused_loss": True,
-                     "train__compile_mode": "max-autotune-no-cudagraphs"}, steps)]
+    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, FP8 block
+    matmuls, compile tuning; each rung keeps the settings of the ones before it."""
+    settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
+                ("+fused loss", {"model__fused_loss": True}), ("+fp8 matmuls", {"model__fp8": True}),
+                ("+max-autotune (no CUDA graphs)", {"train__compile_mode": "max-autotune-no-cudagraphs"})]
+    rungs, overrides = [], {**FAST, "train__micro_batch": micro_batch}
+    for name, setting in settings:
+        overrides = {**overrides, **setting}
+        rungs.append(ME.Rung(name, preset, overrides, steps))
+    return rungs
 
 
 ATTENTION_VARIANTS = ["textbook", "math", "efficient", "cudnn", "flash", "sdpa", "doc-mask"]
@@ -89,7 +91,7 @@ def cpu_skip(rung: ME.Rung) -> str | None:
     if o.get("model__attention") in M.SDPA_BACKENDS:
         return "SDPA backends are CUDA kernels"
     if o.get("train__compile"):
-        return "compiles on CPU (train.py --compile) but is not timed in the CPU smoke test"
+        return "compiles on CPU too (train.py --compile), but the CPU smoke test does not time it"
     return None
 
 
@@ -126,7 +128,7 @@ def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int)
     mb = first.get("micro_batch", 4)
     rest = [ME.Rung(r.name, r.preset, {**r.overrides, **bt}, steps) for r in ladder_rungs(preset, mb, steps, cuda)[1:]]
     if not cuda:  # the ladder's settings are CUDA settings: the CPU smoke test stops at its first rung
-        return [first] + [{"rung": r.name, "skipped": "CUDA-only setting"}
+        return [first] + [{"rung": r.name, "skipped": cpu_skip(r) or "CUDA-only setting"}
                           for r in rest + ladder_tail(preset, mb, steps)]
     rows = [first] + run(rest, cuda, timeout)
     best = rows[-1]

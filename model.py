@@ -1,12 +1,13 @@
 """A Llama-style decoder and the arithmetic around it: parameters, FLOPs, memory, budget.
 
-Read top to bottom: ModelConfig; the layers (RMSNorm, RoPE, attention, SwiGLU, block); the
-fused loss; the model with its KV cache; then the closed-form arithmetic. Generation, which
+Read top to bottom: ModelConfig; the layers (RMSNorm, RoPE, attention, FP8 matmuls, SwiGLU,
+block); the fused loss; the model with its KV cache; then the closed-form arithmetic. Generation, which
 drives the KV cache, is generate.py.
 
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
-`attention` picks the attention kernel (this file is the one place that choice is made) and
-`fused_loss` computes the output head and cross-entropy in chunks without keeping the logits.
+`attention` picks the attention kernel (this file is the one place that choice is made),
+`fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
+and `fp8` runs the block matmuls in FP8.
 
 This file imports nothing else of the project.
 """
@@ -44,6 +45,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon (Llama 2's value)
     attention: AttentionKind = "sdpa"  # attention kernel in training
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
+    fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -225,6 +227,71 @@ def flex_block_mask(doc_ids):
     return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
 
 
+# --- FP8 matmuls --------------------------------------------------------------------------
+# Hopper's tensor cores multiply FP8 at twice the BF16 rate. Each operand is scaled so its largest
+# magnitude lands at the top of the FP8 range (one scale per tensor, from its current absolute
+# maximum), cast, multiplied with torch._scaled_mm, and the product unscaled. Activations and
+# weights use e4m3 (more mantissa), gradients e5m2 (more range), as in NVIDIA's Transformer
+# Engine recipe. Master weights, optimizer state and everything outside the block matmuls stay
+# as they were.
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def to_fp8(t, dtype):
+    """(t cast to dtype after scaling its absolute maximum to dtype's largest value, 1 / scale)."""
+    amax = t.detach().abs().max().float().clamp(min=1e-12)
+    scale = torch.finfo(dtype).max / amax
+    return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
+
+
+def col_major(t):
+    """The same matrix laid out column-major, as _scaled_mm wants its second operand."""
+    return t.t().contiguous().t()
+
+
+class FP8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, out_dtype):
+        x8, sx = to_fp8(x, E4M3)  # x: (N, d_in)
+        w8, sw = to_fp8(weight, E4M3)  # weight: (d_out, d_in)
+        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.dtypes = x.dtype, weight.dtype
+        return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, sx, w8, sw = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g8, sg = to_fp8(grad, E5M2)  # grad: (N, d_out)
+        grad_x = torch._scaled_mm(g8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
+        grad_w = torch._scaled_mm(g8.t().contiguous(), col_major(x8), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
+        return grad_x, grad_w, None
+
+
+def fp8_linear(x, weight):
+    """F.linear(x, weight) with FP8 operands. x: (..., d_in); weight: (d_out, d_in). The output
+    has autocast's dtype inside autocast, x's dtype outside it."""
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):
+        y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """A bias-free nn.Linear whose matmul runs in FP8 when fp8 is set (ModelConfig.fp8); the plain
+    F.linear is the reference it is tested against. Same parameters either way, so checkpoints
+    move freely between the two."""
+
+    def __init__(self, d_in: int, d_out: int, fp8: bool = False):
+        super().__init__(d_in, d_out, bias=False)
+        self.fp8 = fp8
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight) if self.fp8 else F.linear(x, self.weight)
+
+
 class KVCache(nn.Module):
     """One layer's keys and values for generation, preallocated for the whole context:
     (batch, n_kv_heads, context, head_dim), sized for the kv heads, not the query heads.
@@ -253,8 +320,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
-        self.wqkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wqkv = Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, cfg.fp8)
+        self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8)
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
 
     def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
@@ -277,8 +344,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w13 = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w13 = Linear(cfg.d_model, 2 * cfg.ffn_hidden, cfg.fp8)
+        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)

@@ -16,11 +16,12 @@ def test_ladder_plan_adds_one_setting_per_rung():
     rungs = B.ladder_rungs("88m", 16, 3, cuda=True) + B.ladder_tail("88m", 64, 3)
     names = [r.name for r in rungs]
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
-                     "+fused loss", "+max-autotune (no CUDA graphs)"]
+                     "+fused loss", "+fp8 matmuls", "+max-autotune (no CUDA graphs)"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
-    assert configs[-1].model.fused_loss and configs[-1].train.compile_mode == "max-autotune-no-cudagraphs"
-    assert configs[-2].train.micro_batch == 64 and configs[-3].model.fused_loss is False
+    assert configs[-1].model.fused_loss and configs[-1].model.fp8
+    assert configs[-1].train.compile_mode == "max-autotune-no-cudagraphs" and configs[-2].train.compile_mode == "default"
+    assert configs[-2].train.micro_batch == 64 and configs[-4].model.fused_loss is False and configs[-4].train.pin
 
 
 def test_a_misspelled_rung_setting_fails_before_anything_runs():
@@ -91,7 +92,8 @@ def test_every_study_runs_on_cpu(tmp_path):
         return json.loads((tmp_path / f"{study}.json").read_text())["rows"]
     ladder = rows("ladder")
     assert ladder[0]["tok_s"] > 0 and ladder[0]["micro_batch"] == 4
-    assert all("skipped" in r for r in ladder[1:])
+    assert [r["skipped"] for r in ladder[1:3]] == ["CUDA-only setting"] * 2  # +tf32, +bf16
+    assert ladder[3]["skipped"].startswith("compiles on CPU too")  # +torch.compile
     attention = {r["rung"]: r for r in rows("attention")}
     assert attention["textbook eager"]["attention_kernels"].startswith("math") and attention["sdpa eager"]["tok_s"] > 0
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"

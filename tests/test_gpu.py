@@ -54,3 +54,20 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     assert full.windows == [256] and G.decoder(model, torch.device("cuda")).windows == [128, 256]
     one_window = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=full)[0]
     assert eager == plain and graph == plain and again == plain and one_window == plain
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_block_matmuls_stay_close_to_bf16(compiled):
+    idx, targets = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    out = []
+    for fp8 in (False, True):
+        torch.manual_seed(0)
+        model = M.Llama(M.ModelConfig(**CFG, fp8=fp8)).cuda()
+        run = torch.compile(model) if compiled else model
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(idx, targets)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert abs(out[0][0].item() - out[1][0].item()) < 1e-2 * out[0][0].item()
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 0.15, name

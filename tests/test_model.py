@@ -222,6 +222,42 @@ def test_fused_loss_equals_plain_loss_and_gradients(rows, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 96, generator=g, requires_grad=True)
+    w = (torch.randn(48, 96, generator=g) * 0.05).requires_grad_()
+    grad_out = torch.randn(64, 48, generator=g)
+    results = []
+    for fn in (torch.nn.functional.linear, M.fp8_linear):
+        y = fn(x, w)
+        y.backward(grad_out)
+        results.append((y.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad, w.grad = None, None
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+    (y0, gx0, gw0), (y1, gx1, gw1) = results
+    assert rel(y1, y0) < 0.05 and rel(gx1, gx0) < 0.12 and rel(gw1, gw0) < 0.12  # e4m3 / e5m2 rounding
+    assert rel(y1, y0) > 1e-4  # it really ran in FP8
+
+
+def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
+    torch.manual_seed(0)
+    plain = M.Llama(M.ModelConfig(**SMALL))
+    fp8 = M.Llama(M.ModelConfig(**SMALL, fp8=True))
+    fp8.load_state_dict(plain.state_dict())  # same parameters, same names
+    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(9))
+    opt = torch.optim.AdamW(fp8.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = fp8(idx, targets)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert abs(losses[0] - plain(idx, targets).item()) < 0.05 and losses[-1] < losses[0] - 1.0
+
+
 def test_attention_kinds_agree_on_cpu():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
