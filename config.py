@@ -66,34 +66,31 @@ class TrainConfig:
     sample_tokens: int = 200  # tokens of text generated at the end of the run
 
     def __post_init__(self):
-        for name in ("batch_tokens", "micro_batch", "eval_every", "eval_tokens", "ckpt_every"):
-            check_range(self, "train", name, low=1)
-        for name in ("warmup_steps", "steps", "tokens", "sample_tokens"):
-            check_range(self, "train", name, low=0)
-        check_range(self, "train", "lr", low=0, low_open=True, high=1.0)
-        check_range(self, "train", "min_lr_ratio", low=0, high=1)
-        check_range(self, "train", "weight_decay", low=0)
-        check_range(self, "train", "beta1", low=0, high=1, high_open=True)
-        check_range(self, "train", "beta2", low=0, high=1, high_open=True)
-        check_range(self, "train", "grad_clip", low=0, low_open=True)
-        check_range(self, "train", "peak_tflops", low=0)
+        check_ranges(self, "train", TRAIN_RANGES)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.steps <= 0 and self.tokens <= 0:
             raise ValueError("set train.steps or train.tokens (how long to train)")
 
 
-def check_range(obj, section: str, name: str, low=None, high=None, low_open=False, high_open=False):
-    """Raise ValueError naming section.name when its value lies outside [low, high] (or open ends)."""
-    v = getattr(obj, name)
-    bad = (low is not None and (v <= low if low_open else v < low)) or \
-          (high is not None and (v >= high if high_open else v > high))
-    if bad:
-        lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
-        hi = "" if high is None else f"{high}" + (")" if high_open else "]")
-        allowed = f"in {lo}, {hi}" if low is not None and high is not None else \
-            (f"{'>' if low_open else '>='} {low}" if low is not None else f"{'<' if high_open else '<='} {high}")
-        raise ValueError(f"{section}.{name}={v!r} is out of range: it must be {allowed}")
+AT_LEAST_ONE, NOT_NEGATIVE = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
+TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
+    **dict.fromkeys(("batch_tokens", "micro_batch", "eval_every", "eval_tokens", "ckpt_every"), AT_LEAST_ONE),
+    **dict.fromkeys(("warmup_steps", "steps", "tokens", "sample_tokens", "weight_decay", "peak_tflops"), NOT_NEGATIVE),
+    "lr": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "grad_clip": (lambda v: v > 0, "> 0 (a negative norm would flip the gradients)"),
+}
+
+
+def check_ranges(obj, section: str, ranges: dict):
+    """Raise ValueError naming section.field for the first value outside its range."""
+    for name, (ok, rule) in ranges.items():
+        value = getattr(obj, name)
+        if not ok(value):
+            raise ValueError(f"{section}.{name}={value!r} is out of range: it must be {rule}")
 
 
 @dataclass

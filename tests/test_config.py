@@ -25,7 +25,7 @@ def test_config_file_unknown_key_and_wrong_type(tmp_path):
 @pytest.mark.parametrize("override, message", [
     (dict(train__grad_clip=-1.0), r"train\.grad_clip=-1\.0 is out of range: it must be > 0"),
     (dict(train__warmup_steps=-5), r"train\.warmup_steps=-5 is out of range: it must be >= 0"),
-    (dict(train__lr=0.0), r"train\.lr=0\.0 is out of range: it must be in \(0, 1\.0\]"),
+    (dict(train__lr=0.0), r"train\.lr=0\.0 is out of range: it must be in \(0, 1\]"),
     (dict(train__beta2=1.0), r"train\.beta2=1\.0 is out of range: it must be in \[0, 1\)"),
     (dict(train__min_lr_ratio=2.0), r"train\.min_lr_ratio=2\.0 is out of range"),
     (dict(train__device="gpu"), r"train\.device='gpu': use auto, cpu, cuda or cuda:N"),
