@@ -276,7 +276,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
             if decode is G.decode_one:
                 G.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None)  # warm-up
             else:
-                decode.capture_all(batch)  # compile and capture every window's graph
+                decode.capture_all(batch, prompt_len + new_tokens)  # compile and capture the windows it needs
             warm = time.perf_counter() - t0
             tokens, timer = G.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
             start, first, end = timer.marks

@@ -109,13 +109,16 @@ class GraphDecoder:
         graph.replay()
         return logits
 
-    def capture_all(self, batch: int):
-        """Compile and capture every window's graph now (warm-up), not during a timed generation."""
+    def capture_all(self, batch: int, max_length: int | None = None):
+        """Compile and capture now (warm-up), not during a timed generation, the graph of every
+        window a generation up to max_length tokens (default: the context) will use."""
         self.model.setup_cache(batch)
         device = self.model.embed.weight.device
         token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         for window in self.windows:
             self(self.model, token, torch.zeros(1, dtype=torch.long, device=device), window)
+            if max_length is not None and window >= max_length:
+                break
 
     def capture(self, token, pos, window: int):
         token_in, pos_in = token.clone(), pos.clone()
