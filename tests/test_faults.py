@@ -228,3 +228,17 @@ def test_sample_says_when_the_context_cuts_generation(finished, capsys):
     S.main(["--ckpt", str(finished[1]), "--prompt", "a", "--max-new-tokens", "100", "--temperature", "0"])
     err = capsys.readouterr().err
     assert "the context holds 64 tokens and the prompt uses 1, so at most 63 new tokens are generated" in err
+
+
+def test_resumed_summary_counts_this_sessions_tokens_and_the_plot_has_a_title(finished, tmp_path, monkeypatch):
+    cfg = finished[0]
+    titles = []
+    real_plot = TR.plot_losses
+    monkeypatch.setattr(TR, "plot_losses", lambda log, out, title: (titles.append(title), real_plot(log, out, title)))
+    with pytest.raises(TR.Interrupted):
+        TR.train(cfg, tmp_path / "run", stop_after=2, **QUIET)
+    said = []
+    TR.train(cfg, tmp_path / "run", resume=True, log=said.append)
+    done = next(s for s in said if s.startswith("done:"))
+    assert done.startswith("done: step 4, 1,024 tokens in this session's")  # 2 steps of 512, not all 4
+    assert titles and all(t.startswith("run | 64d x 2 layers | ") for t in titles)
