@@ -296,8 +296,8 @@ class KVCache(nn.Module):
     """One layer's keys and values for generation, preallocated for the whole context:
     (batch, n_kv_heads, context, head_dim), sized for the kv heads, not the query heads.
     Tokens are written in place at their positions, so every decode step sees tensors of the
-    same shape at the same address, which is what lets one compiled step replay as a CUDA graph.
-    Buffers of the model (not persistent: never saved), as torch.compile's CUDA graphs need."""
+    same shape at the same address, which is what lets a compiled step replay as a CUDA graph
+    (generate.GraphDecoder). Buffers of the model, not persistent: never saved."""
 
     def __init__(self, batch: int, n_kv_heads: int, context: int, head_dim: int, device, dtype):
         super().__init__()
@@ -373,7 +373,7 @@ class Block(nn.Module):
 # and only the input's and the weight's gradients are kept: memory for one chunk's logits.
 
 LOSS_CHUNK_ROWS = 2048  # at least 2,048 rows a chunk: 2,048 x 32,768 logits are 128 MiB in bf16
-LOSS_MAX_CHUNKS = 16  # larger batches take larger chunks: each chunk also reads and adds the (vocab, d) weight gradient
+LOSS_MAX_CHUNKS = 16  # larger batches take larger chunks: each chunk adds into the (vocab, d) weight gradient
 
 
 def _loss_chunk(x, w, targets, scale: float):
