@@ -12,6 +12,7 @@ steps, wall clock with the device synchronised on both sides; the median is repo
 spread (max - min over median).
 """
 
+import argparse
 import dataclasses
 import json
 import math
@@ -262,14 +263,17 @@ def measure_roof(mcfg: M.ModelConfig, micro_batch: int) -> dict:
 
 
 def main(argv=None):
-    spec_path, out_path = (argv or sys.argv[1:])[:2]
-    rung = Rung(**json.loads(Path(spec_path).read_text()))
+    p = argparse.ArgumentParser(description="Measure one rung in this process (bench.py runs this for each rung).")
+    p.add_argument("rung", type=Path, help="JSON file holding a Rung (name, preset, overrides, timed_steps, kernels)")
+    p.add_argument("result", type=Path, help="JSON file to write the Result to")
+    args = p.parse_args(argv)
+    rung = Rung(**json.loads(args.rung.read_text()))
     try:
         result = measure(rung)
     except Exception as e:  # the parent reads why from the result file
         traceback.print_exc()
         result = Result(rung=rung.name, skipped=failure_reason(e))
-    Path(out_path).write_text(json.dumps(dataclasses.asdict(result)))
+    args.result.write_text(json.dumps(dataclasses.asdict(result)))
 
 
 if __name__ == "__main__":
