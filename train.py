@@ -181,6 +181,9 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         torch.cuda.set_device(device)
     tcfg = cpu_fallbacks(cfg.train, device, say)
     cfg = dataclasses.replace(cfg, train=tcfg)
+    if cfg.model.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
+                         f"which {torch.cuda.get_device_name(device)} lacks: use --no-fp8")
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
