@@ -6,6 +6,7 @@
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
     python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile
     python bench.py --generate               # decode speed: onegpu vs transformers' generate
+    python bench.py --loss-curves            # 200 steps with and without each fast path: same learning?
     python bench.py --budget --tok-s 88m=676284   # hours to train each preset at measured rates
 
 Every training configuration ("rung") is a preset plus overrides, checked by the same strict
@@ -18,6 +19,7 @@ CUDA to say anything; on CPU they run the tiny preset as a smoke test of the cod
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -339,6 +341,66 @@ def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype
     return rows
 
 
+# --- Loss curves -----------------------------------------------------------------------------
+
+CURVE_VARIANTS = {"plain": [], "fused loss": ["--fused-loss"], "fp8": ["--fp8"]}  # train.py flags
+
+
+def loss_curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: int,
+                      batch_tokens: int | None = None) -> tuple[list, dict]:
+    """Train the same model on the same data (the stdlib corpus, offline everywhere) with each
+    fast path and without, through train.py itself: a fast path may change speed, not what the
+    model learns beyond bfloat16 noise. Returns the summary rows and each variant's loss curve."""
+    rows, curves = [], {}
+    for name, flags in CURVE_VARIANTS.items():
+        folder = out / "curves" / name.replace(" ", "-")
+        cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(C.PRESETS_DIR / f"{preset}.toml"),
+               "--corpus", "stdlib", "--steps", str(steps), "--warmup-steps", str(max(1, steps // 10)),
+               "--eval-every", str(steps), "--ckpt-every", str(steps), "--micro-batch", str(micro_batch),
+               "--sample-tokens", "0", "--runs-dir", str(folder.parent), "--name", folder.name, "--overwrite", *flags]
+        if batch_tokens:  # also the validation pass's size
+            cmd += ["--batch-tokens", str(batch_tokens), "--eval-tokens", str(batch_tokens)]
+        print(f"run: {name} ...", flush=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            rows.append({"rung": name, "skipped": f"timed out after {timeout} s"})
+            continue
+        if done.returncode:
+            tail = (done.stderr or done.stdout).strip().splitlines()
+            rows.append({"rung": name, "skipped": tail[-1][:160] if tail else f"exit {done.returncode}"})
+            continue
+        for checkpoint in folder.glob("ckpt*.pt"):  # the curves are the result; the weights are not kept
+            checkpoint.unlink()
+        curves[name] = [r["loss"] for r in TR.read_log(folder / "log.jsonl") if "loss" in r]
+        summary = json.loads((folder / "summary.json").read_text())
+        row = {"rung": name, "final_loss": float(np.mean(curves[name][-10:])), "val_loss": summary.get("val_loss"),
+               "tok_s": summary.get("mean_tok_s"), "peak_gib": summary.get("peak_mem_gib")}
+        if name != "plain" and "plain" in curves:
+            row["max_loss_diff"] = max(abs(a - b) for a, b in zip(curves[name], curves["plain"]))
+        rows.append(row)
+    return rows, curves
+
+
+def plot_curves(curves: dict, title: str, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not curves:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, lw=1, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --- Output ----------------------------------------------------------------------------------
 
 def fmt(v, spec=",.0f"):
@@ -410,7 +472,8 @@ def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, 
 PLOTTED = {"ladder": ("tok_s", "tokens / s"), "attention": ("tok_s", "tokens / s"),
            "compile_modes": ("tok_s", "tokens / s"), "micro_batch_sweep": ("tok_s", "tokens / s"),
            "activation_checkpointing": ("tok_s", "tokens / s"), "optimizer": ("update_ms", "ms per update"),
-           "profile": ("ms", "ms per 2 micro-batches"), "generate": ("decode_tok_s", "decoded tokens / s")}
+           "profile": ("ms", "ms per 2 micro-batches"), "generate": ("decode_tok_s", "decoded tokens / s"),
+           "loss_curves": (None, "training loss")}
 STUDIES = tuple(PLOTTED)
 
 
@@ -433,7 +496,7 @@ def main(argv=None):
     for study in STUDIES:
         p.add_argument("--" + study.replace("_", "-"), action="store_true",
                        help=f"run the {study.replace('_', ' ')} study")
-    p.add_argument("--all", action="store_true", help="every study")
+    p.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains three models)")
     p.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
     p.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="measured tokens/s per preset, "
                    "for --budget (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")
@@ -445,6 +508,8 @@ def main(argv=None):
     p.add_argument("--fused-loss", action="store_true", help="profile with the fused loss")
     p.add_argument("--new-tokens", type=int, default=500, help="tokens each generation run decodes (default 500)")
     p.add_argument("--no-transformers", action="store_true", help="--generate measures onegpu only")
+    p.add_argument("--curve-steps", type=int, default=None, help="steps of each --loss-curves run (default 200 on "
+                                                                 "CUDA, 4 on CPU)")
     p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung (default 900)")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
@@ -453,7 +518,7 @@ def main(argv=None):
         if args.budget:
             rates = args.tok_s or [f"{k}={v}" for k, v in LAPTOP_TOK_S.items()]
             print(budget_table(rates))
-        chosen = [s for s in STUDIES if args.all or getattr(args, s)]
+        chosen = [s for s in STUDIES if (args.all and s != "loss_curves") or getattr(args, s)]
         if not chosen and not args.budget:
             p.error("choose a study: " + ", ".join("--" + s.replace("_", "-") for s in STUDIES) + ", --all or --budget")
         if chosen:
@@ -506,9 +571,15 @@ def run_studies(args, chosen: list[str], argv):
             rows = optimizer_study(preset, cuda)
         elif study == "profile":
             rows = profile_study(preset, mb, cuda, args.fused_loss)
-        else:
+        elif study == "generate":
             rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40),
                                   vs_transformers=not args.no_transformers)
+        else:
+            rows, curves = loss_curves_study(preset, args.curve_steps or (200 if cuda else 4),
+                                             args.micro_batch_size or (64 if cuda else 4), out, args.timeout,
+                                             args.batch_tokens or (None if cuda else batch_tokens))
+            plot_curves(curves, f"loss curves | {preset} | stdlib corpus | {device_name} | {results['date']}",
+                        out / f"{study}.png")
         if study == "ladder":
             table = ladder_table(rows, flops_tok, roof.get("roof_tflops"), spec_peak)
             if roof:
@@ -520,8 +591,9 @@ def run_studies(args, chosen: list[str], argv):
         mfu_of = None
         if study == "ladder" and roof:
             mfu_of = lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
-        plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | {results['date']}",
-                  out / f"{study}.png", mfu_of)
+        if value is not None:
+            plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | {results['date']}",
+                      out / f"{study}.png", mfu_of)
         results[study] = rows
         sources = sorted({r["data"] for r in rows if r.get("data")})
         tables.append(f"## {study.replace('_', ' ')}\n\n{table}" + (f"\n\ndata: {', '.join(sources)}" if sources else ""))

@@ -101,5 +101,15 @@ def test_every_study_runs_on_cpu(tmp_path):
     assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
     assert rows("generate")[0]["decode_tok_s"] > 0
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)
-        if any(r.get(B.PLOTTED[study][0]) for r in rows(study)):
+        if study != "loss_curves" and any(r.get(B.PLOTTED[study][0]) for r in rows(study)):
             assert (tmp_path / f"{study}.png").stat().st_size > 1000, study
+
+
+@pytest.mark.slow
+def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
+    B.main(["--loss-curves", "--curve-steps", "3", "--out", str(tmp_path)])
+    by_name = {r["rung"]: r for r in json.loads((tmp_path / "loss_curves.json").read_text())["rows"]}
+    assert set(by_name) == {"plain", "fused loss", "fp8"} and all("skipped" not in r for r in by_name.values())
+    assert by_name["fused loss"]["max_loss_diff"] < 1e-4  # float32 on CPU: the same numbers
+    assert by_name["fp8"]["max_loss_diff"] < 0.1  # FP8 rounding
+    assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and not list(tmp_path.rglob("ckpt*.pt"))
