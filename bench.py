@@ -300,8 +300,7 @@ def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype
         return [{"rung": "transformers", "skipped": "transformers is not installed (pip install -e '.[dev]')"}]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        CK.write_hf_model(model.float().state_dict(), cfg, Path(tmp), eot_id=0)
-        model.to(dtype)
+        CK.write_hf_model(model.state_dict(), cfg, Path(tmp), eot_id=0)  # written as float32, as export.py does
         key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{key: dtype}).to(device).eval()
     caches = ["dynamic"] + (["static"] if device.type == "cuda" else [])
@@ -383,22 +382,9 @@ def loss_curves_study(preset: str, steps: int, micro_batch: int, out: Path, time
 
 
 def plot_curves(curves: dict, title: str, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    if not curves:
-        return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, lw=1, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if curves:
+        TR.plot_lines({name: (range(1, len(losses) + 1), losses, "-") for name, losses in curves.items()},
+                      "step", "training loss (nats)", title, path)
 
 
 # --- Output ----------------------------------------------------------------------------------

@@ -26,12 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 import data as D
 import model as M
 
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what train.device and the --device flags accept
 
 
 @dataclass
@@ -67,7 +70,7 @@ class TrainConfig:
 
     def __post_init__(self):
         check_ranges(self, "train", TRAIN_RANGES)
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+        if not DEVICE.fullmatch(self.device):
             raise ValueError(f"train.device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.steps <= 0 and self.tokens <= 0:
             raise ValueError("set train.steps or train.tokens (how long to train)")
@@ -76,7 +79,8 @@ class TrainConfig:
 AT_LEAST_ONE, NOT_NEGATIVE = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
 TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     **dict.fromkeys(("batch_tokens", "micro_batch", "eval_every", "eval_tokens", "ckpt_every"), AT_LEAST_ONE),
-    **dict.fromkeys(("warmup_steps", "steps", "tokens", "sample_tokens", "weight_decay", "peak_tflops"), NOT_NEGATIVE),
+    **dict.fromkeys(("warmup_steps", "steps", "tokens", "seed", "sample_tokens", "weight_decay", "peak_tflops"),
+                    NOT_NEGATIVE),
     "lr": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -171,8 +175,8 @@ def read_toml(path: str | Path) -> dict:
 
 def load_config(path: str | Path | None = None, *, values: dict | None = None, source: str | None = None,
                 **overrides) -> Config:
-    """Defaults, then the file at `path` (or `values`, a dict shaped like one), then overrides
-    given as section__name=value (`train__lr=1e-3`) or as {"section.name": value} via merge."""
+    """Defaults, then the file at `path` (or `values`, a dict shaped like one, e.g. a checkpoint's
+    saved config), then overrides given as section__name=value (`train__lr=1e-3`)."""
     if values is None:
         values = read_toml(path) if path is not None else {}
         source = source or (str(path) if path is not None else "defaults")
@@ -197,8 +201,7 @@ def preset(name: str, **overrides) -> Config:
 
 def pick_device(name: str):
     """The one device picker (train, bench and sample call it): auto is CUDA when there is one."""
-    import torch
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+    if not DEVICE.fullmatch(name):
         raise ValueError(f"device {name!r}: use auto, cpu, cuda or cuda:N")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

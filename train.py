@@ -313,26 +313,32 @@ def read_log(log_path: Path) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["step"], "val_loss" in r))
 
 
-def plot_losses(log_path: Path, out: Path, title: str):
+def plot_lines(series: dict, xlabel: str, ylabel: str, title: str, out: Path):
+    """One line per entry of series, {label: (xs, ys, matplotlib format)}, written to out as PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = read_log(log_path)
-    train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train", lw=1)
-    if val:
-        ax.plot(*zip(*val), "o-", label="val")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (nats)")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, (xs, ys, style) in series.items():
+        ax.plot(xs, ys, style, label=label, lw=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def plot_losses(log_path: Path, out: Path, title: str):
+    rows = read_log(log_path)
+    series = {}
+    for label, key, style in (("train", "loss", "-"), ("val", "val_loss", "o-")):
+        points = [(r["tokens"], r[key]) for r in rows if key in r]
+        if points:
+            series[label] = (*zip(*points), style)
+    plot_lines(series, "tokens", "loss (nats)", title, out)
 
 
 class Stopper:
@@ -367,9 +373,10 @@ def check_run_name(name: str):
 
 
 def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = False,
-          stop_after: int | None = None, log=print) -> dict:
+          stop_after: int | None = None, log=print, checkpoint: CK.Checkpoint | None = None) -> dict:
     """Run training as configured; returns the summary. Rank 0 alone writes files.
-    stop_after: save a checkpoint and stop after this step, as Ctrl-C would (raises Interrupted)."""
+    stop_after: save a checkpoint and stop after this step, as Ctrl-C would (raises Interrupted).
+    checkpoint: the run's checkpoint when the caller has already loaded it (resume)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     master = rank == 0
     say = log if master else (lambda *a, **k: None)
@@ -379,7 +386,7 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
                          f"start over, or --name NAME for a new run")
     if resume and not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-    ckpt = CK.load(ckpt_path) if resume else None
+    ckpt = checkpoint or (CK.load(ckpt_path) if resume else None)
     if ckpt is not None and ckpt.step >= total_steps(cfg.train) and summary_path.exists():
         say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
             f"--steps or --tokens to train further)")
@@ -581,17 +588,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_config(args: argparse.Namespace, run_dir: Path | None = None) -> C.Config:
-    """The config file and flags; on --resume, the checkpoint's own config and the flags. Only
-    [train] settings may change on resume: the model and data are the checkpoint's."""
+def resolve_config(args: argparse.Namespace, run_dir: Path | None = None):
+    """(config, checkpoint): the config file and flags; on --resume, the loaded checkpoint and its
+    own config with the flags. Only [train] settings may change on resume: the model and data
+    are the checkpoint's."""
     overrides = C.flag_overrides(args)
     if args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists():
         fixed = sorted(k.replace("__", ".") for k in overrides if not k.startswith("train__"))
         if fixed:
             raise ValueError(f"--resume continues the checkpoint's model and data, so {', '.join(fixed)} cannot "
                              f"change; start a new run with --name NAME instead")
-        return CK.load(run_dir / "ckpt.pt", **overrides).config
-    return C.load_config(args.config, **overrides)
+        ckpt = CK.load(run_dir / "ckpt.pt", **overrides)
+        return ckpt.config, ckpt
+    return C.load_config(args.config, **overrides), None
 
 
 def main(argv=None):
@@ -603,10 +612,11 @@ def main(argv=None):
         name = args.name or Path(args.config).stem
         check_run_name(name)
         run_dir = Path(args.runs_dir) / name
-        cfg = resolve_config(args, run_dir)
+        cfg, ckpt = resolve_config(args, run_dir)
         if not distributed or dist.get_rank() == 0:
             print("config: " + json.dumps(cfg.to_dict()))
-        train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after)
+        train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
+              checkpoint=ckpt)
     except Interrupted as e:
         print(e, file=sys.stderr)
         sys.exit(130)

@@ -270,7 +270,7 @@ def test_flags_override_file_override_defaults(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[model]\nd_model = 128\nn_heads = 2\nn_kv_heads = 1\n[train]\nsteps = 7\nlr = 1\ncompile = true\n')
     args = TR.build_parser().parse_args(["--config", str(path), "--steps", "9", "--no-compile", "--fused"])
-    cfg = TR.resolve_config(args)
+    cfg, _ = TR.resolve_config(args)
     assert cfg == C.load_config(path, train__steps=9, train__compile=False, train__optimizer="fused")
     assert (cfg.model.d_model, cfg.model.n_layers) == (128, 10)  # file, default
     assert (cfg.train.steps, cfg.train.lr, cfg.train.compile, cfg.train.optimizer) == (9, 1.0, False, "fused")
@@ -278,7 +278,7 @@ def test_flags_override_file_override_defaults(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m"])
 def test_every_preset_file_loads(name):
-    cfg = TR.resolve_config(TR.build_parser().parse_args(["--config", str(ROOT / "configs" / f"{name}.toml")]))
+    cfg, _ = TR.resolve_config(TR.build_parser().parse_args(["--config", str(ROOT / "configs" / f"{name}.toml")]))
     assert cfg == C.preset(name)
     if name != "tiny":  # the fast path is on for the GPU presets
         assert cfg.train.compile and cfg.train.bf16 and cfg.train.tf32 and cfg.train.optimizer == "fused"
