@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import struct
 import sys
 import time
@@ -198,8 +199,19 @@ def read_manifest(folder: Path) -> dict | None:
 def prepare(cfg: DataConfig, vocab_size: int, log=print, rebuild: bool = False) -> Path:
     """Tokenize the corpus into train/val shards (once; a finished prepare is reused after its
     shards pass the header checks). A corpus whose files changed since is refused, naming what
-    changed; rebuild=True retrains the tokenizer and rewrites the shards."""
+    changed; rebuild=True retrains the tokenizer and rewrites the shards. A first prepare that
+    fails (a bad corpus file, say) leaves no folder behind."""
     folder = data_dir(cfg, vocab_size)
+    new = not folder.exists()
+    try:
+        return _prepare(cfg, vocab_size, folder, log, rebuild)
+    except Exception:  # not on Ctrl-C: a finished tokenizer.json is worth keeping for the next try
+        if new:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool) -> Path:
     manifest_path = folder / "manifest.json"
     source = tk.source_fingerprint(cfg.corpus)
     manifest = read_manifest(folder)

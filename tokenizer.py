@@ -13,6 +13,7 @@ import functools
 import glob
 import hashlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -113,18 +114,27 @@ def local_documents(pattern: str, field: str = "text", limit: int | None = None,
     files = local_files(pattern)
     kinds = {f.suffix for f in files}
     if kinds == {".txt"}:
+        empty = []
         for f in files:
             raw = f.read_bytes()
             try:
-                yield raw.decode("utf-8")
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 warn(f"warning: {f} is not valid UTF-8 (byte {e.start}): its undecodable bytes became U+FFFD")
-                yield raw.decode("utf-8", errors="replace")
+                text = raw.decode("utf-8", errors="replace")
+            if text.strip():
+                yield text
+            else:
+                empty.append(f.name)
+        if empty:
+            warn(f"warning: skipped {len(empty)} empty file(s) in {pattern!r}: {', '.join(empty[:5])}")
         return
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
     if len(kinds) != 1 or next(iter(kinds)) not in builder:
         raise CorpusError(f"corpus {pattern!r}: files must all be .txt, .jsonl or .parquet, got {sorted(kinds)}")
     import datasets
+    # A malformed file is reported below in one line naming it; datasets' own log of it is noise.
+    logging.getLogger("datasets").setLevel(logging.CRITICAL)
     for f in files:  # file by file, so that a skipped record can be reported with its file
         try:
             stream = datasets.load_dataset(builder[f.suffix], data_files=[str(f)], split="train", streaming=True)

@@ -85,8 +85,9 @@ def test_a_failing_rung_comes_back_as_skipped_with_the_reason():
 # --- Every study end to end (slow: .ci/run runs it) ------------------------------------------
 
 @pytest.mark.slow
-def test_every_study_runs_on_cpu(tmp_path):
+def test_every_study_runs_on_cpu(tmp_path, capsys):
     B.main(["--all", "--only", "textbook", "sdpa", "doc-mask", "flash", "--out", str(tmp_path)])
+    assert "no CUDA device: a smoke test of the code paths" in capsys.readouterr().out
 
     def rows(study):
         return json.loads((tmp_path / f"{study}.json").read_text())["rows"]

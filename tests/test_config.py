@@ -6,19 +6,16 @@ import config as C
 import train as TR
 
 
-def test_config_file_unknown_key_and_wrong_type(tmp_path):
+@pytest.mark.parametrize("text, message", [
+    ("[model]\nd_model = 64\nn_layer = 2\n", r"bad\.toml: unknown key\(s\) model\.n_layer; valid keys .* n_layers"),
+    ("[model]\nd_model = \"wide\"\n", r"model\.d_model must be int, got str 'wide'"),
+    ("[modle]\nd_model = 64\n", r"unknown section\(s\) \['modle'\]"),
+    ("[train]\ncompile_mode = \"fast\"\n", r"train\.compile_mode='fast': choose one of 'default', 'reduce-overhead'"),
+], ids=["unknown-key", "wrong-type", "unknown-section", "bad-choice"])
+def test_config_file_unknown_key_and_wrong_type(tmp_path, text, message):
     path = tmp_path / "bad.toml"
-    path.write_text("[model]\nd_model = 64\nn_layer = 2\n")
-    with pytest.raises(ValueError, match=r"bad\.toml: unknown key\(s\) model\.n_layer; valid keys .* n_layers"):
-        C.load_config(path)
-    path.write_text("[model]\nd_model = \"wide\"\n")
-    with pytest.raises(ValueError, match=r"model\.d_model must be int, got str 'wide'"):
-        C.load_config(path)
-    path.write_text("[modle]\nd_model = 64\n")
-    with pytest.raises(ValueError, match=r"unknown section\(s\) \['modle'\]"):
-        C.load_config(path)
-    path.write_text("[train]\ncompile_mode = \"fast\"\n")
-    with pytest.raises(ValueError, match=r"train\.compile_mode='fast': choose one of 'default', 'reduce-overhead'"):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
         C.load_config(path)
 
 

@@ -116,12 +116,18 @@ def test_bad_records_and_bad_bytes_are_counted_and_named(tmp_path):
     assert said == [f"warning: {tmp_path / 'b.txt'} is not valid UTF-8 (byte 3): its undecodable bytes became U+FFFD"]
 
 
-def test_prepare_notices_a_changed_corpus(tmp_path):
+def small_corpus(tmp_path) -> D.DataConfig:
+    """30 .txt documents in tmp_path/corpus and a cache of their own: for tests that change them."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(30):
         (corpus / f"d{i}.txt").write_text(f"document {i} " + "words and more words " * 40)
-    cfg = D.DataConfig(corpus=str(corpus / "*.txt"), cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
+    return D.DataConfig(corpus=str(corpus / "*.txt"), cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
+
+
+def test_prepare_notices_a_changed_corpus(tmp_path):
+    cfg = small_corpus(tmp_path)
+    corpus = tmp_path / "corpus"
     D.prepare(cfg, 300, log=lambda *a: None)
     (corpus / "new.txt").write_text("a new document " * 50)
     with pytest.raises(ValueError, match=r"changed since .* was prepared .*data\.py prepare --config <your config> --rebuild"):
@@ -131,11 +137,7 @@ def test_prepare_notices_a_changed_corpus(tmp_path):
 
 
 def test_a_corrupt_shard_is_rewritten_by_prepare(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(30):
-        (corpus / f"d{i}.txt").write_text(f"document {i} " + "words and more words " * 40)
-    cfg = D.DataConfig(corpus=str(corpus / "*.txt"), cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
+    cfg = small_corpus(tmp_path)
     folder = D.prepare(cfg, 300, log=lambda *a: None)
     shard = folder / "train_00000.bin"
     good = shard.read_bytes()
@@ -145,6 +147,18 @@ def test_a_corrupt_shard_is_rewritten_by_prepare(tmp_path):
     said = []
     D.prepare(cfg, 300, log=said.append)
     assert any("failed their checks" in s for s in said) and shard.read_bytes() == good
+
+
+def test_an_unreadable_manifest_is_said_and_the_shards_rewritten(tmp_path):
+    cfg = small_corpus(tmp_path)
+    folder = D.prepare(cfg, 300, log=lambda *a: None)
+    (folder / "manifest.json").write_text('{"train": ["train_0')  # cut short mid-write
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json missing or unreadable\): run `python data\.py prepare"):
+        D.shard_files(folder, "train")
+    said = []
+    D.prepare(cfg, 300, log=said.append)
+    assert any("manifest.json is unreadable or incomplete: writing the shards again" in s for s in said)
+    assert D.shard_files(folder, "train")
 
 
 def test_a_document_limit_the_stdlib_never_reaches_shares_the_folder():

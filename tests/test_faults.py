@@ -67,6 +67,18 @@ def test_bad_checkpoint_file(tmp_path, content, script):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("name, content", [("a.jsonl", b'{"text": "ok"}\n{not json\n'), ("a.txt", b"")],
+                         ids=["malformed-jsonl", "empty-txt"])
+def test_bad_corpus_file(tmp_path, name, content):
+    import data as D
+    (tmp_path / name).write_bytes(content)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        D.main(["prepare", "--corpus", str(tmp_path / name), "--cache-dir", str(tmp_path / "cache")])
+    one_line_error(e, name)
+    assert snapshot(tmp_path) == before  # no cache folder, tokenizer or shard left behind
+
+
 def test_bad_tokenizer_file(finished, tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "truncated')
     with pytest.raises(SystemExit) as e:

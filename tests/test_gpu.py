@@ -15,18 +15,24 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fused_loss_matches_plain_in_bf16(compiled):
-    idx, targets = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+def loss_and_grads(compiled: bool, seed: int, **switches):
+    """BF16 loss and gradients of one micro-batch, for the plain model and with `switches` on."""
+    idx, targets = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     out = []
-    for fused in (False, True):
+    for on in (False, True):
         torch.manual_seed(0)
-        model = M.Llama(M.ModelConfig(**CFG, fused_loss=fused)).cuda()
+        model = M.Llama(M.ModelConfig(**CFG, **{k: v and on for k, v in switches.items()})).cuda()
         run = torch.compile(model) if compiled else model
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = run(idx, targets)
         loss.backward()
         out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_loss_matches_plain_in_bf16(compiled):
+    out = loss_and_grads(compiled, seed=0, fused_loss=True)
     assert abs(out[0][0].item() - out[1][0].item()) < 2e-3 * out[0][0].item()
     for name, grad in out[0][1].items():
         assert rel(out[1][1][name], grad) < 2e-2, name
@@ -58,16 +64,7 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fp8_block_matmuls_stay_close_to_bf16(compiled):
-    idx, targets = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
-    out = []
-    for fp8 in (False, True):
-        torch.manual_seed(0)
-        model = M.Llama(M.ModelConfig(**CFG, fp8=fp8)).cuda()
-        run = torch.compile(model) if compiled else model
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(idx, targets)
-        loss.backward()
-        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    out = loss_and_grads(compiled, seed=3, fp8=True)
     assert abs(out[0][0].item() - out[1][0].item()) < 1e-2 * out[0][0].item()
     for name, grad in out[0][1].items():
         assert rel(out[1][1][name], grad) < 0.15, name
