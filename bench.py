@@ -41,24 +41,26 @@ FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True}  # the
 
 # --- Plans: which rungs a study compares (pure functions) -----------------------------------
 
-def ladder_rungs(preset: str, micro_batch: int, steps: int, cuda: bool) -> list[ME.Rung]:
-    """The ladder's rungs at one micro-batch, one setting added at a time. On CPU only the
-    first rung runs: the rest are CUDA settings or too slow to compile for a smoke test."""
-    rung = lambda name, **o: ME.Rung(name, preset, {"train__micro_batch": micro_batch, **o}, steps)  # noqa: E731
-    fp32 = {"train__tf32": False, "train__bf16": False, "train__compile": False, "train__optimizer": "foreach"}
-    return [rung("fp32 eager", **fp32),
-            rung("+tf32", **{**fp32, "train__tf32": True}),
-            rung("+bf16 autocast", **{**fp32, "train__tf32": True, "train__bf16": True}),
-            rung("+torch.compile", **{**fp32, **FAST})]
+FP32 = {"train__tf32": False, "train__bf16": False, "train__compile": False, "train__optimizer": "foreach"}
 
 
-def ladder_tail(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:
+def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
+    """The ladder's first rungs at one micro-batch, one setting added at a time. base: overrides
+    every rung shares (the batch size in tokens)."""
+    o = {**(base or {}), "train__micro_batch": micro_batch}
+    return [ME.Rung("fp32 eager", preset, {**o, **FP32}, steps),
+            ME.Rung("+tf32", preset, {**o, **FP32, "train__tf32": True}, steps),
+            ME.Rung("+bf16 autocast", preset, {**o, **FP32, "train__tf32": True, "train__bf16": True}, steps),
+            ME.Rung("+torch.compile", preset, {**o, **FP32, **FAST}, steps)]
+
+
+def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, FP8 block
     matmuls, compile tuning; each rung keeps the settings of the ones before it."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
                 ("+fused loss", {"model__fused_loss": True}), ("+fp8 matmuls", {"model__fp8": True}),
                 ("+max-autotune (no CUDA graphs)", {"train__compile_mode": "max-autotune-no-cudagraphs"})]
-    rungs, overrides = [], {**FAST, "train__micro_batch": micro_batch}
+    rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
     for name, setting in settings:
         overrides = {**overrides, **setting}
         rungs.append(ME.Rung(name, preset, overrides, steps))
@@ -122,31 +124,27 @@ def largest_fitting(make, sizes, cuda: bool, timeout: int) -> dict:
 
 def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int) -> list[dict]:
     context = C.preset(preset).model.context
+    base = {"train__batch_tokens": batch_tokens}
     fits = [mb for mb in (64, 32, 16, 8, 4, 2, 1) if batch_tokens % (mb * context) == 0]
-    bt = {"train__batch_tokens": batch_tokens}
-    def fp32(mb):
-        return ME.Rung("fp32 eager", preset, {**ladder_rungs(preset, mb, steps, cuda)[0].overrides, **bt}, steps)
-    first = largest_fitting(fp32, fits if cuda else [4], cuda, timeout)
+    first = largest_fitting(lambda mb: ladder_rungs(preset, mb, steps, base)[0], fits if cuda else [4], cuda, timeout)
     mb = first.get("micro_batch", 4)
-    rest = [ME.Rung(r.name, r.preset, {**r.overrides, **bt}, steps) for r in ladder_rungs(preset, mb, steps, cuda)[1:]]
+    rest = ladder_rungs(preset, mb, steps, base)[1:]
     if not cuda:  # the ladder's settings are CUDA settings: the CPU smoke test stops at its first rung
         return [first] + [{"rung": r.name, "skipped": cpu_skip(r) or "CUDA-only setting"}
-                          for r in rest + ladder_tail(preset, mb, steps)]
+                          for r in rest + ladder_tail(preset, mb, steps, base)]
     rows = [first] + run(rest, cuda, timeout)
     best = rows[-1]
     for size in (16, 32, 64, 128, 256, 512):
         if size <= mb or batch_tokens % (size * context):
             continue
-        row = run([ME.Rung(f"micro-batch {size}", preset, {**FAST, **bt, "train__micro_batch": size}, steps)],
+        row = run([ME.Rung(f"micro-batch {size}", preset, {**base, **FAST, "train__micro_batch": size}, steps)],
                   cuda, timeout)[0]
         rows.append(row)
         if "skipped" in row:
             break
         if row["tok_s"] > best.get("tok_s", 0):
             best = row
-    tail = [ME.Rung(r.name, r.preset, {**r.overrides, **bt}, steps)
-            for r in ladder_tail(preset, best.get("micro_batch", mb), steps)]
-    return rows + run(tail, cuda, timeout)
+    return rows + run(ladder_tail(preset, best.get("micro_batch", mb), steps, base), cuda, timeout)
 
 
 def micro_batch_study(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int, ac: bool = False,

@@ -13,7 +13,7 @@ import measure as ME
 # --- Plans ---------------------------------------------------------------------------------
 
 def test_ladder_plan_adds_one_setting_per_rung():
-    rungs = B.ladder_rungs("88m", 16, 3, cuda=True) + B.ladder_tail("88m", 64, 3)
+    rungs = B.ladder_rungs("88m", 16, 3) + B.ladder_tail("88m", 64, 3)
     names = [r.name for r in rungs]
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
                      "+fused loss", "+fp8 matmuls", "+max-autotune (no CUDA graphs)"]
