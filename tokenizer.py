@@ -106,7 +106,7 @@ def source_fingerprint(corpus: str) -> dict:
             "listing_sha256": hashlib.sha256(listing.encode()).hexdigest()[:16]}
 
 
-def local_documents(pattern: str, field: str = "text", limit: int | None = None, warn=print) -> Iterator[str]:
+def local_documents(pattern: str, field: str = "text", warn=print) -> Iterator[str]:
     """Local .txt files (one document per file) or .jsonl / .parquet files (one per record),
     read through the same `datasets` call path as the hub corpora. Text that is not valid UTF-8
     is decoded with replacement characters, and records without text are skipped: both are
@@ -170,7 +170,7 @@ def documents(corpus: str, text_field: str = "text", limit: int | None = None, w
     elif corpus in HUB:
         docs = hub_documents(corpus, limit)
     else:
-        docs = local_documents(corpus, text_field, limit, warn)
+        docs = local_documents(corpus, text_field, warn)  # the limit applies below
     empty = True
     for i, doc in enumerate(docs):
         if limit is not None and i >= limit:
