@@ -81,9 +81,11 @@ def test_bad_corpus_file(tmp_path, name, content):
 
 def test_bad_tokenizer_file(finished, tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "truncated')
+    before = snapshot(tmp_path), snapshot(finished[1])
     with pytest.raises(SystemExit) as e:
         S.main(["--ckpt", str(finished[1]), "--tokenizer", str(tmp_path / "tokenizer.json"), "--prompt", "a"])
     one_line_error(e, "tokenizer.json")
+    assert (snapshot(tmp_path), snapshot(finished[1])) == before
 
 
 def test_stdin_that_is_not_text(finished, monkeypatch):
@@ -94,9 +96,11 @@ def test_stdin_that_is_not_text(finished, monkeypatch):
         def isatty(self):
             return False
     monkeypatch.setattr(sys, "stdin", Stdin(io.BytesIO(b"\xff\xfe\x00binary")))
+    before = snapshot(finished[1])
     with pytest.raises(SystemExit) as e:
         S.main(["--ckpt", str(finished[1]), "--max-new-tokens", "2"])
     one_line_error(e, "stdin is not UTF-8")
+    assert snapshot(finished[1]) == before
 
 
 def test_device_cuda_without_a_gpu(tmp_path):
