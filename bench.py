@@ -3,6 +3,7 @@
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
                                              #   AdamW -> pinned -> fused loss -> FP8 -> compile tuning
     python bench.py --ladder --preset 22m    # any preset in configs/
+    python bench.py --ladder --resume        # go on from where an interrupted ladder stopped
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
     python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile
     python bench.py --generate               # decode speed: onegpu vs transformers' generate
@@ -101,54 +102,100 @@ def cpu_skip(rung: ME.Rung) -> str | None:
 
 # --- Running plans ---------------------------------------------------------------------------
 
-def run(rungs: list[ME.Rung], cuda: bool, timeout: int) -> list[dict]:
+class Journal:
+    """The rungs one study has measured so far, in results/<study>.partial.json, rewritten after
+    each rung: a study stopped part-way (Ctrl-C, a lost machine, a time limit) keeps what it
+    measured, and `bench.py --resume` reuses those rows instead of measuring them again. A rung
+    is reused only with the same name, preset, settings and steps; one that timed out is measured
+    again. The file is removed when the study completes (results/<study>.json is then written)."""
+
+    def __init__(self, path: Path, header: dict, resume: bool):
+        self.path, self.header, self.kept, self.measured = path, header, {}, []
+        if not path.exists():
+            return
+        earlier = json.loads(path.read_text())
+        if not resume:
+            print(f"note: starting over; `--resume` would reuse the {len(earlier['measured'])} rungs in {path}")
+            return
+        for key in ("preset", "device", "batch_tokens"):
+            if earlier.get(key) != header.get(key):
+                raise ValueError(f"{path} was measured with {key}={earlier.get(key)!r}, this run has "
+                                 f"{header.get(key)!r}: drop --resume, or pass --out with another folder")
+        self.kept = {e["key"]: e["row"] for e in earlier["measured"]
+                     if not e["row"].get("skipped", "").startswith("timed out")}
+
+    @staticmethod
+    def key(rung: ME.Rung) -> str:
+        return json.dumps([rung.name, rung.preset, rung.overrides, rung.timed_steps], sort_keys=True)
+
+    def measure(self, rung: ME.Rung, timeout: int) -> dict:
+        key = self.key(rung)
+        if key in self.kept:
+            print(f"  kept from {self.path.name}", flush=True)
+            row = self.kept[key]
+        else:
+            row = ME.run_in_subprocess(rung, timeout).row()
+        self.measured.append({"key": key, "row": row})
+        self.path.write_text(json.dumps({**self.header, "measured": self.measured}, indent=2, default=str))
+        return row
+
+    def done(self):
+        self.path.unlink(missing_ok=True)
+
+
+def run(rungs: list[ME.Rung], cuda: bool, timeout: int, journal: Journal | None = None) -> list[dict]:
     for r in rungs:  # every rung's config is checked before the first one runs
         r.config()
     rows = []
     for r in rungs:
         reason = None if cuda else cpu_skip(r)
         print(f"rung: {r.name} ...", flush=True)
-        rows.append((ME.Result(rung=r.name, skipped=reason) if reason else ME.run_in_subprocess(r, timeout)).row())
+        if reason:
+            rows.append(ME.Result(rung=r.name, skipped=reason).row())
+        else:
+            rows.append(journal.measure(r, timeout) if journal else ME.run_in_subprocess(r, timeout).row())
     return rows
 
 
-def largest_fitting(make, sizes, cuda: bool, timeout: int) -> dict:
+def largest_fitting(make, sizes, cuda: bool, timeout: int, journal: Journal | None = None) -> dict:
     """The first of sizes (largest first) whose rung runs."""
     for mb in sizes:
-        row = run([make(mb)], cuda, timeout)[0]
+        row = run([make(mb)], cuda, timeout, journal)[0]
         if "skipped" not in row:
             return row
         print(f"  micro-batch {mb}: {row['skipped']}", flush=True)
     return {"rung": make(sizes[-1]).name, "skipped": "no micro-batch fits"}
 
 
-def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int) -> list[dict]:
+def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int,
+           journal: Journal | None = None) -> list[dict]:
     context = C.preset(preset).model.context
     base = {"train__batch_tokens": batch_tokens}
     fits = [mb for mb in (64, 32, 16, 8, 4, 2, 1) if batch_tokens % (mb * context) == 0]
-    first = largest_fitting(lambda mb: ladder_rungs(preset, mb, steps, base)[0], fits if cuda else [4], cuda, timeout)
+    first = largest_fitting(lambda mb: ladder_rungs(preset, mb, steps, base)[0], fits if cuda else [4], cuda,
+                            timeout, journal)
     mb = first.get("micro_batch", 4)
     rest = ladder_rungs(preset, mb, steps, base)[1:]
     if not cuda:  # the ladder's settings are CUDA settings: the CPU smoke test stops at its first rung
         return [first] + [{"rung": r.name, "skipped": cpu_skip(r) or "CUDA-only setting"}
                           for r in rest + ladder_tail(preset, mb, steps, base)]
-    rows = [first] + run(rest, cuda, timeout)
+    rows = [first] + run(rest, cuda, timeout, journal)
     best = rows[-1]
     for size in (16, 32, 64, 128, 256, 512):
         if size <= mb or batch_tokens % (size * context):
             continue
         row = run([ME.Rung(f"micro-batch {size}", preset, {**base, **FAST, "train__micro_batch": size}, steps)],
-                  cuda, timeout)[0]
+                  cuda, timeout, journal)[0]
         rows.append(row)
         if "skipped" in row:
             break
         if row["tok_s"] > best.get("tok_s", 0):
             best = row
-    return rows + run(ladder_tail(preset, best.get("micro_batch", mb), steps, base), cuda, timeout)
+    return rows + run(ladder_tail(preset, best.get("micro_batch", mb), steps, base), cuda, timeout, journal)
 
 
 def micro_batch_study(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int, ac: bool = False,
-                      start: int = 1) -> list[dict]:
+                      start: int = 1, journal: Journal | None = None) -> list[dict]:
     """Doubling micro-batches from start until one no longer fits (or the step cannot be split further)."""
     rows, size = [], start
     context = C.preset(preset).model.context
@@ -157,7 +204,7 @@ def micro_batch_study(preset: str, batch_tokens: int, steps: int, cuda: bool, ti
         name = f"micro-batch {size}{' +AC' if ac else ''}"
         row = run([ME.Rung(name, preset, {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens,
                                            "train__micro_batch": size, "train__activation_checkpointing": ac},
-                           steps)], True, timeout)[0]  # compile off on CPU, so every size runs there too
+                           steps)], True, timeout, journal)[0]  # compile off on CPU: every size runs there too
         rows.append(row)
         if "skipped" in row or batch_tokens % (2 * size * context) != 0:
             break
@@ -175,13 +222,15 @@ def memory_line(rows: list[dict]) -> dict | None:
             "largest_fitting": max(r["micro_batch"] for r in rows)}
 
 
-def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cuda, timeout) -> list[dict]:
+def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cuda, timeout,
+                                   journal: Journal | None = None) -> list[dict]:
     """Recomputation's cost at equal micro-batch, then how far the micro-batch can grow with it:
     the sweep with recomputation starts at the compared size, so its first row is the comparison."""
     plain = run([ME.Rung(f"micro-batch {micro_batch}", preset,
                          {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens,
-                          "train__micro_batch": micro_batch}, steps)], True, timeout)
-    return plain + micro_batch_study(preset, batch_tokens, steps, cuda, timeout, ac=True, start=micro_batch)
+                          "train__micro_batch": micro_batch}, steps)], True, timeout, journal)
+    return plain + micro_batch_study(preset, batch_tokens, steps, cuda, timeout, ac=True, start=micro_batch,
+                                     journal=journal)
 
 
 def optimizer_study(preset: str, cuda: bool) -> list[dict]:
@@ -249,17 +298,18 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, fused_loss: bool) -
 
 # --- Generation ------------------------------------------------------------------------------
 
-# CUDA-graph decoders compared: (label, Inductor mode, cache windows; None: powers of two to the context)
-DECODE_VARIANTS = [("CUDA graph, full window, Inductor default", "default", "full"),
-                   ("CUDA graph, full window, max-autotune", "max-autotune-no-cudagraphs", "full"),
-                   ("CUDA graph, windows, max-autotune", "max-autotune-no-cudagraphs", None)]
+# CUDA-graph decoders compared: (label, Inductor mode)
+DECODE_VARIANTS = [("CUDA graph, Inductor default", "default"), ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs")]
+GENERATE_REPEATS = 3  # timed generations per variant, after one untimed: the median is reported
 
 
 def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
                    vs_transformers: bool = True) -> list[dict]:
     """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
     weights (written by export.py), same prompt, same number of new tokens. Random weights:
-    speed does not depend on what the model learned."""
+    speed does not depend on what the model learned. Each variant generates once untimed (a
+    decode step is so light that the GPU's clock is still rising during the first run: single
+    runs moved by up to 17% on an H200), then the median of GENERATE_REPEATS runs is reported."""
     device = torch.device("cuda" if cuda else "cpu")
     cfg = C.preset(preset).model
     torch.manual_seed(0)
@@ -269,23 +319,26 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     rows, ours = [], {}
     for batch in batches:
-        for label, mode, windows in [("eager", None, None)] + (DECODE_VARIANTS if cuda else []):
-            windows = [cfg.context] if windows == "full" else windows
-            decode = G.decoder(model, device, mode is not None, mode or "default", windows)
+        for label, mode in [("eager", None)] + (DECODE_VARIANTS if cuda else []):
+            decode = G.decoder(model, device, mode is not None, mode or "default")
             t0 = time.perf_counter()
-            if decode is G.decode_one:
-                G.generate_batch(model, prompt, batch, 8, 0.0, 0, 1.0, None)  # warm-up
-            else:
-                decode.capture_all(batch, prompt_len + new_tokens)  # compile and capture the windows it needs
+            if decode is not G.decode_one:
+                decode.capture_all(batch)  # compile and capture
+            G.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)  # untimed
             warm = time.perf_counter() - t0
-            tokens, timer = G.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
-            start, first, end = timer.marks
+            runs = []
+            for _ in range(GENERATE_REPEATS):
+                tokens, timer = G.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
+                start, first, end = timer.marks
+                runs.append((batch * (new_tokens - 1) / (end - first), first - start))
+            rate, first = sorted(runs)[len(runs) // 2]
             name = f"onegpu {label} batch {batch}"
-            rows.append({"rung": name, "batch": batch, "first_token_ms": round((first - start) * 1000, 2),
-                         "prefill_tok_s": batch * prompt_len / (first - start),
-                         "decode_tok_s": batch * (new_tokens - 1) / (end - first), "warmup_s": round(warm, 1)})
+            rows.append({"rung": name, "batch": batch, "first_token_ms": round(first * 1000, 2),
+                         "prefill_tok_s": batch * prompt_len / first, "decode_tok_s": rate,
+                         "spread": round((runs[-1][0] - runs[0][0]) / rate, 3) if len(runs) > 1 else 0.0,
+                         "warmup_s": round(warm, 1)})
             ours[batch] = tokens
-            print(f"{name}: {rows[-1]['decode_tok_s']:,.0f} tok/s", flush=True)
+            print(f"{name}: {rate:,.0f} tok/s", flush=True)
     if vs_transformers:
         rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)
     return rows
@@ -323,7 +376,8 @@ def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype
                 gen(new_tokens)  # warm-up: compilation for the static cache
                 warm = time.perf_counter() - t0
                 _, first = gen(1)
-                out, total = gen(new_tokens)
+                timed = sorted((gen(new_tokens) for _ in range(GENERATE_REPEATS)), key=lambda run: run[1])
+                out, total = timed[len(timed) // 2]  # the median run, as for onegpu
             except Exception as e:  # an option this transformers version lacks
                 rows.append({"rung": f"transformers {cache} cache batch {batch}", "skipped": ME.failure_reason(e)})
                 continue
@@ -496,6 +550,8 @@ def main(argv=None):
                                                                  "CUDA, 4 on CPU)")
     p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung (default 900)")
+    p.add_argument("--resume", action="store_true", help="reuse the rungs an interrupted study measured "
+                                                         "(results/<study>.partial.json)")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
     args = p.parse_args(argv)
     try:
@@ -541,16 +597,18 @@ def run_studies(args, chosen: list[str], argv):
                "spec_peak_tflops": spec_peak, **roof}
     tables = []
     for study in chosen:
+        journal = Journal(out / f"{study}.partial.json", {"preset": preset, "device": device_name,
+                                                           "batch_tokens": batch_tokens}, args.resume)
         if study == "ladder":
-            rows = ladder(preset, batch_tokens, steps, cuda, args.timeout)
+            rows = ladder(preset, batch_tokens, steps, cuda, args.timeout, journal)
         elif study == "attention":
-            rows = run(attention_rungs(preset, mb, steps, args.only), cuda, args.timeout)
+            rows = run(attention_rungs(preset, mb, steps, args.only), cuda, args.timeout, journal)
         elif study == "compile_modes":
-            rows = run(compile_mode_rungs(preset, mb, steps), cuda, args.timeout)
+            rows = run(compile_mode_rungs(preset, mb, steps), cuda, args.timeout, journal)
         elif study == "micro_batch_sweep":
-            rows = micro_batch_study(preset, batch_tokens, steps, cuda, args.timeout)
+            rows = micro_batch_study(preset, batch_tokens, steps, cuda, args.timeout, journal=journal)
         elif study == "activation_checkpointing":
-            rows = activation_checkpointing_study(preset, batch_tokens, mb, steps, cuda, args.timeout)
+            rows = activation_checkpointing_study(preset, batch_tokens, mb, steps, cuda, args.timeout, journal)
         elif study == "optimizer":
             rows = optimizer_study(preset, cuda)
         elif study == "profile":
@@ -582,6 +640,7 @@ def run_studies(args, chosen: list[str], argv):
         sources = sorted({r["data"] for r in rows if r.get("data")})
         tables.append(f"## {study.replace('_', ' ')}\n\n{table}" + (f"\n\ndata: {', '.join(sources)}" if sources else ""))
         (out / f"{study}.json").write_text(json.dumps({**results, "rows": rows}, indent=2, default=str))
+        journal.done()
     print("\n\n".join(tables))
 
 

@@ -36,7 +36,7 @@ def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float =
 def decode_one(model: M.Llama, token, pos, window: int | None = None):
     """Logits (B, vocab) for the next token after token (B, 1) at position pos (1,), through the
     cache, reading its first `window` positions (all when None). Eager decoding passes the length
-    so far; GraphDecoder passes a fixed window, so that every replay has the same shapes."""
+    so far; GraphDecoder passes the whole context, so that every replay has the same shapes."""
     return model(token, pos=pos, window=window)[:, -1]
 
 
@@ -75,53 +75,51 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
 
 
 class GraphDecoder:
-    """The decode step as CUDA graphs: decode_one compiled by Inductor (fused kernels), captured
-    once per batch size and cache window, and replayed for every token. A replay is one launch
-    from Python for the whole step, where eager decoding launches about a hundred kernels and
-    torch.compile's own CUDA graphs ("reduce-overhead") still check every weight on each call.
+    """The decode step as a CUDA graph: decode_one compiled by Inductor (fused kernels), captured
+    once per batch size and replayed for every token. A replay is one launch from Python for the
+    whole step, where eager decoding launches about a hundred kernels and torch.compile's own
+    CUDA graphs ("reduce-overhead") still check every weight on each call.
 
-    A graph's shapes are fixed, so attention reads a fixed number of cache positions, masked past
-    the current length. Reading all `context` positions for every token wastes most of that
-    work early in a generation, so there is one graph per window in `windows` (powers of two up
-    to the context by default) and each token uses the smallest that holds it. Inputs are copied
-    into the graph's fixed buffers; the logits it returns are overwritten by the next replay
-    (generate() clones them)."""
+    A graph's shapes are fixed, so attention reads all `context` cache positions, masked past the
+    current length. Reading fewer (one graph per power-of-two window) was measured and dropped:
+    on an H200 at 88m a replay took 467 us reading 128 positions and 480 us reading 1,024, and
+    generation with per-window graphs was slower (docs/BENCHMARKS.md, "Decode windows"). The step
+    is bound by its ~120 small kernels, not by the keys it reads. Inputs are copied into the
+    graph's fixed buffers; the logits it returns are overwritten by the next replay (generate()
+    clones them)."""
 
-    def __init__(self, model: M.Llama, mode: str = "max-autotune-no-cudagraphs", windows=None):
+    def __init__(self, model: M.Llama, mode: str = "max-autotune-no-cudagraphs"):
         self.model = model
-        context = model.cfg.context
-        self.windows = sorted(set(windows or [w for w in (128, 256, 512) if w < context] + [context]))
-        assert self.windows[-1] == context, "the largest window must hold the whole context"
         # max-autotune lets Inductor pick (and time) Triton matmul kernels for these one-row
         # products and fuse their epilogues; the graph replay is this step's only launch.
-        self.step = torch.compile(decode_one, mode=mode, fullgraph=True, dynamic=False)  # one graph per window
-        self.graphs = {}  # (batch, window, cache address) -> (graph, token, pos, logits)
+        self.step = torch.compile(decode_one, mode=mode, fullgraph=True, dynamic=False)
+        # Each batch size is one more compiled graph of decode_one, shared by every decoder in the
+        # process; Dynamo's default limit (8) would stop a program that decodes many batch sizes.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
 
-    def __call__(self, model, token, pos, length: int):
-        """Logits after `token` at `pos`, where the sequence then holds `length` tokens."""
-        window = next(w for w in self.windows if w >= length)
-        key = (token.shape[0], window, model.blocks[0].attn.cache.k.data_ptr())
+    def __call__(self, model, token, pos, length: int | None = None):
+        """Logits after `token` at `pos` (length, the tokens so far, is what eager decoding reads;
+        the graph always reads the whole cache)."""
+        key = (token.shape[0], model.blocks[0].attn.cache.k.data_ptr())
         if key not in self.graphs:
-            self.graphs[key] = self.capture(token, pos, window)
+            self.graphs[key] = self.capture(token, pos)
         graph, token_in, pos_in, logits = self.graphs[key]
         token_in.copy_(token)
         pos_in.copy_(pos)
         graph.replay()
         return logits
 
-    def capture_all(self, batch: int, max_length: int | None = None):
-        """Compile and capture now (warm-up), not during a timed generation, the graph of every
-        window a generation up to max_length tokens (default: the context) will use."""
+    def capture_all(self, batch: int):
+        """Compile and capture now (warm-up), not during a timed generation, the graph for `batch`."""
         self.model.setup_cache(batch)
         device = self.model.embed.weight.device
-        token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        for window in self.windows:
-            self(self.model, token, torch.zeros(1, dtype=torch.long, device=device), window)
-            if max_length is not None and window >= max_length:
-                break
+        self(self.model, torch.zeros(batch, 1, dtype=torch.long, device=device),
+             torch.zeros(1, dtype=torch.long, device=device))
 
-    def capture(self, token, pos, window: int):
+    def capture(self, token, pos):
         token_in, pos_in = token.clone(), pos.clone()
+        window = self.model.cfg.context
         # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
         saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
         stream = torch.cuda.Stream()
@@ -139,11 +137,10 @@ class GraphDecoder:
         return graph, token_in, pos_in, logits
 
 
-def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs",
-            windows=None):
+def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs"):
     """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
     elsewhere or with fast=False (the reference the fast path is tested against)."""
-    return GraphDecoder(model, mode, windows) if fast and device.type == "cuda" else decode_one
+    return GraphDecoder(model, mode) if fast and device.type == "cuda" else decode_one
 
 
 class Timer:

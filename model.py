@@ -172,7 +172,9 @@ def cached_attention(q, k, v, mask):
     B, H, Tq, hd = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    q, mask = q.reshape(B, Hkv, G * Tq, hd), mask.repeat(G, 1)
+    q = q.reshape(B, Hkv, G * Tq, hd)
+    if Tq > 1:  # one decoded token's (1, S) mask broadcasts over the G folded rows as it is
+        mask = mask.repeat(G, 1)
     if q.is_cuda:
         y = decode_attention_matmuls(q, k, v, mask)
     else:

@@ -119,9 +119,8 @@ def main(argv=None):
     decode = G.decoder(model, device, fast=use_cache and not args.no_compile)
     if decode is not G.decode_one:  # compile and capture the CUDA graphs before the timed run
         t0 = time.perf_counter()
-        decode.capture_all(args.num_samples, max_length=len(ids) + args.max_new_tokens)
-        say(f"[warm-up: compiled the decode step and captured {len(decode.graphs)} CUDA graph(s) in "
-            f"{time.perf_counter() - t0:.1f} s]")
+        decode.capture_all(args.num_samples)
+        say(f"[warm-up: compiled the decode step and captured its CUDA graph in {time.perf_counter() - t0:.1f} s]")
     generator = torch.Generator(device=device).manual_seed(args.seed)
     batch = args.num_samples
     on_token = StreamPrinter(tok, sys.stdout) if batch == 1 else None

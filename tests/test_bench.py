@@ -30,6 +30,31 @@ def test_a_misspelled_rung_setting_fails_before_anything_runs():
         B.run([ME.Rung("fine", "tiny"), rung], cuda=False, timeout=10)
 
 
+def test_an_interrupted_study_resumes_from_its_journal(tmp_path, monkeypatch):
+    """Rows measured before a stop are reused by --resume (same rung, same settings); a timed-out
+    rung, a changed setting or a run without --resume measures again; another preset is refused."""
+    measured = []
+
+    def fake_measure(rung, timeout):
+        measured.append(rung.name)
+        skipped = "timed out after 1 s" if rung.name == "slow" else None
+        return ME.Result(rung=rung.name, tok_s=None if skipped else 100.0, skipped=skipped)
+    monkeypatch.setattr(ME, "run_in_subprocess", fake_measure)
+    path, header = tmp_path / "ladder.partial.json", {"preset": "tiny", "device": "cpu", "batch_tokens": 64}
+    rungs = [ME.Rung("a", "tiny", {"train__micro_batch": 2}), ME.Rung("slow", "tiny")]
+    B.run(rungs, cuda=True, timeout=1, journal=B.Journal(path, header, resume=False))
+    assert measured == ["a", "slow"] and len(json.loads(path.read_text())["measured"]) == 2
+    changed = ME.Rung("a", "tiny", {"train__micro_batch": 4})
+    rows = B.run(rungs + [changed], cuda=True, timeout=1, journal=B.Journal(path, header, resume=True))
+    assert measured == ["a", "slow", "slow", "a"] and rows[0]["tok_s"] == 100.0
+    B.run(rungs[:1], cuda=True, timeout=1, journal=B.Journal(path, header, resume=False))
+    assert measured[-1] == "a"
+    with pytest.raises(ValueError, match="preset='tiny'.*drop --resume"):
+        B.Journal(path, {**header, "preset": "22m"}, resume=True)
+    B.Journal(path, header, resume=False).done()
+    assert not path.exists()
+
+
 def test_attention_plan_is_a_model_setting():
     rungs = B.attention_rungs("tiny", 4, 1, only=["textbook", "doc-mask"])
     assert [r.name for r in rungs] == ["textbook eager", "textbook compiled", "doc-mask eager", "doc-mask compiled"]

@@ -56,10 +56,9 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     eager = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None)[0]
     graph = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=G.decoder(model, torch.device("cuda")))[0]
     again = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=G.decoder(model, torch.device("cuda")))[0]
-    full = G.decoder(model, torch.device("cuda"), mode="default", windows=[256])  # one graph reading all 256
-    assert full.windows == [256] and G.decoder(model, torch.device("cuda")).windows == [128, 256]
-    one_window = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=full)[0]
-    assert eager == plain and graph == plain and again == plain and one_window == plain
+    default = G.decoder(model, torch.device("cuda"), mode="default")  # Inductor without autotuning
+    inductor_default = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=default)[0]
+    assert eager == plain and graph == plain and again == plain and inductor_default == plain
 
 
 @pytest.mark.parametrize("compiled", [False, True])
