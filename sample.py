@@ -49,21 +49,25 @@ def prompt_ids(tok, prompt: str, context: int, warn=print) -> list[int]:
 
 
 class StreamPrinter:
-    """An on_token callback that writes sample 0's text as it grows, whole characters only."""
+    """An on_token callback that writes sample 0's text as it grows, whole characters only.
+    Only the tokens not yet shown are decoded (byte-level BPE text is the concatenation of its
+    pieces' text when they are cut at character boundaries), so each token costs the same
+    however long the sample is; decoding the whole sample every token cost 10% of the CPU decode
+    rate at 500 tokens."""
 
     def __init__(self, tok, out):
-        self.tok, self.out, self.new, self.shown = tok, out, [], ""
+        self.tok, self.out, self.pending = tok, out, []
 
     def __call__(self, step, tokens):
-        self.new.append(int(tokens[0]))
-        text = self.tok.decode(self.new)
+        self.pending.append(int(tokens[0]))
+        text = self.tok.decode(self.pending)
         if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-            self.out.write(text[len(self.shown):])
+            self.out.write(text)
             self.out.flush()
-            self.shown = text
+            self.pending = []
 
     def finish(self):
-        self.out.write(self.tok.decode(self.new)[len(self.shown):] + "\n")
+        self.out.write(self.tok.decode(self.pending) + "\n")
 
 
 def speed_report(timer: G.Timer, prompt_tokens: int, batch: int, new_tokens: int, mode: str, device) -> str:

@@ -65,6 +65,15 @@ def test_streamed_text_is_the_decoded_tokens(loaded):
                               on_token=printer)
     printer.finish()
     assert out.getvalue() == tok.decode(new[0]) + "\n"
+    # Characters of several bytes, split over byte-level tokens: shown only once whole.
+    ids = tok.encode("naïve café — 😀 fin").ids
+    out = io.StringIO()
+    printer = S.StreamPrinter(tok, out)
+    for i in ids:
+        printer(0, torch.tensor([i]))
+        assert "\ufffd" not in out.getvalue()
+    printer.finish()
+    assert out.getvalue() == tok.decode(ids) + "\n" and len(ids) > len("naïve café — 😀 fin".split())
 
 
 def test_sampling_respects_top_k_and_top_p():
