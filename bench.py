@@ -18,6 +18,7 @@ CUDA to say anything; on CPU they run the tiny preset as a smoke test of the cod
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -32,6 +33,7 @@ import torch
 import checkpoint as CK
 import config as C
 import generate as G
+import kernels as K
 import measure as ME
 import model as M
 import train as TR
@@ -298,8 +300,11 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, fused_loss: bool) -
 
 # --- Generation ------------------------------------------------------------------------------
 
-# CUDA-graph decoders compared: (label, Inductor mode)
-DECODE_VARIANTS = [("CUDA graph, Inductor default", "default"), ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs")]
+# CUDA-graph decoders compared: (label, Inductor mode, fused decode attention (kernels.py))
+DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", False),
+                   ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs", False),
+                   ("CUDA graph, Inductor default, fused decode attention", "default", True),
+                   ("CUDA graph, max-autotune, fused decode attention", "max-autotune-no-cudagraphs", True)]
 GENERATE_REPEATS = 3  # timed generations per variant, after one untimed: the median is reported
 
 
@@ -317,18 +322,22 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     dtype = torch.bfloat16 if cuda else torch.float32
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    fused = M.Llama(dataclasses.replace(cfg, fused_decode=True)).to(device, dtype).eval()  # same weights,
+    fused.load_state_dict(model.state_dict())  # the Triton decode attention switched on
+    variants = [("eager", None, False)] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
     rows, ours = [], {}
     for batch in batches:
-        for label, mode in [("eager", None)] + (DECODE_VARIANTS if cuda else []):
-            decode = G.decoder(model, device, mode is not None, mode or "default")
+        for label, mode, fused_decode in variants:
+            net = fused if fused_decode else model
+            decode = G.decoder(net, device, mode is not None, mode or "default")
             t0 = time.perf_counter()
             if decode is not G.decode_one:
                 decode.capture_all(batch)  # compile and capture
-            G.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)  # untimed
+            G.generate_batch(net, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)  # untimed
             warm = time.perf_counter() - t0
             runs = []
             for _ in range(GENERATE_REPEATS):
-                tokens, timer = G.generate_batch(model, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
+                tokens, timer = G.generate_batch(net, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
                 start, first, end = timer.marks
                 runs.append((batch * (new_tokens - 1) / (end - first), first - start))
             rate, first = sorted(runs)[len(runs) // 2]
@@ -337,7 +346,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
                          "prefill_tok_s": batch * prompt_len / first, "decode_tok_s": rate,
                          "spread": round((runs[-1][0] - runs[0][0]) / rate, 3) if len(runs) > 1 else 0.0,
                          "warmup_s": round(warm, 1)})
-            ours[batch] = tokens
+            ours.setdefault(batch, tokens)  # transformers is compared with the plain path's tokens
             print(f"{name}: {rate:,.0f} tok/s", flush=True)
     if vs_transformers:
         rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)

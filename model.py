@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels as K
+
 # How attention runs in training. "sdpa" lets PyTorch pick (cuDNN on an H100/H200 with torch 2.11);
 # flash/cudnn/efficient/math pin one SDPA backend (CUDA); "textbook" writes out the T x T scores.
 AttentionKind = Literal["sdpa", "flash", "cudnn", "efficient", "math", "textbook"]
@@ -46,6 +48,7 @@ class ModelConfig:
     attention: AttentionKind = "sdpa"  # attention kernel in training
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
+    fused_decode: bool = False  # decode attention in one Triton kernel on CUDA (kernels.py)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -161,18 +164,22 @@ def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def cached_attention(q, k, v, mask):
+def cached_attention(q, k, v, mask, pos=None):
     """Attention of Tq new tokens over the cache. q: (B, H, Tq, hd); k, v: (B, Hkv, S, hd) with S
-    the cache positions read; mask: (Tq, S) booleans, True where a query may look.
+    the cache positions read; mask: (Tq, S) booleans, True where a query may look. pos: (1,),
+    the position of a single new token, when the fused kernel may serve it (fused_decode).
 
     The G = H / Hkv query heads that share a kv head are folded into the query axis,
     (B, Hkv, G * Tq, hd), so grouped-query attention needs no copies of K/V. On CUDA this is two
-    matmuls and a softmax (decode_attention_matmuls); elsewhere one masked SDPA call, which is
-    fewer operations for the CPU to dispatch."""
+    matmuls and a softmax (decode_attention_matmuls), or with fused_decode one Triton kernel that
+    reads positions 0..pos (kernels.decode_attention, tested against the matmuls); elsewhere one
+    masked SDPA call, which is fewer operations for the CPU to dispatch."""
     B, H, Tq, hd = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     q = q.reshape(B, Hkv, G * Tq, hd)
+    if pos is not None and Tq == 1 and q.is_cuda and K.supports(q, k):
+        return K.decode_attention(q, k, v, pos).reshape(B, H, Tq, hd)
     if Tq > 1:  # one decoded token's (1, S) mask broadcasts over the G folded rows as it is
         mask = mask.repeat(G, 1)
     if q.is_cuda:
@@ -319,6 +326,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.kind = cfg.attention
+        self.fused_decode = cfg.fused_decode
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
@@ -335,7 +343,8 @@ class Attention(nn.Module):
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
             k, v = self.cache.update(pos, k, v)
             window = cache_mask.shape[1]
-            y = cached_attention(q, k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype), cache_mask)
+            y = cached_attention(q, k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype), cache_mask,
+                                 pos if self.fused_decode else None)
         else:
             y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

@@ -6,8 +6,9 @@
 
 The prompt is read in one pass (prefill), then each new token is one decode step through the
 KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (every step has
-the same shapes: see model.KVCache and model.GraphDecoder); --no-compile runs it eagerly and --no-cache re-reads the
-whole sequence every token (the slow reference both are tested against). bfloat16 weights on
+the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
+--no-cache re-reads the whole sequence every token (the slow reference both are tested against);
+--fused-decode runs each new token's attention as one Triton kernel (kernels.py). bfloat16 weights on
 CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to first token,
 prefill and decode tokens per second.
 """
@@ -91,6 +92,8 @@ def main(argv=None):
     p.add_argument("--num-samples", type=int, default=1, help="samples, decoded together as one batch (default 1)")
     p.add_argument("--no-cache", action="store_true", help="re-read the whole sequence each token (slow reference)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (no CUDA graph)")
+    p.add_argument("--fused-decode", action="store_true",
+                   help="CUDA: attention of each new token in one Triton kernel (kernels.py) instead of two matmuls")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     args = p.parse_args(argv)
@@ -98,7 +101,9 @@ def main(argv=None):
     try:
         check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.num_samples)
         device = C.pick_device(args.device)
-        ckpt = CK.load(args.ckpt, device)
+        if args.fused_decode and device.type != "cuda":
+            say("note: --fused-decode is a CUDA kernel; on the CPU the plain attention runs")
+        ckpt = CK.load(args.ckpt, device, **({"model__fused_decode": True} if args.fused_decode else {}))
         tok, _ = CK.tokenizer_for(ckpt, args.tokenizer)
         model = ckpt.build_model().to(device).eval()
         if args.prompt is not None:

@@ -1,0 +1,36 @@
+"""The Triton kernels of kernels.py against the plain PyTorch paths they replace, on CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported: hence a subprocess).
+tests/test_gpu.py runs the same comparison compiled, on CUDA, in bfloat16."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# float16: the interpreter computes with NumPy, which has no bfloat16.
+DECODE_CHECK = """
+import torch, kernels as K, model as M
+g = torch.Generator().manual_seed(0)
+for B, Hkv, G, S, pos in [(1, 4, 3, 1024, 17), (2, 1, 2, 512, 300), (1, 2, 3, 256, 255), (1, 1, 1, 128, 0)]:
+    q = torch.randn(B, Hkv, G, 64, generator=g).half()
+    k, v = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
+    reference = M.decode_attention_matmuls(q.float(), k.float(), v.float(), (torch.arange(S) <= pos)[None, :])
+    k[:, :, pos + 1:] = v[:, :, pos + 1:] = float("nan")  # stale cache past the token: never read
+    out = K.decode_attention(q, k, v, torch.tensor([pos]))
+    err = (out.float() - reference).abs().max().item()
+    assert out.shape == q.shape and out.dtype == q.dtype and err < 2e-3, (B, Hkv, G, S, pos, err)
+print("agree")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="needs Triton for its CPU interpreter (pip install triton)")
+def test_fused_decode_attention_matches_the_matmuls_and_stops_at_the_token():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", DECODE_CHECK], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and "agree" in done.stdout, done.stderr[-2000:]
