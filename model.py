@@ -514,8 +514,8 @@ class Llama(nn.Module):
         pos: (T,) positions of idx's tokens when generating with the cache (setup_cache): their
         keys and values are stored there and attention reads the cache up to them. window: how
         many cache positions attention reads, through a mask (default: all of them). Eager
-        decoding passes the length so far; a CUDA-graph step passes a fixed bucket (GraphDecoder),
-        since its shapes cannot change between replays."""
+        decoding passes the length so far; a CUDA-graph step passes the whole context
+        (GraphDecoder), since its shapes cannot change between replays."""
         B, T = idx.shape
         if pos is None and T > self.cfg.context:
             raise ValueError(
