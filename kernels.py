@@ -60,22 +60,25 @@ if AVAILABLE:
         tl.store(out_ptr + b * sob + h * soh + g[:, None] * sog + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rows)
 
-    @torch.library.triton_op("onegpu::decode_attention", mutates_args=())
+    @torch.library.custom_op("onegpu::decode_attention", mutates_args=())
     def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd)) v over cache positions 0..pos. q: (B, Hkv, G, hd), the G query
         heads of each kv head; k, v: (B, Hkv, S, hd) caches (S >= pos + 1); pos: (1,) int64.
-        Returns (B, Hkv, G, hd) in q's dtype. Registered as a PyTorch op, so that torch.compile
-        keeps it in the compiled decode step and its CUDA graph."""
+        Returns (B, Hkv, G, hd) in q's dtype. A custom op: torch.compile calls it as one opaque
+        step of the compiled decode, and the CUDA graph captures the launch."""
         B, Hkv, G, D = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
-        grid = (B, Hkv)
-        torch.library.wrap_triton(_decode_attention_kernel)[grid](
+        _decode_attention_kernel[(B, Hkv)](
             q, k, v, out, pos, D ** -0.5, q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_KEYS)
         return out
+
+    @decode_attention.register_fake
+    def _(q, k, v, pos):  # shapes for tracing: the output is laid out like a contiguous q
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -24,6 +24,12 @@ for B, Hkv, G, S, pos in [(1, 4, 3, 1024, 17), (2, 1, 2, 512, 300), (1, 2, 3, 25
     out = K.decode_attention(q, k, v, torch.tensor([pos]))
     err = (out.float() - reference).abs().max().item()
     assert out.shape == q.shape and out.dtype == q.dtype and err < 2e-3, (B, Hkv, G, S, pos, err)
+# Traced as one opaque op (its fake implementation gives the shapes), as in the compiled decode step.
+step = torch.compile(lambda q, k, v, pos: K.decode_attention(q, k[:, :, :200], v[:, :, :200], pos),
+                     backend="aot_eager", fullgraph=True)
+k, v = torch.randn(2, 1, 256, 64, generator=g).half(), torch.randn(2, 1, 256, 64, generator=g).half()
+q, pos = torch.randn(2, 1, 2, 64, generator=g).half(), torch.tensor([150])
+assert torch.equal(step(q, k, v, pos), K.decode_attention(q, k, v, pos))
 print("agree")
 """
 
