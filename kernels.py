@@ -15,6 +15,8 @@ and model.py keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU ten
 how tests/test_model.py checks it without a GPU.
 """
 
+import os
+
 import torch
 
 try:
@@ -24,6 +26,7 @@ except ImportError:  # PyTorch's CPU wheels come without Triton
     triton = None
 
 AVAILABLE = triton is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on CPU tensors (tests)
 BLOCK_KEYS = 64  # cache positions per loop step: a 64 x 64 bf16 tile of K and of V, 8 KiB each
 
 if AVAILABLE:
@@ -83,8 +86,8 @@ if AVAILABLE:
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether decode_attention handles these inputs: one new token per sequence (q: (B, Hkv, G,
-    hd)), 16-bit floats (tl.dot would round float32 to TF32), a power-of-two head size of at
-    least 16, rows of K contiguous."""
+    hd)) on CUDA (or on CPU under Triton's interpreter), 16-bit floats (tl.dot would round
+    float32 to TF32), a power-of-two head size of at least 16, rows of K contiguous."""
     hd = q.shape[-1]
-    return (AVAILABLE and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
-            and hd >= 16 and hd & (hd - 1) == 0 and k.stride(-1) == 1)
+    return (AVAILABLE and (q.is_cuda or INTERPRET) and q.dtype in (torch.bfloat16, torch.float16)
+            and k.dtype == q.dtype and hd >= 16 and hd & (hd - 1) == 0 and k.stride(-1) == 1)

@@ -178,7 +178,7 @@ def cached_attention(q, k, v, mask, pos=None):
     Hkv = k.shape[1]
     G = H // Hkv
     q = q.reshape(B, Hkv, G * Tq, hd)
-    if pos is not None and Tq == 1 and q.is_cuda and K.supports(q, k):
+    if pos is not None and Tq == 1 and K.supports(q, k):
         return K.decode_attention(q, k, v, pos).reshape(B, H, Tq, hd)
     if Tq > 1:  # one decoded token's (1, S) mask broadcasts over the G folded rows as it is
         mask = mask.repeat(G, 1)
