@@ -340,17 +340,34 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
                 tokens, timer = G.generate_batch(net, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
                 start, first, end = timer.marks
                 runs.append((batch * (new_tokens - 1) / (end - first), first - start))
-            rate, first = sorted(runs)[len(runs) // 2]
+            runs.sort()
+            rate, first = runs[len(runs) // 2]
             name = f"onegpu {label} batch {batch}"
             rows.append({"rung": name, "batch": batch, "first_token_ms": round(first * 1000, 2),
                          "prefill_tok_s": batch * prompt_len / first, "decode_tok_s": rate,
-                         "spread": round((runs[-1][0] - runs[0][0]) / rate, 3) if len(runs) > 1 else 0.0,
-                         "warmup_s": round(warm, 1)})
+                         "spread": round((runs[-1][0] - runs[0][0]) / rate, 3), "warmup_s": round(warm, 1)})
+            if decode is not G.decode_one:
+                rows[-1]["step_us"] = round(batch * 1e6 / rate, 1)
+                rows[-1]["replay_us"] = round(replay_us(decode, batch), 1)
             ours.setdefault(batch, tokens)  # transformers is compared with the plain path's tokens
             print(f"{name}: {rate:,.0f} tok/s", flush=True)
     if vs_transformers:
         rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)
     return rows
+
+
+def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
+    """GPU time of one decode step: the batch's graph replayed n times back to back, timed with
+    CUDA events. Beside the step time of a real generation (step_us) it shows how much of each
+    token is the GPU's work and how much the host's loop around it."""
+    graph = next(g for (b, _), (g, *_) in decode.graphs.items() if b == batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / n
 
 
 def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours) -> list[dict]:
