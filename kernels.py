@@ -12,7 +12,7 @@ replays it at every position, and it stops at that length instead of reading a m
 
 Triton ships with PyTorch's CUDA builds. Without it (PyTorch's CPU wheels) AVAILABLE is False
 and model.py keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors, which is
-how tests/test_model.py checks it without a GPU.
+how tests/test_kernels.py checks it without a GPU.
 """
 
 import os
