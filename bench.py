@@ -300,11 +300,11 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, fused_loss: bool) -
 
 # --- Generation ------------------------------------------------------------------------------
 
-# CUDA-graph decoders compared: (label, Inductor mode, fused decode attention (kernels.py))
+# CUDA-graph decoders compared: (label, Inductor mode, fused decode step (kernels.decode_step))
 DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", False),
                    ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs", False),
-                   ("CUDA graph, Inductor default, fused decode attention", "default", True),
-                   ("CUDA graph, max-autotune, fused decode attention", "max-autotune-no-cudagraphs", True)]
+                   ("CUDA graph, Inductor default, fused decode", "default", True),
+                   ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", True)]
 GENERATE_REPEATS = 3  # timed generations per variant, after one untimed: the median is reported
 
 
@@ -323,7 +323,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     fused = M.Llama(dataclasses.replace(cfg, fused_decode=True)).to(device, dtype).eval()  # same weights,
-    fused.load_state_dict(model.state_dict())  # the Triton decode attention switched on
+    fused.load_state_dict(model.state_dict())  # the Triton decode step switched on
     variants = [("eager", None, False)] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
     rows, ours = [], {}
     for batch in batches:

@@ -1,18 +1,19 @@
-"""Fused GPU kernels, each the fast twin of a plain PyTorch function in model.py that stays the
-reference, the CPU path and the fallback (model.cached_attention picks between them).
+"""Fused GPU kernels, each the fast twin of plain PyTorch code in model.py that stays the
+reference, the CPU path and the fallback.
 
-decode_attention: attention of one new token over the KV cache, in one Triton kernel.
+decode_step: one new token's attention in one Triton kernel (RoPE, KV-cache write, attention).
 
 Why: on an H200 the 88m decode step is a chain of about 120 small kernels and takes ~470 µs
 per token whether attention reads 128 cached positions or 1,024 (docs/BENCHMARKS.md, "Decode
-windows"): each kernel costs its few microseconds of launch and ramp, not its bytes. The plain
-path spends three or four kernels per layer on attention (scores, mask and softmax, the weighted
-sum of values, a copy); this is one. It reads the current length from a tensor, so a CUDA graph
-replays it at every position, and it stops at that length instead of reading a masked window.
+windows"): each kernel costs its few microseconds of launch and ramp, not its bytes. Between
+the QKV and output projections the plain compiled step runs about six kernels per layer (RoPE on
+q, RoPE on k with its cache write, the v cache write, scores, softmax, the weighted sum of
+values); this is one. It reads the position from a tensor, so a CUDA graph replays it at every
+position, and it stops there instead of reading a masked window.
 
 Triton ships with PyTorch's CUDA builds. Without it (PyTorch's CPU wheels) AVAILABLE is False
-and model.py keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors, which is
-how tests/test_kernels.py checks it without a GPU.
+and model.Attention keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors,
+which is how tests/test_kernels.py checks it without a GPU.
 """
 
 import os
@@ -32,62 +33,84 @@ BLOCK_KEYS = 64  # cache positions per loop step: a 64 x 64 bf16 tile of K and o
 if AVAILABLE:
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, scale,
-                                 sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, sob, soh, sog,
-                                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                                 BLOCK: tl.constexpr):
-        """One program per (sequence, kv head): its G query heads against keys 0..pos, with an
-        online softmax in float32 (running max m, running sum l, rescaled accumulator)."""
+    def _decode_step_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr, pos_ptr, scale,
+                            s_qkv_b, s_qkv_h, s_c_b, s_c_h, s_c_s, s_o_b, s_o_h,
+                            H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            D: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (sequence, kv head): RoPE on its G query heads and its new key, the new
+        key and value written to the cache at pos, then attention over positions 0..pos with an
+        online softmax in float32 (running max m, running sum l, rescaled accumulator). The new
+        token's own key and value come from registers, so nothing written here is read back."""
         b, h = tl.program_id(0), tl.program_id(1)
-        length = tl.load(pos_ptr) + 1  # the new token sits at pos and sees positions 0..pos
+        pos = tl.load(pos_ptr)
         g, d = tl.arange(0, G_PAD), tl.arange(0, D)
         rows = g[:, None] < G  # G_PAD >= 16 rows for tl.dot; the padding rows are zeros
-        q = tl.load(q_ptr + b * sqb + h * sqh + g[:, None] * sqg + d[None, :], mask=rows, other=0.0)
-        m = tl.full([G_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        for start in range(0, length, BLOCK):
+        # Rotate-half RoPE: x * cos + (-x2, x1) * sin, as model.apply_rope, in float32 then rounded.
+        partner = (d + D // 2) % D
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        cos = tl.load(cos_ptr + d).to(tl.float32)
+        sin = tl.load(sin_ptr + d).to(tl.float32) * sign
+        token = qkv_ptr + b * s_qkv_b  # (H + 2 HKV, D): this token's q heads, k heads, v heads
+        heads = (h * G + g)[:, None] * s_qkv_h
+        q = (tl.load(token + heads + d[None, :], mask=rows, other=0.0).to(tl.float32) * cos[None, :]
+             + tl.load(token + heads + partner[None, :], mask=rows, other=0.0).to(tl.float32) * sin[None, :])
+        q = q.to(qkv_ptr.dtype.element_ty)
+        k_row = token + (H + h) * s_qkv_h
+        k_new = (tl.load(k_row + d).to(tl.float32) * cos + tl.load(k_row + partner).to(tl.float32) * sin)
+        k_new = k_new.to(kc_ptr.dtype.element_ty)
+        v_new = tl.load(token + (H + HKV + h) * s_qkv_h + d).to(vc_ptr.dtype.element_ty)
+        cache = b * s_c_b + h * s_c_h
+        tl.store(kc_ptr + cache + pos * s_c_s + d, k_new)
+        tl.store(vc_ptr + cache + pos * s_c_s + d, v_new)
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # the new key's score
+        l = tl.full([G_PAD], 1.0, tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :]
+        for start in range(0, pos, BLOCK):  # the earlier positions, from the cache
             s = start + tl.arange(0, BLOCK)
-            valid = s < length
-            k = tl.load(k_ptr + b * skb + h * skh + s[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
+            valid = s < pos
+            k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BLOCK), float32 accumulation
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + b * svb + h * svh + s[:, None] * svs + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         out = acc / l[:, None]
-        tl.store(out_ptr + b * sob + h * soh + g[:, None] * sog + d[None, :], out.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + b * s_o_b + (h * G + g)[:, None] * s_o_h + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rows)
 
-    @torch.library.custom_op("onegpu::decode_attention", mutates_args=())
-    def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v over cache positions 0..pos. q: (B, Hkv, G, hd), the G query
-        heads of each kv head; k, v: (B, Hkv, S, hd) caches (S >= pos + 1); pos: (1,) int64.
-        Returns (B, Hkv, G, hd) in q's dtype. A custom op: torch.compile calls it as one opaque
-        step of the compiled decode, and the CUDA graph captures the launch."""
-        B, Hkv, G, D = q.shape
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        _decode_attention_kernel[(B, Hkv)](
-            q, k, v, out, pos, D ** -0.5, q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_KEYS)
+    @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache"))
+    def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One new token's attention, fused: RoPE on q and k, k and v written into the caches at
+        pos, softmax(q k^T / sqrt(hd)) v over positions 0..pos. qkv: (B, 1, H + 2 Hkv, hd), the
+        QKV projection's output; cos, sin: (hd,) for position pos; k_cache, v_cache: (B, Hkv, S,
+        hd); pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile calls it as one
+        opaque step of the compiled decode, and the CUDA graph captures its launch."""
+        B, _, n, D = qkv.shape
+        Hkv = k_cache.shape[1]
+        H = n - 2 * Hkv
+        out = qkv.new_empty(B, 1, H, D)
+        _decode_step_kernel[(B, Hkv)](
+            qkv, cos, sin, k_cache, v_cache, out, pos, D ** -0.5, qkv.stride(0), qkv.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(2),
+            H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D, BLOCK=BLOCK_KEYS)
         return out
 
-    @decode_attention.register_fake
-    def _(q, k, v, pos):  # shapes for tracing: the output is laid out like a contiguous q
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    @decode_step.register_fake
+    def _(qkv, cos, sin, k_cache, v_cache, pos):  # shapes for tracing
+        B, _, n, D = qkv.shape
+        return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether decode_attention handles these inputs: one new token per sequence (q: (B, Hkv, G,
+def supports(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether decode_step handles these inputs: one new token per sequence (qkv: (B, 1, heads,
     hd)) on CUDA (or on CPU under Triton's interpreter), 16-bit floats (tl.dot would round
-    float32 to TF32), a power-of-two head size of at least 16, rows of K contiguous."""
-    hd = q.shape[-1]
-    return (AVAILABLE and (q.is_cuda or INTERPRET) and q.dtype in (torch.bfloat16, torch.float16)
-            and k.dtype == q.dtype and hd >= 16 and hd & (hd - 1) == 0 and k.stride(-1) == 1)
+    float32 to TF32) in the cache too, a power-of-two head size of at least 16, rows contiguous."""
+    hd = qkv.shape[-1]
+    return (AVAILABLE and (qkv.is_cuda or INTERPRET) and qkv.shape[1] == 1
+            and qkv.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == qkv.dtype
+            and hd >= 16 and hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1)

@@ -48,7 +48,7 @@ class ModelConfig:
     attention: AttentionKind = "sdpa"  # attention kernel in training
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
-    fused_decode: bool = False  # decode attention in one Triton kernel on CUDA (kernels.py)
+    fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -164,22 +164,19 @@ def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def cached_attention(q, k, v, mask, pos=None):
+def cached_attention(q, k, v, mask):
     """Attention of Tq new tokens over the cache. q: (B, H, Tq, hd); k, v: (B, Hkv, S, hd) with S
-    the cache positions read; mask: (Tq, S) booleans, True where a query may look. pos: (1,),
-    the position of a single new token, when the fused kernel may serve it (fused_decode).
+    the cache positions read; mask: (Tq, S) booleans, True where a query may look.
 
     The G = H / Hkv query heads that share a kv head are folded into the query axis,
     (B, Hkv, G * Tq, hd), so grouped-query attention needs no copies of K/V. On CUDA this is two
-    matmuls and a softmax (decode_attention_matmuls), or with fused_decode one Triton kernel that
-    reads positions 0..pos (kernels.decode_attention, tested against the matmuls); elsewhere one
-    masked SDPA call, which is fewer operations for the CPU to dispatch."""
+    matmuls and a softmax (decode_attention_matmuls); elsewhere one masked SDPA call, which is
+    fewer operations for the CPU to dispatch. (With fused_decode a single new token skips all of
+    this: Attention.forward hands it to kernels.decode_step.)"""
     B, H, Tq, hd = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     q = q.reshape(B, Hkv, G * Tq, hd)
-    if pos is not None and Tq == 1 and K.supports(q, k):
-        return K.decode_attention(q, k, v, pos).reshape(B, H, Tq, hd)
     if Tq > 1:  # one decoded token's (1, S) mask broadcasts over the G folded rows as it is
         mask = mask.repeat(G, 1)
     if q.is_cuda:
@@ -337,14 +334,18 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        if pos is not None and self.fused_decode and K.supports(qkv, self.cache.k):
+            # One new token: RoPE, the cache write and attention over positions 0..pos in one
+            # Triton kernel (kernels.decode_step), tested against the plain path below.
+            y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos)  # (B, 1, H, hd)
+            return self.wo(y.reshape(B, T, -1))
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
             k, v = self.cache.update(pos, k, v)
             window = cache_mask.shape[1]
-            y = cached_attention(q, k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype), cache_mask,
-                                 pos if self.fused_decode else None)
+            y = cached_attention(q, k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype), cache_mask)
         else:
             y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

@@ -8,8 +8,8 @@ The prompt is read in one pass (prefill), then each new token is one decode step
 KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (every step has
 the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
 --no-cache re-reads the whole sequence every token (the slow reference both are tested against);
---fused-decode runs each new token's attention as one Triton kernel (kernels.py). bfloat16 weights on
-CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to first token,
+--fused-decode runs each new token's RoPE, cache write and attention as one Triton kernel
+(kernels.py). bfloat16 weights on CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to first token,
 prefill and decode tokens per second.
 """
 
@@ -93,7 +93,7 @@ def main(argv=None):
     p.add_argument("--no-cache", action="store_true", help="re-read the whole sequence each token (slow reference)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (no CUDA graph)")
     p.add_argument("--fused-decode", action="store_true",
-                   help="CUDA: attention of each new token in one Triton kernel (kernels.py) instead of two matmuls")
+                   help="CUDA: RoPE, cache write and attention of each new token in one Triton kernel (kernels.py)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     args = p.parse_args(argv)

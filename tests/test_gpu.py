@@ -62,13 +62,22 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     assert eager == plain and graph == plain and again == plain and inductor_default == plain
 
 
-def test_fused_decode_kernel_matches_the_matmuls_in_bf16():
+def test_fused_decode_step_matches_the_plain_path_in_bf16():
     g = torch.Generator("cuda").manual_seed(5)
-    q = torch.randn(2, 4, 3, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(2, 4, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    H, Hkv, S = 12, 4, 1024
     for pos in (0, 63, 64, 700, 1023):
-        reference = M.decode_attention_matmuls(q.float(), k.float(), v.float(), (torch.arange(1024, device="cuda") <= pos)[None, :])
-        assert rel(K.decode_attention(q, k, v, torch.tensor([pos], device="cuda")), reference) < 1e-2, pos
+        qkv = torch.randn(2, 1, H + 2 * Hkv, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        cos, sin = (t[pos:pos + 1].float().cuda() for t in M.rope_tables(64, S, 10000.0))
+        k_cache, v_cache = (torch.randn(2, Hkv, S, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        q, k, v = qkv.float().split([H, Hkv, Hkv], dim=2)
+        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+        k_ref, v_ref = k_cache.float(), v_cache.float()
+        k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0]
+        reference = M.decode_attention_matmuls(q.reshape(2, Hkv, H // Hkv, 64), k_ref, v_ref,
+                                               (torch.arange(S, device="cuda") <= pos)[None, :])
+        out = K.decode_step(qkv, cos[0].bfloat16(), sin[0].bfloat16(), k_cache, v_cache, torch.tensor([pos], device="cuda"))
+        assert rel(out.reshape(reference.shape), reference) < 1e-2, pos
+        assert rel(k_cache[:, :, pos], k_ref[:, :, pos]) < 1e-2 and torch.equal(v_cache[:, :, pos].float(), v_ref[:, :, pos])
 
 
 def test_fused_decode_matches_the_plain_step_eager_and_captured():

@@ -1,6 +1,6 @@
 """The Triton kernels of kernels.py against the plain PyTorch paths they replace, on CPU through
 Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported: hence a subprocess).
-tests/test_gpu.py runs the same comparison compiled, on CUDA, in bfloat16."""
+tests/test_gpu.py runs the same comparisons compiled, on CUDA, in bfloat16."""
 
 import importlib.util
 import os
@@ -16,28 +16,40 @@ ROOT = Path(__file__).resolve().parent.parent
 DECODE_CHECK = """
 import torch, kernels as K, model as M
 g = torch.Generator().manual_seed(0)
-for B, Hkv, G, S, pos in [(1, 4, 3, 1024, 17), (2, 1, 2, 512, 300), (1, 2, 3, 256, 255), (1, 1, 1, 128, 0)]:
-    q = torch.randn(B, Hkv, G, 64, generator=g).half()
-    k, v = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
-    reference = M.decode_attention_matmuls(q.float(), k.float(), v.float(), (torch.arange(S) <= pos)[None, :])
-    k[:, :, pos + 1:] = v[:, :, pos + 1:] = float("nan")  # stale cache past the token: never read
-    out = K.decode_attention(q, k, v, torch.tensor([pos]))
-    err = (out.float() - reference).abs().max().item()
-    assert out.shape == q.shape and out.dtype == q.dtype and err < 2e-3, (B, Hkv, G, S, pos, err)
+for B, H, Hkv, S, pos in [(1, 12, 4, 1024, 17), (2, 2, 1, 512, 300), (1, 6, 2, 256, 255), (1, 1, 1, 128, 0)]:
+    qkv = torch.randn(B, 1, H + 2 * Hkv, 64, generator=g).half()
+    cos, sin = (t[pos:pos + 1].half() for t in M.rope_tables(64, S, 10000.0))
+    k_cache, v_cache = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
+    # The plain path: RoPE, the cache write, then two matmuls and a softmax over positions 0..pos.
+    q, k, v = qkv.float().split([H, Hkv, Hkv], dim=2)
+    q, k = M.apply_rope(q, cos.float(), sin.float()).half(), M.apply_rope(k, cos.float(), sin.float()).half()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0].half()
+    mask = (torch.arange(S) <= pos)[None, :]
+    reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask)
+    k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
+    out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]))
+    err = (out.float().reshape(reference.shape) - reference).abs().max().item()
+    assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, err)
+    assert torch.equal(k_cache[:, :, pos], k_ref[:, :, pos]) and torch.equal(v_cache[:, :, pos], v_ref[:, :, pos])
+    assert torch.equal(k_cache[:, :, :pos], k_ref[:, :, :pos])  # the rest of the cache is left alone
+
 # Traced as one opaque op (its fake implementation gives the shapes), as in the compiled decode step.
-step = torch.compile(lambda q, k, v, pos: K.decode_attention(q, k[:, :, :200], v[:, :, :200], pos),
-                     backend="aot_eager", fullgraph=True)
-k, v = torch.randn(2, 1, 256, 64, generator=g).half(), torch.randn(2, 1, 256, 64, generator=g).half()
-q, pos = torch.randn(2, 1, 2, 64, generator=g).half(), torch.tensor([150])
-assert torch.equal(step(q, k, v, pos), K.decode_attention(q, k, v, pos))
+step = torch.compile(K.decode_step, backend="aot_eager", fullgraph=True)
+qkv, caches = torch.randn(2, 1, 4, 64, generator=g).half(), torch.randn(2, 2, 1, 256, 64, generator=g).half()
+caches = torch.cat([caches, caches.clone()])  # two copies of the same k and v caches
+cos, sin = torch.randn(64, generator=g).half(), torch.randn(64, generator=g).half()
+out = step(qkv, cos, sin, caches[0], caches[1], torch.tensor([150]))
+assert torch.equal(out, K.decode_step(qkv, cos, sin, caches[2], caches[3], torch.tensor([150])))
+assert torch.equal(caches[0][:, :, 150], caches[2][:, :, 150])  # the cache write survives tracing
 
 # Inside the model (fused_decode): the same logits as the plain path, prefill then 20 decode steps.
 cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64)
 plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
 fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True)).eval().half()
 fused.load_state_dict(plain.state_dict())
-calls, kernel = [], K.decode_attention
-K.decode_attention = lambda *a: calls.append(1) or kernel(*a)
+calls, kernel = [], K.decode_step
+K.decode_step = lambda *a: calls.append(1) or kernel(*a)
 idx = torch.randint(0, 512, (2, 30), generator=g)
 logits = []
 with torch.no_grad():
@@ -53,7 +65,7 @@ print("agree")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="needs Triton for its CPU interpreter (pip install triton)")
-def test_fused_decode_attention_matches_the_plain_path_and_stops_at_the_token():
+def test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", DECODE_CHECK], env=env, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and "agree" in done.stdout, done.stderr[-2000:]
