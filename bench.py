@@ -226,11 +226,13 @@ def memory_line(rows: list[dict]) -> dict | None:
 
 def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cuda, timeout,
                                    journal: Journal | None = None) -> list[dict]:
-    """Recomputation's cost at equal micro-batch, then how far the micro-batch can grow with it:
-    the sweep with recomputation starts at the compared size, so its first row is the comparison."""
-    plain = run([ME.Rung(f"micro-batch {micro_batch}", preset,
-                         {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens,
-                          "train__micro_batch": micro_batch}, steps)], True, timeout, journal)
+    """Recomputation's cost at equal micro-batch: none, only each block's norm + SwiGLU
+    (recompute_mlp), whole blocks; then how far the micro-batch can grow with whole-block
+    recomputation: that sweep starts at the compared size, so its first row is the comparison."""
+    base = {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens, "train__micro_batch": micro_batch}
+    plain = run([ME.Rung(f"micro-batch {micro_batch}", preset, base, steps),
+                 ME.Rung(f"micro-batch {micro_batch} +recompute MLP", preset, {**base, "train__recompute_mlp": True},
+                         steps)], True, timeout, journal)
     return plain + micro_batch_study(preset, batch_tokens, steps, cuda, timeout, ac=True, start=micro_batch,
                                      journal=journal)
 

@@ -372,9 +372,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, recompute_mlp=False):
         x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos)
-        return x + self.mlp(self.mlp_norm(x))
+        if recompute_mlp:  # keep only x for the backward pass: the norm, w13 (2 x ffn_hidden wide) and
+            # SwiGLU outputs are recomputed there, one extra w13 matmul (Llama.recompute_mlp)
+            return x + torch.utils.checkpoint.checkpoint(self.mlp_branch, x, use_reentrant=False)
+        return x + self.mlp_branch(x)
+
+    def mlp_branch(self, x):
+        return self.mlp(self.mlp_norm(x))
 
 
 # --- The fused loss ------------------------------------------------------------------------
@@ -478,7 +484,8 @@ class Llama(nn.Module):
         device = self.embed.weight.device
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
-        self.activation_checkpointing = False
+        self.activation_checkpointing = False  # recompute every block in backward (train.py sets these)
+        self.recompute_mlp = False  # recompute only each block's norm + SwiGLU: most of the memory, less of the work
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -536,7 +543,7 @@ class Llama(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask,
                                                       use_reentrant=False)
             else:
-                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos)
+                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos, self.recompute_mlp and self.training)
         x = self.norm(x)
         if targets is not None and self.cfg.fused_loss:
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten())

@@ -117,6 +117,7 @@ def build_model(mcfg: M.ModelConfig, cfg: C.TrainConfig, device: torch.device, s
     torch.manual_seed(seed)
     raw = M.Llama(mcfg).to(device)
     raw.activation_checkpointing = cfg.activation_checkpointing
+    raw.recompute_mlp = cfg.recompute_mlp
     run = raw
     if cfg.compile:
         run = torch.compile(raw, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
@@ -428,7 +429,8 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         f"{steps} steps = {steps * tcfg.batch_tokens:,} tokens")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"
         f"{'(' + tcfg.compile_mode + ')' if tcfg.compile else ''} adamw={tcfg.optimizer} pin={tcfg.pin} "
-        f"activation_checkpointing={tcfg.activation_checkpointing} doc_mask={tcfg.doc_mask}")
+        f"activation_checkpointing={tcfg.activation_checkpointing} recompute_mlp={tcfg.recompute_mlp} "
+        f"doc_mask={tcfg.doc_mask}")
     if device.type == "cuda" and peak is None:
         say(f"note: no BF16 peak known for {info['device']}: MFU is not shown (pass --peak-tflops)")
     if master:

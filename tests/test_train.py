@@ -118,18 +118,31 @@ def test_cuda_graph_modes_accumulate_into_kept_buffers(train_config):
         assert torch.equal(a, b)
 
 
-def test_activation_checkpointing_recomputes_the_same_gradients(train_config):
+@pytest.mark.parametrize("switch", ["activation_checkpointing", "recompute_mlp"])
+def test_recomputation_gives_the_same_gradients_and_keeps_less(train_config, switch):
+    """Recomputing in backward changes what is kept between the passes, not the gradients. With
+    recompute_mlp the w13 outputs (2 x ffn_hidden per token and layer) are among what goes."""
     cfg = train_config.model
     x, y = torch.randint(0, cfg.vocab_size, (2, 2, 32), generator=torch.Generator().manual_seed(1))
-    grads = []
+    grads, kept = [], []
     for recompute in (False, True):
         torch.manual_seed(0)
         model = M.Llama(cfg)
-        model.activation_checkpointing = recompute
-        model(x, y).backward()
+        setattr(model, switch, recompute)
+        storages = {}
+
+        def keep(t):  # bytes the autograd graph holds for backward, each storage once
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(x, y)
+        loss.backward()
         grads.append([p.grad for p in model.parameters()])
+        kept.append(sum(storages.values()))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    w13_out = cfg.n_layers * x.numel() * 2 * cfg.ffn_hidden * 4  # float32 bytes of every w13 output
+    assert kept[0] - kept[1] > w13_out, (kept, w13_out)
 
 
 def test_batch_must_divide(train_config):
