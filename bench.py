@@ -324,9 +324,11 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     dtype = torch.bfloat16 if cuda else torch.float32
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    fused = M.Llama(dataclasses.replace(cfg, fused_decode=True)).to(device, dtype).eval()  # same weights,
-    fused.load_state_dict(model.state_dict())  # the Triton decode step switched on
     variants = [("eager", None, False)] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
+    fused = None
+    if any(v[2] for v in variants):  # the same weights with the Triton decode step switched on
+        fused = M.Llama(dataclasses.replace(cfg, fused_decode=True)).to(device, dtype).eval()
+        fused.load_state_dict(model.state_dict())
     rows, ours = [], {}
     for batch in batches:
         for label, mode, fused_decode in variants:

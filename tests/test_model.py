@@ -151,28 +151,22 @@ def test_native_gqa_equals_repeated_kv():
     torch.testing.assert_close(native, copied, rtol=1e-12, atol=1e-12)
 
 
-def test_kv_cache_decode_equals_full_forward():
+@pytest.mark.parametrize("windowed", [False, True])
+def test_kv_cache_decode_equals_full_forward(windowed):
+    """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
+    reading the whole cache through its mask or, as eager decoding does, only the positions
+    written so far (window)."""
     model = small_model()
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
+    window = (lambda end: end) if windowed else (lambda end: None)
     with torch.no_grad():
         full = model(idx)
         model.setup_cache(2)
-        steps = [model(idx[:, :7], pos=torch.arange(7))]  # a prompt,
-        steps += [model(idx[:, 7:12], pos=torch.arange(7, 12))]  # a chunk after cached tokens,
-        steps += [model(idx[:, t:t + 1], pos=torch.tensor([t])) for t in range(12, 20)]  # then one at a time
+        steps = [model(idx[:, :7], pos=torch.arange(7), window=window(7))]  # a prompt,
+        steps += [model(idx[:, 7:12], pos=torch.arange(7, 12), window=window(12))]  # a chunk after cached tokens,
+        steps += [model(idx[:, t:t + 1], pos=torch.tensor([t]), window=window(t + 1))
+                  for t in range(12, 20)]  # then one at a time
     assert model.blocks[0].attn.cache.k.shape == (2, 2, 32, 16)  # the 2 kv heads, not the 4 query heads
-    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
-
-
-def test_windowed_eager_decode_equals_full_forward():
-    """Eager decoding reads only the cache positions written so far (window)."""
-    model = small_model()
-    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        full = model(idx)
-        model.setup_cache(2)
-        steps = [model(idx[:, :7], pos=torch.arange(7), window=7)]
-        steps += [model(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1) for t in range(7, 20)]
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
 
 
