@@ -320,7 +320,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     device = torch.device("cuda" if cuda else "cpu")
     cfg = C.preset(preset).model
     torch.manual_seed(0)
-    model = M.Llama(cfg).to(device).eval()
+    model = M.Llama(dataclasses.replace(cfg, fused_decode=False)).to(device).eval()
     dtype = torch.bfloat16 if cuda else torch.float32
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -353,7 +353,9 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
             if decode is not G.decode_one:
                 rows[-1]["step_us"] = round(batch * 1e6 / rate, 1)
                 rows[-1]["replay_us"] = round(replay_us(decode, batch), 1)
-            ours.setdefault(batch, tokens)  # transformers is compared with the plain path's tokens
+            ours.setdefault(batch, tokens)  # the plain (eager) path's tokens: every other decoder is compared with them
+            if label != "eager":
+                rows[-1]["same_greedy_tokens"] = f"{sum(a == b for a, b in zip(tokens[0], ours[batch][0]))}/{new_tokens}"
             print(f"{name}: {rate:,.0f} tok/s", flush=True)
     if vs_transformers:
         rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)

@@ -68,7 +68,9 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
         if i + 1 == max_new_tokens:
             return
         if use_cache:
-            logits = decode(model, token, pos, T + i + 1).clone()  # clone: a graph replay reuses its output
+            # A graph replay overwrites these logits, but only at the next step's replay: sample_next
+            # reads them before it in stream order, so no copy is needed.
+            logits = decode(model, token, pos, T + i + 1)
             pos += 1
         else:
             idx = torch.cat([idx, token], dim=1)
@@ -85,8 +87,7 @@ class GraphDecoder:
     on an H200 at 88m a replay took 467 us reading 128 positions and 480 us reading 1,024, and
     generation with per-window graphs was slower (docs/BENCHMARKS.md, "Decode windows"). The step
     is bound by its ~120 small kernels, not by the keys it reads. Inputs are copied into the
-    graph's fixed buffers; the logits it returns are overwritten by the next replay (generate()
-    clones them)."""
+    graph's fixed buffers; the logits it returns are overwritten by the next replay."""
 
     def __init__(self, model: M.Llama, mode: str = "max-autotune-no-cudagraphs"):
         self.model = model
@@ -98,6 +99,7 @@ class GraphDecoder:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
 
+    @torch.no_grad()  # inference graphs: compiled with grad on, Inductor would trace a backward too
     def __call__(self, model, token, pos, length: int | None = None):
         """Logits after `token` at `pos` (length, the tokens so far, is what eager decoding reads;
         the graph always reads the whole cache)."""

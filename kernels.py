@@ -3,13 +3,15 @@ reference, the CPU path and the fallback.
 
 decode_step: one new token's attention in one Triton kernel (RoPE, KV-cache write, attention).
 
-Why: on an H200 the 88m decode step is a chain of about 120 small kernels and takes ~470 µs
-per token whether attention reads 128 cached positions or 1,024 (docs/BENCHMARKS.md, "Decode
-windows"): each kernel costs its few microseconds of launch and ramp, not its bytes. Between
-the QKV and output projections the plain compiled step runs about six kernels per layer (RoPE on
-q, RoPE on k with its cache write, the v cache write, scores, softmax, the weighted sum of
-values); this is one. It reads the position from a tensor, so a CUDA graph replays it at every
-position, and it stops there instead of reading a masked window.
+Why: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
+Inductor) and took ~470 µs per token whether attention read 128 cached positions or 1,024
+(docs/BENCHMARKS.md, "Decode windows"): each kernel costs its microseconds of launch and ramp,
+not its bytes. Between the QKV and output projections the plain compiled step runs about six
+kernels per layer (RoPE on q, RoPE on k with its cache write, the v cache write, scores, softmax,
+the weighted sum of values); this is one. It reads the position from a tensor, so a CUDA graph
+replays it at every position, and it stops there instead of reading a masked window. Measured
+(`python bench.py --generate`, batch 1): 132 kernels became 88, and with Inductor's max-autotune
+decoding went from 2,861 to 3,342 tok/s.
 
 Triton ships with PyTorch's CUDA builds. Without it (PyTorch's CPU wheels) AVAILABLE is False
 and model.Attention keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors,
@@ -28,7 +30,10 @@ except ImportError:  # PyTorch's CPU wheels come without Triton
 
 AVAILABLE = triton is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on CPU tensors (tests)
-BLOCK_KEYS = 64  # cache positions per loop step: a 64 x 64 bf16 tile of K and of V, 8 KiB each
+# decode_step's launch: cache positions per loop step, warps per program, pipelined loads. Timed
+# alone on an H200 (18 settings, positions 16 to 1,000, docs/BENCHMARKS.md "fourth round"), this
+# was fastest at batch 1 over positions 16-512: 4.2 us at position 256, 6.7 at 512 (64 keys: 5.1, 8.7).
+BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
 
 if AVAILABLE:
 
@@ -97,7 +102,8 @@ if AVAILABLE:
         _decode_step_kernel[(B, Hkv)](
             qkv, cos, sin, k_cache, v_cache, out, pos, D ** -0.5, qkv.stride(0), qkv.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(2),
-            H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D, BLOCK=BLOCK_KEYS)
+            H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D, BLOCK=BLOCK_KEYS,
+            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
     @decode_step.register_fake

@@ -48,7 +48,7 @@ class ModelConfig:
     attention: AttentionKind = "sdpa"  # attention kernel in training
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
-    fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
+    fused_decode: bool = True  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -334,9 +334,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        if pos is not None and self.fused_decode and K.supports(qkv, self.cache.k):
+        if pos is not None and self.fused_decode and not torch.is_grad_enabled() and K.supports(qkv, self.cache.k):
             # One new token: RoPE, the cache write and attention over positions 0..pos in one
-            # Triton kernel (kernels.decode_step), tested against the plain path below.
+            # Triton kernel (kernels.decode_step), tested against the plain path below. It has no
+            # backward pass: with gradients on, the plain path runs.
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos)  # (B, 1, H, hd)
             return self.wo(y.reshape(B, T, -1))
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)

@@ -45,7 +45,7 @@ assert torch.equal(caches[0][:, :, 150], caches[2][:, :, 150])  # the cache writ
 
 # Inside the model (fused_decode): the same logits as the plain path, prefill then 20 decode steps.
 cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64)
-plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
+plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
 fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True)).eval().half()
 fused.load_state_dict(plain.state_dict())
 calls, kernel = [], K.decode_step
