@@ -82,22 +82,35 @@ class GraphDecoder:
     whole step, where eager decoding launches about a hundred kernels and torch.compile's own
     CUDA graphs ("reduce-overhead") still check every weight on each call.
 
-    A graph's shapes are fixed, so attention reads all `context` cache positions, masked past the
-    current length. Reading fewer (one graph per power-of-two window) was measured and dropped:
+    A graph's shapes are fixed. The fused decode kernel (kernels.decode_step, the default) reads
+    the position from a tensor and stops there; the plain path reads all `context` cache positions,
+    masked past the current length. One graph per power-of-two window was measured and dropped:
     on an H200 at 88m a replay took 467 us reading 128 positions and 480 us reading 1,024, and
     generation with per-window graphs was slower (docs/BENCHMARKS.md, "Decode windows"). The step
-    is bound by its ~120 small kernels, not by the keys it reads. Inputs are copied into the
-    graph's fixed buffers; the logits it returns are overwritten by the next replay."""
+    is bound by its ~80 small kernels (132 without the fused kernel), not by the bytes they read.
+    Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by the
+    next replay.
 
-    def __init__(self, model: M.Llama, mode: str = "max-autotune-no-cudagraphs"):
-        self.model = model
-        # max-autotune lets Inductor pick (and time) Triton matmul kernels for these one-row
-        # products and fuse their epilogues; the graph replay is this step's only launch.
-        self.step = torch.compile(decode_one, mode=mode, fullgraph=True, dynamic=False)
+    mode is Inductor's compile mode; None picks by batch size what measured fastest on an H200
+    (88m, fused decode, `python bench.py --generate`): max-autotune at batch 1 (3,342 tok/s against
+    2,770 with the default mode), the default mode above it (22,295 tok/s at batch 8 against 20,321,
+    after 6 s of warm-up instead of 22). max-autotune lets Inductor time its own Triton kernels for
+    the one-row matmuls and fuse RMSNorm and SiLU into them; at batch 8 cuBLAS does better."""
+
+    def __init__(self, model: M.Llama, mode: str | None = None):
+        self.model, self.mode = model, mode
+        self.steps = {}  # compile mode -> decode_one compiled with it
         # Each batch size is one more compiled graph of decode_one, shared by every decoder in the
         # process; Dynamo's default limit (8) would stop a program that decodes many batch sizes.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
+
+    def step(self, batch: int):
+        """decode_one compiled with this decoder's mode for `batch` sequences."""
+        mode = self.mode or ("max-autotune-no-cudagraphs" if batch == 1 else "default")
+        if mode not in self.steps:
+            self.steps[mode] = torch.compile(decode_one, mode=mode, fullgraph=True, dynamic=False)
+        return self.steps[mode]
 
     @torch.no_grad()  # inference graphs: compiled with grad on, Inductor would trace a backward too
     def __call__(self, model, token, pos, length: int | None = None):
@@ -121,6 +134,7 @@ class GraphDecoder:
 
     def capture(self, token, pos):
         token_in, pos_in = token.clone(), pos.clone()
+        step = self.step(token.shape[0])
         window = self.model.cfg.context
         # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
         saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
@@ -128,20 +142,21 @@ class GraphDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
             for _ in range(3):
-                self.step(self.model, token_in, pos_in, window)
+                step(self.model, token_in, pos_in, window)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self.step(self.model, token_in, pos_in, window)
+            logits = step(self.model, token_in, pos_in, window)
         for b, (k, v) in zip(self.model.blocks, saved):
             b.attn.cache.k.copy_(k)
             b.attn.cache.v.copy_(v)
         return graph, token_in, pos_in, logits
 
 
-def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str = "max-autotune-no-cudagraphs"):
-    """The decode step generate() uses: a GraphDecoder on CUDA, the plain model.decode_one
-    elsewhere or with fast=False (the reference the fast path is tested against)."""
+def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str | None = None):
+    """The decode step generate() uses: a GraphDecoder on CUDA (mode: Inductor's compile mode,
+    None for the fastest measured at each batch size), the plain model.decode_one elsewhere or
+    with fast=False (the reference the fast path is tested against)."""
     return GraphDecoder(model, mode) if fast and device.type == "cuda" else decode_one
 
 
