@@ -58,11 +58,14 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
-    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, FP8 block
-    matmuls, compile tuning; each rung keeps the settings of the ones before it."""
+    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, compile
+    tuning, FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes last:
+    it measured slower at every preset (docs/BENCHMARKS.md, third round), so the rungs before it
+    stay free of it, and the last rung shows whether it pays on top of everything else."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
-                ("+fused loss", {"model__fused_loss": True}), ("+fp8 matmuls", {"model__fp8": True}),
-                ("+max-autotune (no CUDA graphs)", {"train__compile_mode": "max-autotune-no-cudagraphs"})]
+                ("+fused loss", {"model__fused_loss": True}),
+                ("+max-autotune (no CUDA graphs)", {"train__compile_mode": "max-autotune-no-cudagraphs"}),
+                ("+fp8 matmuls", {"model__fp8": True})]
     rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
     for name, setting in settings:
         overrides = {**overrides, **setting}

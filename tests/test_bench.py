@@ -16,11 +16,11 @@ def test_ladder_plan_adds_one_setting_per_rung():
     rungs = B.ladder_rungs("88m", 16, 3) + B.ladder_tail("88m", 64, 3)
     names = [r.name for r in rungs]
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
-                     "+fused loss", "+fp8 matmuls", "+max-autotune (no CUDA graphs)"]
+                     "+fused loss", "+max-autotune (no CUDA graphs)", "+fp8 matmuls"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
-    assert configs[-1].model.fused_loss and configs[-1].model.fp8
-    assert configs[-1].train.compile_mode == "max-autotune-no-cudagraphs" and configs[-2].train.compile_mode == "default"
+    assert configs[-1].model.fused_loss and configs[-1].model.fp8 and not configs[-2].model.fp8
+    assert configs[-2].train.compile_mode == "max-autotune-no-cudagraphs" and configs[-3].train.compile_mode == "default"
     assert configs[-2].train.micro_batch == 64 and configs[-4].model.fused_loss is False and configs[-4].train.pin
 
 
