@@ -127,10 +127,12 @@ def main(argv=None):
     if decode is not G.decode_one:  # compile and capture the CUDA graphs before the timed run
         t0 = time.perf_counter()
         decode.capture_all(args.num_samples)
-        # One untimed prefill too: a process's first pass pays CUDA's one-time setup (library
-        # handles, kernel loading), which measured 286 ms of first-token time on an H200 against
-        # ~10 ms warm.
-        G.generate_batch(model, ids, args.num_samples, 1, 0.0, 0, 1.0, None, use_cache, decode=decode)
+        # One untimed prefill and sampled token too, with the same settings: a process's first
+        # pass pays CUDA's one-time setup (library handles, kernel loading, the sampler's random
+        # generator), which measured 286 ms of first-token time on an H200 against ~10 ms warm.
+        # Its own generator: the seeded run below draws exactly what it would without it.
+        G.generate_batch(model, ids, args.num_samples, 1, args.temperature, args.top_k, args.top_p,
+                         torch.Generator(device=device), use_cache, decode=decode)
         say(f"[warm-up: compiled the decode step, captured its CUDA graph and ran the prompt once in "
             f"{time.perf_counter() - t0:.1f} s]")
     generator = torch.Generator(device=device).manual_seed(args.seed)
