@@ -1,7 +1,8 @@
 """Where the speed comes from: the ladder, one study per setting, and generation, on any GPU.
 
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
-                                             #   AdamW -> pinned -> fused loss -> FP8 -> compile tuning
+                                             #   AdamW -> pinned -> fused loss -> compile tuning -> FP8
+    python bench.py --kernels                # each fused kernel alone against compiled BF16
     python bench.py --ladder --preset 22m    # any preset in configs/
     python bench.py --ladder --resume        # go on from where an interrupted ladder stopped
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
@@ -86,6 +87,17 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
                                   "model__attention": kind, "train__doc_mask": variant == "doc-mask"},
                                  steps, kernels=True))
     return rungs
+
+
+KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True}}
+
+
+def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
+    """Compiled BF16 with fused AdamW, then each fused kernel switched on alone against it: which
+    of them pays at this preset, apart from the order of the ladder's rungs."""
+    o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
+    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps)] + [
+        ME.Rung(name, preset, {**o, **switch}, steps) for name, switch in KERNEL_SWITCHES.items()]
 
 
 def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:
@@ -542,8 +554,8 @@ def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, 
     plt.close(fig)
 
 
-PLOTTED = {"ladder": ("tok_s", "tokens / s"), "attention": ("tok_s", "tokens / s"),
-           "compile_modes": ("tok_s", "tokens / s"), "micro_batch_sweep": ("tok_s", "tokens / s"),
+PLOTTED = {"ladder": ("tok_s", "tokens / s"), "kernels": ("tok_s", "tokens / s"),
+           "attention": ("tok_s", "tokens / s"), "compile_modes": ("tok_s", "tokens / s"), "micro_batch_sweep": ("tok_s", "tokens / s"),
            "activation_checkpointing": ("tok_s", "tokens / s"), "optimizer": ("update_ms", "ms per update"),
            "profile": ("ms", "ms per 2 micro-batches"), "generate": ("decode_tok_s", "decoded tokens / s"),
            "loss_curves": (None, "training loss")}
@@ -638,6 +650,9 @@ def run_studies(args, chosen: list[str], argv):
             rows = ladder(preset, batch_tokens, steps, cuda, args.timeout, journal)
         elif study == "attention":
             rows = run(attention_rungs(preset, mb, steps, args.only), cuda, args.timeout, journal)
+        elif study == "kernels":
+            rows = run(kernel_rungs(preset, mb, steps, {"train__batch_tokens": batch_tokens}), cuda, args.timeout,
+                       journal)
         elif study == "compile_modes":
             rows = run(compile_mode_rungs(preset, mb, steps), cuda, args.timeout, journal)
         elif study == "micro_batch_sweep":

@@ -2,6 +2,7 @@
 reference, the CPU path and the fallback.
 
 decode_step: one new token's attention in one Triton kernel (RoPE, KV-cache write, attention).
+swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 
 Why: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
 Inductor) and took ~470 µs per token whether attention read 128 cached positions or 1,024
@@ -34,6 +35,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on 
 # alone on an H200 (18 settings, positions 16 to 1,000, docs/BENCHMARKS.md "fourth round"), this
 # was fastest at batch 1 over positions 16-512: 4.2 us at position 256, 6.7 at 512 (64 keys: 5.1, 8.7).
 BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
+SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the presets' 2,048
 
 if AVAILABLE:
 
@@ -111,8 +113,73 @@ if AVAILABLE:
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 
+    # SwiGLU between the w13 and w2 matmuls. Compiled by Inductor, its backward is one pointwise
+    # kernel over the (tokens, 2 x hidden) gradient that gathers gate, up and the incoming gradient
+    # for each half separately: on an H200 at 88m it took 12 ms per step where its reads and writes
+    # need 5.6 ms at full bandwidth (docs/BENCHMARKS.md). Here each program reads a row's gate, up
+    # and gradient once and writes both halves of the gradient.
+    @triton.jit
+    def _swiglu_forward_kernel(h_ptr, out_ptr, hidden, BLOCK: tl.constexpr):
+        row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = cols < hidden
+        gate = tl.load(h_ptr + row * 2 * hidden + cols, mask=keep).to(tl.float32)
+        up = tl.load(h_ptr + row * 2 * hidden + hidden + cols, mask=keep).to(tl.float32)
+        tl.store(out_ptr + row * hidden + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=keep)
 
-def supports(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    @triton.jit
+    def _swiglu_backward_kernel(h_ptr, grad_ptr, dh_ptr, hidden, BLOCK: tl.constexpr):
+        """d(silu(g) u)/du = silu(g); d/dg = u sigmoid(g) (1 + g (1 - sigmoid(g)))."""
+        row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = cols < hidden
+        gate = tl.load(h_ptr + row * 2 * hidden + cols, mask=keep).to(tl.float32)
+        up = tl.load(h_ptr + row * 2 * hidden + hidden + cols, mask=keep).to(tl.float32)
+        grad = tl.load(grad_ptr + row * hidden + cols, mask=keep).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = grad * gate * sig
+        tl.store(dh_ptr + row * 2 * hidden + cols, d_gate.to(dh_ptr.dtype.element_ty), mask=keep)
+        tl.store(dh_ptr + row * 2 * hidden + hidden + cols, d_up.to(dh_ptr.dtype.element_ty), mask=keep)
+
+    def _swiglu_grid(h13: torch.Tensor):
+        hidden = h13.shape[-1] // 2
+        return (h13.numel() // (2 * hidden), triton.cdiv(hidden, SWIGLU_BLOCK)), hidden
+
+    @torch.library.custom_op("onegpu::swiglu", mutates_args=())
+    def swiglu(h13: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for h13 = [gate | up] (..., 2 x hidden), contiguous; returns (..., hidden),
+        computed in float32 and rounded once. A custom op with its own backward (below): under
+        torch.compile both stay single kernels."""
+        grid, hidden = _swiglu_grid(h13)
+        out = h13.new_empty(*h13.shape[:-1], hidden)
+        _swiglu_forward_kernel[grid](h13, out, hidden, BLOCK=SWIGLU_BLOCK)
+        return out
+
+    @swiglu.register_fake
+    def _(h13):
+        return h13.new_empty(*h13.shape[:-1], h13.shape[-1] // 2)
+
+    @torch.library.custom_op("onegpu::swiglu_backward", mutates_args=())
+    def swiglu_backward(grad: torch.Tensor, h13: torch.Tensor) -> torch.Tensor:
+        """The gradient with respect to h13 (..., 2 x hidden) of swiglu, given grad (..., hidden)."""
+        grid, hidden = _swiglu_grid(h13)
+        dh = torch.empty_like(h13)
+        _swiglu_backward_kernel[grid](h13, grad.contiguous(), dh, hidden, BLOCK=SWIGLU_BLOCK)
+        return dh
+
+    @swiglu_backward.register_fake
+    def _(grad, h13):
+        return torch.empty_like(h13)
+
+    def _swiglu_save(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def _swiglu_grad(ctx, grad):
+        return swiglu_backward(grad, ctx.saved_tensors[0])
+
+    swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_save)
+
+
+def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether decode_step handles these inputs: one new token per sequence (qkv: (B, 1, heads,
     hd)) on CUDA (or on CPU under Triton's interpreter), 16-bit floats (tl.dot would round
     float32 to TF32) in the cache too, a power-of-two head size of at least 16, rows contiguous."""
@@ -120,3 +187,8 @@ def supports(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (AVAILABLE and (qkv.is_cuda or INTERPRET) and qkv.shape[1] == 1
             and qkv.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == qkv.dtype
             and hd >= 16 and hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1)
+
+
+def swiglu_supported(h13: torch.Tensor) -> bool:
+    """Whether swiglu handles h13: on CUDA (or on CPU under Triton's interpreter), contiguous."""
+    return AVAILABLE and (h13.is_cuda or INTERPRET) and h13.is_contiguous() and h13.shape[-1] % 2 == 0

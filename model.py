@@ -7,9 +7,10 @@ drives the KV cache, is generate.py.
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
-and `fp8` runs the block matmuls in FP8.
+`fp8` runs the block matmuls in FP8, and `fused_swiglu` and `fused_decode` hand SwiGLU and a
+decoded token's attention to Triton kernels.
 
-This file imports nothing else of the project.
+Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
 
 import math
@@ -49,6 +50,7 @@ class ModelConfig:
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
     fused_decode: bool = True  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
+    fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA; not yet measured)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -334,7 +336,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        if pos is not None and self.fused_decode and not torch.is_grad_enabled() and K.supports(qkv, self.cache.k):
+        if pos is not None and self.fused_decode and not torch.is_grad_enabled() and K.decode_step_supported(qkv, self.cache.k):
             # One new token: RoPE, the cache write and attention over positions 0..pos in one
             # Triton kernel (kernels.decode_step), tested against the plain path below. It has no
             # backward pass: with gradients on, the plain path runs.
@@ -353,15 +355,21 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """(silu(x W1) * x W3) W2 (Shazeer 2020), with W1 and W3 stacked into one matmul."""
+    """(silu(x W1) * x W3) W2 (Shazeer 2020), with W1 and W3 stacked into one matmul. With
+    fused_swiglu (CUDA) the activation runs as kernels.swiglu, forward and backward one kernel
+    each, tested against the plain line below."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.fused = cfg.fused_swiglu
         self.w13 = Linear(cfg.d_model, 2 * cfg.ffn_hidden, cfg.fp8)
         self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
 
     def forward(self, x):
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        h13 = self.w13(x)  # (B, T, 2 x ffn_hidden): [gate | up]
+        if self.fused and K.swiglu_supported(h13):
+            return self.w2(K.swiglu(h13))
+        gate, up = h13.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 

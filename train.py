@@ -424,7 +424,7 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         f"git {info['git_commit'][:10]}{' (dirty)' if info['git_dirty'] else ''} | world {world}")
     say(f"model: {M.param_count(cfg.model):,} parameters, head size {cfg.model.head_dim}, SwiGLU "
         f"{cfg.model.ffn_hidden}, {flops_tok / 1e6:,.1f} MFLOPs/token, attention {cfg.model.attention}, "
-        f"fused loss {cfg.model.fused_loss}, fp8 {cfg.model.fp8}")
+        f"fused loss {cfg.model.fused_loss}, fused SwiGLU {cfg.model.fused_swiglu}, fp8 {cfg.model.fp8}")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {B} seq x {T} tokens x {accum} accumulation x {world} rank(s); "
         f"{steps} steps = {steps * tcfg.batch_tokens:,} tokens")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"

@@ -1,4 +1,5 @@
-"""Fast paths on CUDA against the plain PyTorch paths: fused loss, attention kinds, compiled decode.
+"""Fast paths on CUDA against the plain PyTorch paths: fused loss, fused SwiGLU, attention kinds,
+FP8 matmuls, compiled and fused decode.
 Each skips on a machine without CUDA."""
 
 import pytest
@@ -31,9 +32,10 @@ def loss_and_grads(compiled: bool, seed: int, **switches):
     return out
 
 
+@pytest.mark.parametrize("switch", ["fused_loss", "fused_swiglu"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fused_loss_matches_plain_in_bf16(compiled):
-    out = loss_and_grads(compiled, seed=0, fused_loss=True)
+def test_fused_kernels_match_plain_in_bf16(compiled, switch):
+    out = loss_and_grads(compiled, seed=0, **{switch: True})
     assert abs(out[0][0].item() - out[1][0].item()) < 2e-3 * out[0][0].item()
     for name, grad in out[0][1].items():
         assert rel(out[1][1][name], grad) < 2e-2, name
