@@ -2,7 +2,7 @@
 
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
                                              #   AdamW -> pinned -> fused loss -> compile tuning -> FP8
-    python bench.py --kernels                # each fused kernel alone against compiled BF16
+    python bench.py --kernels                # each fused kernel, and max-autotune, alone against compiled BF16
     python bench.py --ladder --preset 22m    # any preset in configs/
     python bench.py --ladder --resume        # go on from where an interrupted ladder stopped
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
@@ -89,12 +89,14 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
     return rungs
 
 
-KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True}}
+KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
+                   "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
 
 
 def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
-    """Compiled BF16 with fused AdamW, then each fused kernel switched on alone against it: which
-    of them pays at this preset, apart from the order of the ladder's rungs."""
+    """Compiled BF16 with fused AdamW, then each fused kernel, and Inductor's own kernel tuning,
+    switched on alone against it: which of them pays at this preset, apart from the order of the
+    ladder's rungs. The max-autotune rung autotunes for about five minutes at 88m, so it is last."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
     return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps)] + [
         ME.Rung(name, preset, {**o, **switch}, steps) for name, switch in KERNEL_SWITCHES.items()]

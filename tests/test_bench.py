@@ -28,7 +28,8 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
     base, *others = [r.config() for r in B.kernel_rungs("88m", 64, 3)]
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
     assert (base.model.fused_loss, base.model.fused_swiglu) == (False, False)
-    assert [(c.model.fused_loss, c.model.fused_swiglu) for c in others] == [(True, False), (False, True)]
+    assert [(c.model.fused_loss, c.model.fused_swiglu, c.train.compile_mode) for c in others] == [
+        (True, False, "default"), (False, True, "default"), (False, False, "max-autotune-no-cudagraphs")]
 
 
 def test_a_misspelled_rung_setting_fails_before_anything_runs():
@@ -131,7 +132,8 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     assert attention["textbook eager"]["attention_kernels"].startswith("math") and attention["sdpa eager"]["tok_s"] > 0
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
     assert [r["micro_batch"] for r in rows("micro_batch_sweep") if "micro_batch" in r] == [1, 2, 4]
-    assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", "+fused loss", "+fused SwiGLU"]
+    assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", "+fused loss", "+fused SwiGLU",
+                                                    "+max-autotune (no CUDA graphs)"]
     assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
     assert rows("generate")[0]["decode_tok_s"] > 0
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)
