@@ -179,6 +179,15 @@ if AVAILABLE:
     swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_save)
 
 
+def device_supported(device: torch.device) -> bool:
+    """Whether these kernels run on `device`: an NVIDIA GPU of compute capability 8.0 (Ampere) or
+    newer, the oldest Triton supports and the first with bfloat16 arithmetic; on CPU, Triton's
+    interpreter. Called outside compiled code (model.KVCache, train.setup)."""
+    if device.type == "cuda":
+        return AVAILABLE and torch.cuda.get_device_capability(device) >= (8, 0)
+    return AVAILABLE and INTERPRET
+
+
 def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether decode_step handles these inputs: one new token per sequence (qkv: (B, 1, heads,
     hd)) on CUDA (or on CPU under Triton's interpreter), 16-bit floats (tl.dot would round
@@ -190,5 +199,6 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def swiglu_supported(h13: torch.Tensor) -> bool:
-    """Whether swiglu handles h13: on CUDA (or on CPU under Triton's interpreter), contiguous."""
+    """Whether swiglu handles h13: on CUDA (or on CPU under Triton's interpreter), contiguous.
+    (train.setup refuses fused_swiglu on a GPU older than device_supported allows.)"""
     return AVAILABLE and (h13.is_cuda or INTERPRET) and h13.is_contiguous() and h13.shape[-1] % 2 == 0

@@ -312,6 +312,8 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_heads, context, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        # Whether kernels.decode_step can run here (Ampere or newer), asked once, outside compiled code.
+        self.fusable = K.device_supported(torch.device(device))
 
     def update(self, pos, k, v):
         """Write k, v (B, Hkv, T, hd) at positions pos (T,); return the whole cache."""
@@ -336,7 +338,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        if pos is not None and self.fused_decode and not torch.is_grad_enabled() and K.decode_step_supported(qkv, self.cache.k):
+        if (pos is not None and self.fused_decode and self.cache.fusable and not torch.is_grad_enabled()
+                and K.decode_step_supported(qkv, self.cache.k)):
             # One new token: RoPE, the cache write and attention over positions 0..pos in one
             # Triton kernel (kernels.decode_step), tested against the plain path below. It has no
             # backward pass: with gradients on, the plain path runs.

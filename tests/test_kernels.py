@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import kernels as K
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,3 +124,12 @@ def test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token():
 @needs_triton
 def test_fused_swiglu_matches_the_plain_path_forward_and_backward():
     run_under_interpreter(SWIGLU_CHECK)
+
+
+def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
+    """Triton supports compute capability 8.0 and newer, and bfloat16 needs it: on an older GPU
+    (a Turing laptop card, 7.5) the model keeps its plain paths."""
+    monkeypatch.setattr(K, "AVAILABLE", True)
+    for capability, expected in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert K.device_supported(torch.device("cuda")) is expected
