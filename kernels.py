@@ -4,7 +4,7 @@ reference, the CPU path and the fallback.
 decode_step: one new token's attention in one Triton kernel (RoPE, KV-cache write, attention).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 
-Why: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
+Why decode_step: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
 Inductor) and took ~470 µs per token whether attention read 128 cached positions or 1,024
 (docs/BENCHMARKS.md, "Decode windows"): each kernel costs its microseconds of launch and ramp,
 not its bytes. Between the QKV and output projections the plain compiled step runs about six
@@ -13,6 +13,8 @@ the weighted sum of values); this is one. It reads the position from a tensor, s
 replays it at every position, and it stops there instead of reading a masked window. Measured
 (`python bench.py --generate`, batch 1): 132 kernels became 88, and with Inductor's max-autotune
 decoding went from 2,861 to 3,342 tok/s.
+
+Why swiglu (off by default until measured on a GPU): see the comment above its kernels.
 
 Triton ships with PyTorch's CUDA builds. Without it (PyTorch's CPU wheels) AVAILABLE is False
 and model.Attention keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors,
@@ -113,11 +115,10 @@ if AVAILABLE:
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 
-    # SwiGLU between the w13 and w2 matmuls. Compiled by Inductor, its backward is one pointwise
-    # kernel over the (tokens, 2 x hidden) gradient that gathers gate, up and the incoming gradient
-    # for each half separately: on an H200 at 88m it took 12 ms per step where its reads and writes
-    # need 5.6 ms at full bandwidth (docs/BENCHMARKS.md). Here each program reads a row's gate, up
-    # and gradient once and writes both halves of the gradient.
+    # SwiGLU between the w13 and w2 matmuls. Compiled by Inductor, its backward took 12 ms per 88m
+    # step on an H200 where its reads and writes need 5.6 ms at full bandwidth (docs/BENCHMARKS.md):
+    # one pointwise kernel over the concatenated (tokens, 2 x hidden) gradient, each half loading its
+    # own inputs. Here each program reads a row's gate, up and gradient once and writes both halves.
     @triton.jit
     def _swiglu_forward_kernel(h_ptr, out_ptr, hidden, BLOCK: tl.constexpr):
         row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
