@@ -170,7 +170,7 @@ def run(rungs: list[ME.Rung], cuda: bool, timeout: int, journal: Journal | None 
         reason = None if cuda else cpu_skip(r)
         print(f"rung: {r.name} ...", flush=True)
         if reason:
-            rows.append(ME.Result(rung=r.name, skipped=reason).row())
+            rows.append(ME.Result(rung=r.name, micro_batch=r.config().train.micro_batch, skipped=reason).row())
         else:
             rows.append(journal.measure(r, timeout) if journal else ME.run_in_subprocess(r, timeout).row())
     return rows
