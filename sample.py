@@ -7,10 +7,11 @@
 The prompt is read in one pass (prefill), then each new token is one decode step through the
 KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (every step has
 the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
---no-cache re-reads the whole sequence every token (the slow reference both are tested against);
-each new token's RoPE, cache write and attention run as one Triton kernel (kernels.py), and
---no-fused-decode runs the plain PyTorch attention instead. bfloat16 weights on CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to first token,
-prefill and decode tokens per second.
+--no-cache re-reads the whole sequence every token (the slow reference both are tested against).
+On GPUs of compute capability 8.0 and newer each new token's RoPE, cache write and attention run
+as one Triton kernel (kernels.py); --no-fused-decode runs the plain PyTorch attention instead.
+bfloat16 weights on CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to
+first token, prefill and decode tokens per second.
 """
 
 import argparse
