@@ -62,6 +62,21 @@ with torch.no_grad():
         steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 30)]
         logits.append(torch.stack(steps).float())
 assert len(calls) == 2 * 20 and (logits[0] - logits[1]).abs().max() < 1e-2, len(calls)
+
+# The decode step compiled whole, as GraphDecoder compiles it: the graph calls the fused op (the
+# model's checks, the cache's `fusable` flag among them, trace as constants) and gives the same logits.
+import generate as G
+K.decode_step, traced = kernel, []
+def record(gm, example_inputs):
+    traced.extend(str(node.target) for node in gm.graph.nodes)
+    return gm
+step = torch.compile(G.decode_one, backend=record, fullgraph=True)
+with torch.no_grad():
+    fused.setup_cache(2)
+    again = [fused(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
+    again += [step(fused, idx[:, t:t + 1], torch.tensor([t]), cfg["context"]) for t in range(10, 30)]
+assert any("decode_step" in target for target in traced), traced
+assert (torch.stack(again).float() - logits[1]).abs().max() < 1e-3
 print("agree")
 """
 
