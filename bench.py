@@ -58,14 +58,19 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
             ME.Rung("+torch.compile", preset, {**o, **FP32, **FAST}, steps)]
 
 
+# What each fused kernel, and Inductor's kernel tuning, switches on: the ladder's tail adds some of
+# them one after another, the kernels study each alone.
+KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
+                   "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
+
+
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, compile
     tuning, FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes last:
     it measured slower at every preset (docs/BENCHMARKS.md, third round), so the rungs before it
     stay free of it, and the last rung shows whether it pays on top of everything else."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
-                ("+fused loss", {"model__fused_loss": True}),
-                ("+max-autotune (no CUDA graphs)", {"train__compile_mode": "max-autotune-no-cudagraphs"}),
+                *[(name, KERNEL_SWITCHES[name]) for name in ("+fused loss", "+max-autotune (no CUDA graphs)")],
                 ("+fp8 matmuls", {"model__fp8": True})]
     rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
     for name, setting in settings:
@@ -87,10 +92,6 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
                                   "model__attention": kind, "train__doc_mask": variant == "doc-mask"},
                                  steps, kernels=True))
     return rungs
-
-
-KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
-                   "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
 
 
 def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
@@ -372,7 +373,8 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
                 rows[-1]["replay_us"] = round(replay_us(decode, batch), 1)
             ours.setdefault(batch, tokens)  # the plain (eager) path's tokens: every other decoder is compared with them
             if label != "eager":
-                rows[-1]["same_greedy_tokens"] = f"{sum(a == b for a, b in zip(tokens[0], ours[batch][0]))}/{new_tokens}"
+                same = sum(a == b for a, b in zip(tokens[0], ours[batch][0]))
+                rows[-1]["same_greedy_tokens"] = f"{same}/{new_tokens}"
             print(f"{name}: {rate:,.0f} tok/s", flush=True)
     if vs_transformers:
         rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)
@@ -557,7 +559,8 @@ def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, 
 
 
 PLOTTED = {"ladder": ("tok_s", "tokens / s"), "kernels": ("tok_s", "tokens / s"),
-           "attention": ("tok_s", "tokens / s"), "compile_modes": ("tok_s", "tokens / s"), "micro_batch_sweep": ("tok_s", "tokens / s"),
+           "attention": ("tok_s", "tokens / s"), "compile_modes": ("tok_s", "tokens / s"),
+           "micro_batch_sweep": ("tok_s", "tokens / s"),
            "activation_checkpointing": ("tok_s", "tokens / s"), "optimizer": ("update_ms", "ms per update"),
            "profile": ("ms", "ms per 2 micro-batches"), "generate": ("decode_tok_s", "decoded tokens / s"),
            "loss_curves": (None, "training loss")}

@@ -190,11 +190,12 @@ def device_supported(device: torch.device) -> bool:
 
 
 def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether decode_step handles these inputs: one new token per sequence (qkv: (B, 1, heads,
-    hd)) on CUDA (or on CPU under Triton's interpreter), 16-bit floats (tl.dot would round
-    float32 to TF32) in the cache too, a power-of-two head size of at least 16, rows contiguous."""
+    """Whether decode_step handles these inputs, on a device that device_supported allows (the
+    caller asks that once, model.KVCache.fusable): one new token per sequence (qkv: (B, 1, heads,
+    hd)), 16-bit floats (tl.dot would round float32 to TF32) in the cache too, a power-of-two head
+    size of at least 16, rows contiguous."""
     hd = qkv.shape[-1]
-    return (AVAILABLE and (qkv.is_cuda or INTERPRET) and qkv.shape[1] == 1
+    return (qkv.shape[1] == 1
             and qkv.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == qkv.dtype
             and hd >= 16 and hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1)
 
@@ -202,4 +203,4 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def swiglu_supported(h13: torch.Tensor) -> bool:
     """Whether swiglu handles h13: on CUDA (or on CPU under Triton's interpreter), contiguous.
     (train.setup refuses fused_swiglu on a GPU older than device_supported allows.)"""
-    return AVAILABLE and (h13.is_cuda or INTERPRET) and h13.is_contiguous() and h13.shape[-1] % 2 == 0
+    return AVAILABLE and (h13.is_cuda or INTERPRET) and h13.is_contiguous()

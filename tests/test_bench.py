@@ -20,7 +20,8 @@ def test_ladder_plan_adds_one_setting_per_rung():
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
     assert configs[-1].model.fused_loss and configs[-1].model.fp8 and not configs[-2].model.fp8
-    assert configs[-2].train.compile_mode == "max-autotune-no-cudagraphs" and configs[-3].train.compile_mode == "default"
+    assert configs[-2].train.compile_mode == "max-autotune-no-cudagraphs"
+    assert configs[-3].train.compile_mode == "default"
     assert configs[-2].train.micro_batch == 64 and configs[-4].model.fused_loss is False and configs[-4].train.pin
 
 
