@@ -40,12 +40,16 @@ import model as M
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
-FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True}  # the compiled BF16 base of the studies
+# The compiled BF16 base of the studies, with the fused kernels off: each study and each ladder rung
+# switches on what it measures, so every number compares with the same plain model.
+PLAIN_KERNELS = {"model__fused_loss": False, "model__fused_swiglu": False, "model__fp8": False}
+FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True, **PLAIN_KERNELS}
 
 
 # --- Plans: which rungs a study compares (pure functions) -----------------------------------
 
-FP32 = {"train__tf32": False, "train__bf16": False, "train__compile": False, "train__optimizer": "foreach"}
+FP32 = {"train__tf32": False, "train__bf16": False, "train__compile": False, "train__optimizer": "foreach",
+        **PLAIN_KERNELS}
 
 
 def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
@@ -65,13 +69,12 @@ KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": 
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
-    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, compile
-    tuning, FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes last:
-    it measured slower at every preset (docs/BENCHMARKS.md, third round), so the rungs before it
-    stay free of it, and the last rung shows whether it pays on top of everything else."""
+    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, the fused
+    SwiGLU, compile tuning, FP8 block matmuls; each rung keeps the settings of the ones before it.
+    FP8 comes last: it measured slower at every preset (docs/BENCHMARKS.md, third round), so the
+    rungs before it stay free of it, and the last rung shows whether it pays on top of the rest."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
-                *[(name, KERNEL_SWITCHES[name]) for name in ("+fused loss", "+max-autotune (no CUDA graphs)")],
-                ("+fp8 matmuls", {"model__fp8": True})]
+                *KERNEL_SWITCHES.items(), ("+fp8 matmuls", {"model__fp8": True})]
     rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
     for name, setting in settings:
         overrides = {**overrides, **setting}
@@ -288,14 +291,15 @@ KERNEL_CLASSES = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa"))
                   ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "::mm", "bmm", "addmm", "cublas", "mm_"))]
 
 
-def profile_study(preset: str, micro_batch: int, cuda: bool, fused_loss: bool) -> list[dict]:
+def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None) -> list[dict]:
     """Time per kernel class over 2 micro-batches and one optimizer step, and the rate of the
-    classes whose FLOPs are known (matmul: 6N per token; attention: PaLM's 12LHQT)."""
+    classes whose FLOPs are known (matmul: 6N per token; attention: PaLM's 12LHQT). switches: the
+    KERNEL_SWITCHES settings to profile with (none: the compiled BF16 base)."""
     context = C.preset(preset).model.context
     rung = ME.Rung("profile", preset, {**FAST, "train__compile": cuda, "train__micro_batch": micro_batch,
                                        "train__batch_tokens": 2 * micro_batch * context,
                                        "train__optimizer": "fused" if cuda else "foreach",
-                                       "model__fused_loss": fused_loss}, 1)
+                                       **(switches or {})}, 1)
     with tempfile.TemporaryDirectory() as workdir:
         r = TR.setup(rung.config(), log=lambda *a, **k: None, random_tokens_dir=Path(workdir))
         step = lambda: TR.train_step(r.model, r.optimizer, r.train_loader.next_batch, 2, r.cfg.train,  # noqa: E731
@@ -445,7 +449,10 @@ def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype
 
 # --- Loss curves -----------------------------------------------------------------------------
 
-CURVE_VARIANTS = {"plain": [], "fused loss": ["--fused-loss"], "fp8": ["--fp8"]}  # train.py flags
+# train.py flags: the plain model, then each fast path alone on it
+CURVE_PLAIN = ["--no-fused-loss", "--no-fused-swiglu", "--no-fp8"]
+CURVE_VARIANTS = {"plain": CURVE_PLAIN, "fused loss": CURVE_PLAIN + ["--fused-loss"],
+                  "fused SwiGLU": CURVE_PLAIN + ["--fused-swiglu"], "fp8": CURVE_PLAIN + ["--fp8"]}
 
 
 def loss_curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: int,
@@ -596,6 +603,7 @@ def main(argv=None):
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
     p.add_argument("--fused-loss", action="store_true", help="profile with the fused loss")
+    p.add_argument("--fused-swiglu", action="store_true", help="profile with the fused SwiGLU")
     p.add_argument("--new-tokens", type=int, default=500, help="tokens each generation run decodes (default 500)")
     p.add_argument("--no-transformers", action="store_true", help="--generate measures onegpu only")
     p.add_argument("--curve-steps", type=int, default=None, help="steps of each --loss-curves run (default 200 on "
@@ -667,7 +675,9 @@ def run_studies(args, chosen: list[str], argv):
         elif study == "optimizer":
             rows = optimizer_study(preset, cuda)
         elif study == "profile":
-            rows = profile_study(preset, mb, cuda, args.fused_loss)
+            switches = {**(KERNEL_SWITCHES["+fused loss"] if args.fused_loss else {}),
+                        **(KERNEL_SWITCHES["+fused SwiGLU"] if args.fused_swiglu else {})}
+            rows = profile_study(preset, mb, cuda, switches)
         elif study == "generate":
             rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40),
                                   vs_transformers=not args.no_transformers)
@@ -677,6 +687,7 @@ def run_studies(args, chosen: list[str], argv):
                                              args.batch_tokens or (None if cuda else batch_tokens))
             plot_curves(curves, f"loss curves | {preset} | stdlib corpus | {device_name} | {results['date']}",
                         out / f"{study}.png")
+            results["curves"] = curves  # the losses step by step, to compare runs on other days
         if study == "ladder":
             table = ladder_table(rows, flops_tok, roof.get("roof_tflops"), spec_peak)
             if roof:

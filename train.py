@@ -1,7 +1,7 @@
 """Train the model.
 
     python train.py                                   # embedded default: tiny model, stdlib corpus
-    python train.py --config configs/88m.toml         # the real run (compile, fused, bf16, tf32 on)
+    python train.py --config configs/88m.toml         # the real run (compile, fused AdamW and SwiGLU, bf16, tf32 on)
     python train.py --config configs/88m.toml --resume
     torchrun --nproc_per_node=2 train.py --config configs/88m.toml
 
@@ -38,7 +38,6 @@ import checkpoint as CK
 import config as C
 import data as D
 import generate as G
-import kernels as K
 import model as M
 import tokenizer as tk
 
@@ -186,9 +185,11 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     if cfg.model.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
                          f"which {torch.cuda.get_device_name(device)} lacks: use --no-fp8")
-    if cfg.model.fused_swiglu and device.type == "cuda" and not K.device_supported(device):
-        raise ValueError(f"model.fused_swiglu is a Triton kernel, and Triton needs compute capability 8.0 or newer "
-                         f"(Ampere), which {torch.cuda.get_device_name(device)} lacks: use --no-fused-swiglu")
+    model_cfg = M.for_device(cfg.model, device)
+    if model_cfg != cfg.model:
+        say(f"note: the fused SwiGLU needs Triton and a GPU of compute capability 8.0 (Ampere) or newer, so "
+            f"{torch.cuda.get_device_name(device)} runs the plain SwiGLU")
+        cfg = dataclasses.replace(cfg, model=model_cfg)
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)

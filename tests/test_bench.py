@@ -16,13 +16,16 @@ def test_ladder_plan_adds_one_setting_per_rung():
     rungs = B.ladder_rungs("88m", 16, 3) + B.ladder_tail("88m", 64, 3)
     names = [r.name for r in rungs]
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
-                     "+fused loss", "+max-autotune (no CUDA graphs)", "+fp8 matmuls"]
+                     "+fused loss", "+fused SwiGLU", "+max-autotune (no CUDA graphs)", "+fp8 matmuls"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
-    assert configs[-1].model.fused_loss and configs[-1].model.fp8 and not configs[-2].model.fp8
+    # The fused kernels are off until their own rung, though fused_swiglu is on by default.
+    kernels = [(c.model.fused_loss, c.model.fused_swiglu, c.model.fp8) for c in configs]
+    assert kernels == [(False, False, False)] * 6 + [(True, False, False)] + [(True, True, False)] * 2 + [
+        (True, True, True)]
     assert configs[-2].train.compile_mode == "max-autotune-no-cudagraphs"
     assert configs[-3].train.compile_mode == "default"
-    assert configs[-2].train.micro_batch == 64 and configs[-4].model.fused_loss is False and configs[-4].train.pin
+    assert configs[-2].train.micro_batch == 64 and configs[-5].train.pin
 
 
 def test_kernel_plan_switches_on_one_kernel_at_a_time():
@@ -145,8 +148,12 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
 @pytest.mark.slow
 def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     B.main(["--loss-curves", "--curve-steps", "3", "--out", str(tmp_path)])
-    by_name = {r["rung"]: r for r in json.loads((tmp_path / "loss_curves.json").read_text())["rows"]}
-    assert set(by_name) == {"plain", "fused loss", "fp8"} and all("skipped" not in r for r in by_name.values())
+    saved = json.loads((tmp_path / "loss_curves.json").read_text())
+    by_name = {r["rung"]: r for r in saved["rows"]}
+    assert {name: len(losses) for name, losses in saved["curves"].items()} == dict.fromkeys(by_name, 3)
+    assert set(by_name) == {"plain", "fused loss", "fused SwiGLU", "fp8"}
+    assert all("skipped" not in r for r in by_name.values())
     assert by_name["fused loss"]["max_loss_diff"] < 1e-4  # float32 on CPU: the same numbers
+    assert by_name["fused SwiGLU"]["max_loss_diff"] < 1e-4  # the plain path on CPU without the interpreter
     assert by_name["fp8"]["max_loss_diff"] < 0.1  # FP8 rounding
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and not list(tmp_path.rglob("ckpt*.pt"))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels as K
+import model as M
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,6 +113,9 @@ for fused, compiled in ((False, False), (True, False), (True, True)):
     loss = (torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model)(idx, targets)
     loss.backward()
     runs.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+K.swiglu = lambda h: calls.append(1) or kernel(h)
+with torch.no_grad():  # evaluation and decoding keep the plain activation (Inductor fuses it there)
+    model(idx)
 assert len(calls) == 2, len(calls)
 for loss, grads in runs[1:]:
     assert abs(loss - runs[0][0]) < 1e-5
@@ -148,3 +152,7 @@ def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
     for capability, expected in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert K.device_supported(torch.device("cuda")) is expected
+        # fused_swiglu is on by default; where Triton cannot run, train.setup builds the model
+        # without it and says so in one line (generation never uses it: no gradients).
+        assert M.for_device(M.ModelConfig(), torch.device("cuda")).fused_swiglu is expected
+    assert M.for_device(M.ModelConfig(), torch.device("cpu")).fused_swiglu  # CPU: SwiGLU's own check
