@@ -42,7 +42,8 @@ import train as TR
 ROOT = Path(__file__).resolve().parent
 # The compiled BF16 base of the studies, with the fused kernels off: each study and each ladder rung
 # switches on what it measures, so every number compares with the same plain model.
-PLAIN_KERNELS = {"model__fused_loss": False, "model__fused_swiglu": False, "model__fp8": False}
+PLAIN_KERNELS = {"model__fused_loss": False, "model__fused_swiglu": False, "model__bf16_residual": False,
+                 "model__fp8": False}
 FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True, **PLAIN_KERNELS}
 
 
@@ -62,15 +63,19 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
             ME.Rung("+torch.compile", preset, {**o, **FP32, **FAST}, steps)]
 
 
-# What each fused kernel, and Inductor's kernel tuning, switches on: the ladder's tail adds some of
-# them one after another, the kernels study each alone.
+# What each fused kernel, the bf16 residual stream and Inductor's kernel tuning switch on: the
+# ladder's tail adds them one after another, the kernels study each alone.
 KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
+                   "+bf16 residual": {"model__bf16_residual": True},
                    "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
+# bench.py --profile's flags for the switches that change kernels (model settings)
+PROFILE_SWITCHES = {"fused_loss": "+fused loss", "fused_swiglu": "+fused SwiGLU", "bf16_residual": "+bf16 residual"}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, the fused
-    SwiGLU, compile tuning, FP8 block matmuls; each rung keeps the settings of the ones before it.
+    SwiGLU, the bf16 residual stream, compile tuning, FP8 block matmuls; each rung keeps the
+    settings of the ones before it.
     FP8 comes last: it measured slower at every preset (docs/BENCHMARKS.md, third round), so the
     rungs before it stay free of it, and the last rung shows whether it pays on top of the rest."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
@@ -450,9 +455,10 @@ def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype
 # --- Loss curves -----------------------------------------------------------------------------
 
 # train.py flags: the plain model, then each fast path alone on it
-CURVE_PLAIN = ["--no-fused-loss", "--no-fused-swiglu", "--no-fp8"]
+CURVE_PLAIN = ["--no-fused-loss", "--no-fused-swiglu", "--no-bf16-residual", "--no-fp8"]
 CURVE_VARIANTS = {"plain": CURVE_PLAIN, "fused loss": CURVE_PLAIN + ["--fused-loss"],
-                  "fused SwiGLU": CURVE_PLAIN + ["--fused-swiglu"], "fp8": CURVE_PLAIN + ["--fp8"]}
+                  "fused SwiGLU": CURVE_PLAIN + ["--fused-swiglu"],
+                  "bf16 residual": CURVE_PLAIN + ["--bf16-residual"], "fp8": CURVE_PLAIN + ["--fp8"]}
 
 
 def loss_curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: int,
@@ -602,8 +608,8 @@ def main(argv=None):
                    help="timed optimizer steps per rung (default 3 on CUDA, 2 on CPU)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
-    p.add_argument("--fused-loss", action="store_true", help="profile with the fused loss")
-    p.add_argument("--fused-swiglu", action="store_true", help="profile with the fused SwiGLU")
+    for switch in PROFILE_SWITCHES:
+        p.add_argument("--" + switch.replace("_", "-"), action="store_true", help=f"profile with {switch}")
     p.add_argument("--new-tokens", type=int, default=500, help="tokens each generation run decodes (default 500)")
     p.add_argument("--no-transformers", action="store_true", help="--generate measures onegpu only")
     p.add_argument("--curve-steps", type=int, default=None, help="steps of each --loss-curves run (default 200 on "
@@ -675,8 +681,8 @@ def run_studies(args, chosen: list[str], argv):
         elif study == "optimizer":
             rows = optimizer_study(preset, cuda)
         elif study == "profile":
-            switches = {**(KERNEL_SWITCHES["+fused loss"] if args.fused_loss else {}),
-                        **(KERNEL_SWITCHES["+fused SwiGLU"] if args.fused_swiglu else {})}
+            switches = {k: v for flag, rung in PROFILE_SWITCHES.items() if getattr(args, flag)
+                        for k, v in KERNEL_SWITCHES[rung].items()}
             rows = profile_study(preset, mb, cuda, switches)
         elif study == "generate":
             rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40),

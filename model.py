@@ -7,8 +7,9 @@ drives the KV cache, is generate.py.
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
-`fp8` runs the block matmuls in FP8, and `fused_swiglu` and `fused_decode` hand SwiGLU and a
-decoded token's attention to Triton kernels.
+`fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
+under autocast, and `fused_swiglu` and `fused_decode` hand SwiGLU and a decoded token's attention
+to Triton kernels.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
@@ -51,6 +52,7 @@ class ModelConfig:
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
     fused_decode: bool = True  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
+    bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (not yet measured)
     # fused_swiglu: +3.5% at 88m and +3.3% at 126m on an H200, same peak memory (BENCHMARKS, fifth round)
     fused_swiglu: bool = True  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
 
@@ -563,6 +565,13 @@ class Llama(nn.Module):
             # (T, window): a query at position p sees cached keys at positions <= p; positions past
             # the current length hold zeros or stale keys and are masked out.
             cache_mask = torch.arange(window or self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
+        if self.cfg.bf16_residual and torch.is_autocast_enabled(x.device.type):
+            # The stream every norm reads and every residual add writes, in bf16 instead of float32:
+            # half the bytes in those memory-bound kernels (about 11 ms of a 172 ms 88m step on an
+            # H200, docs/BENCHMARKS.md). The norms still compute in float32; the gradient flowing
+            # back along the stream is rounded to bf16 at every add, which is why it needs its own
+            # loss curve. (The RoPE tables above keep x's float32.)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask,

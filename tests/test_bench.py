@@ -16,13 +16,14 @@ def test_ladder_plan_adds_one_setting_per_rung():
     rungs = B.ladder_rungs("88m", 16, 3) + B.ladder_tail("88m", 64, 3)
     names = [r.name for r in rungs]
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
-                     "+fused loss", "+fused SwiGLU", "+max-autotune (no CUDA graphs)", "+fp8 matmuls"]
+                     "+fused loss", "+fused SwiGLU", "+bf16 residual", "+max-autotune (no CUDA graphs)",
+                     "+fp8 matmuls"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
     # The fused kernels are off until their own rung, though fused_swiglu is on by default.
-    kernels = [(c.model.fused_loss, c.model.fused_swiglu, c.model.fp8) for c in configs]
-    assert kernels == [(False, False, False)] * 6 + [(True, False, False)] + [(True, True, False)] * 2 + [
-        (True, True, True)]
+    kernels = [(c.model.fused_loss, c.model.fused_swiglu, c.model.bf16_residual, c.model.fp8) for c in configs]
+    assert kernels == [(False,) * 4] * 6 + [(True, False, False, False), (True, True, False, False)] + [
+        (True, True, True, False)] * 2 + [(True,) * 4]
     assert configs[-2].train.compile_mode == "max-autotune-no-cudagraphs"
     assert configs[-3].train.compile_mode == "default"
     assert configs[-2].train.micro_batch == 64 and configs[-5].train.pin
@@ -31,9 +32,10 @@ def test_ladder_plan_adds_one_setting_per_rung():
 def test_kernel_plan_switches_on_one_kernel_at_a_time():
     base, *others = [r.config() for r in B.kernel_rungs("88m", 64, 3)]
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
-    assert (base.model.fused_loss, base.model.fused_swiglu) == (False, False)
-    assert [(c.model.fused_loss, c.model.fused_swiglu, c.train.compile_mode) for c in others] == [
-        (True, False, "default"), (False, True, "default"), (False, False, "max-autotune-no-cudagraphs")]
+    assert (base.model.fused_loss, base.model.fused_swiglu, base.model.bf16_residual) == (False, False, False)
+    assert [(c.model.fused_loss, c.model.fused_swiglu, c.model.bf16_residual, c.train.compile_mode)
+            for c in others] == [(True, False, False, "default"), (False, True, False, "default"),
+                                 (False, False, True, "default"), (False, False, False, "max-autotune-no-cudagraphs")]
 
 
 def test_a_misspelled_rung_setting_fails_before_anything_runs():
@@ -136,8 +138,7 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     assert attention["textbook eager"]["attention_kernels"].startswith("math") and attention["sdpa eager"]["tok_s"] > 0
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
     assert [r["micro_batch"] for r in rows("micro_batch_sweep") if "micro_batch" in r] == [1, 2, 4]
-    assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", "+fused loss", "+fused SwiGLU",
-                                                    "+max-autotune (no CUDA graphs)"]
+    assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", *B.KERNEL_SWITCHES]
     assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
     assert rows("generate")[0]["decode_tok_s"] > 0
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)
@@ -151,9 +152,10 @@ def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     saved = json.loads((tmp_path / "loss_curves.json").read_text())
     by_name = {r["rung"]: r for r in saved["rows"]}
     assert {name: len(losses) for name, losses in saved["curves"].items()} == dict.fromkeys(by_name, 3)
-    assert set(by_name) == {"plain", "fused loss", "fused SwiGLU", "fp8"}
+    assert set(by_name) == {"plain", "fused loss", "fused SwiGLU", "bf16 residual", "fp8"}
     assert all("skipped" not in r for r in by_name.values())
     assert by_name["fused loss"]["max_loss_diff"] < 1e-4  # float32 on CPU: the same numbers
     assert by_name["fused SwiGLU"]["max_loss_diff"] < 1e-4  # the plain path on CPU without the interpreter
+    assert by_name["bf16 residual"]["max_loss_diff"] < 1e-4  # no autocast on CPU, so a float32 stream
     assert by_name["fp8"]["max_loss_diff"] < 0.1  # FP8 rounding
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and not list(tmp_path.rglob("ckpt*.pt"))

@@ -32,7 +32,7 @@ def loss_and_grads(compiled: bool, seed: int, **switches):
     return out
 
 
-@pytest.mark.parametrize("switch", ["fused_loss", "fused_swiglu"])
+@pytest.mark.parametrize("switch", ["fused_loss", "fused_swiglu", "bf16_residual"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_kernels_match_plain_in_bf16(compiled, switch):
     out = loss_and_grads(compiled, seed=0, **{switch: True})
