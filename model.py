@@ -52,7 +52,8 @@ class ModelConfig:
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
     fused_decode: bool = True  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
-    bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (not yet measured)
+    # bf16_residual: +4.4% at 88m on an H200, 1.9 GiB less (BENCHMARKS, fifth round); its loss curve is not yet measured
+    bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32
     # fused_swiglu: +3.5% at 88m and +3.3% at 126m on an H200, same peak memory (BENCHMARKS, fifth round)
     fused_swiglu: bool = True  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
 

@@ -15,3 +15,7 @@ timeout 75 python3 bench.py --profile --micro-batch-size 64 --fused-loss --fused
 
 # 3. max-autotune on top of the fused SwiGLU, 126m (cold Inductor cache), then 88m (same matmul shapes).
 timeout 560 python3 docs/h200/2026-11-30-session5/autotune.py 126m 88m 2>&1 | tee $OUT/autotune.log
+
+# 4. The bf16 residual stream on top of the fused SwiGLU at 88m, then its GPU parity tests.
+timeout 85 python3 docs/h200/2026-11-30-session5/bf16_residual.py 2>&1 | tee $OUT/bf16_residual.log
+timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "bf16_residual" 2>&1 | tail -3
