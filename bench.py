@@ -75,9 +75,9 @@ PROFILE_SWITCHES = {"fused_loss": "+fused loss", "fused_swiglu": "+fused SwiGLU"
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, the fused
     SwiGLU, the bf16 residual stream, compile tuning, FP8 block matmuls; each rung keeps the
-    settings of the ones before it.
-    FP8 comes last: it measured slower at every preset (docs/BENCHMARKS.md, third round), so the
-    rungs before it stay free of it, and the last rung shows whether it pays on top of the rest."""
+    settings of the ones before it. FP8 comes last: it measured slower at every preset
+    (docs/BENCHMARKS.md, third round), so the rungs before it stay free of it, and the last rung
+    shows whether it pays on top of the rest."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
                 *KERNEL_SWITCHES.items(), ("+fp8 matmuls", {"model__fp8": True})]
     rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
