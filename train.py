@@ -185,6 +185,8 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     if cfg.model.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
                          f"which {torch.cuda.get_device_name(device)} lacks: use --no-fp8")
+    if cfg.model.bf16_residual and not tcfg.bf16:
+        say("note: --bf16-residual acts only under --bf16 (autocast), so the residual stream stays float32")
     model_cfg = M.for_device(cfg.model, device)
     if model_cfg != cfg.model:
         say(f"note: the fused SwiGLU needs Triton and a GPU of compute capability 8.0 (Ampere) or newer, so "
@@ -429,7 +431,8 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         f"git {info['git_commit'][:10]}{' (dirty)' if info['git_dirty'] else ''} | world {world}")
     say(f"model: {M.param_count(cfg.model):,} parameters, head size {cfg.model.head_dim}, SwiGLU "
         f"{cfg.model.ffn_hidden}, {flops_tok / 1e6:,.1f} MFLOPs/token, attention {cfg.model.attention}, "
-        f"fused loss {cfg.model.fused_loss}, fused SwiGLU {cfg.model.fused_swiglu}, fp8 {cfg.model.fp8}")
+        f"fused loss {cfg.model.fused_loss}, fused SwiGLU {cfg.model.fused_swiglu}, "
+        f"bf16 residual {cfg.model.bf16_residual and tcfg.bf16}, fp8 {cfg.model.fp8}")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {B} seq x {T} tokens x {accum} accumulation x {world} rank(s); "
         f"{steps} steps = {steps * tcfg.batch_tokens:,} tokens")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"
