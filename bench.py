@@ -3,6 +3,7 @@
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
                                              #   AdamW -> pinned -> fused loss -> compile tuning -> FP8
     python bench.py --kernels                # each fused kernel, and max-autotune, alone against compiled BF16
+    python bench.py --kernels --repeats 3    # each rung 3 times in turn: the median run and the spread
     python bench.py --ladder --preset 22m    # any preset in configs/
     python bench.py --ladder --resume        # go on from where an interrupted ladder stopped
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
@@ -171,18 +172,37 @@ class Journal:
         self.path.unlink(missing_ok=True)
 
 
-def run(rungs: list[ME.Rung], cuda: bool, timeout: int, journal: Journal | None = None) -> list[dict]:
+def run(rungs: list[ME.Rung], cuda: bool, timeout: int, journal: Journal | None = None,
+        repeats: int = 1) -> list[dict]:
+    """Each rung in its own process, one row per rung. repeats > 1 measures the whole list that many
+    times in turn (A B C, A B C, ...), so a clock that drifts while the card warms touches every
+    rung alike; each rung's row is then its median run (median_row)."""
     for r in rungs:  # every rung's config is checked before the first one runs
         r.config()
-    rows = []
-    for r in rungs:
-        reason = None if cuda else cpu_skip(r)
-        print(f"rung: {r.name} ...", flush=True)
-        if reason:
-            rows.append(ME.Result(rung=r.name, micro_batch=r.config().train.micro_batch, skipped=reason).row())
-        else:
-            rows.append(journal.measure(r, timeout) if journal else ME.run_in_subprocess(r, timeout).row())
-    return rows
+    runs = {r.name: [] for r in rungs}
+    for i in range(repeats):
+        for base in rungs:
+            r = base if repeats == 1 else dataclasses.replace(base, name=f"{base.name} (run {i + 1} of {repeats})")
+            reason = None if cuda else cpu_skip(r)
+            print(f"rung: {r.name} ...", flush=True)
+            if reason:
+                row = ME.Result(rung=r.name, micro_batch=r.config().train.micro_batch, skipped=reason).row()
+            else:
+                row = journal.measure(r, timeout) if journal else ME.run_in_subprocess(r, timeout).row()
+            runs[base.name].append(row)
+    return [rows[0] if repeats == 1 else median_row(name, rows) for name, rows in runs.items()]
+
+
+def median_row(name: str, rows: list[dict]) -> dict:
+    """One rung's repeated runs as one row: the run with the median tok/s (the lower of the middle
+    two for an even count), its runs counted and their spread, (fastest - slowest) / median. Two
+    settings whose difference is inside both spreads are not told apart by this measurement."""
+    measured = sorted((r for r in rows if r.get("tok_s")), key=lambda r: r["tok_s"])
+    if not measured:
+        return {**rows[-1], "rung": name}
+    middle = measured[(len(measured) - 1) // 2]
+    return {**middle, "rung": name, "runs": len(measured),
+            "runs_spread": (measured[-1]["tok_s"] - measured[0]["tok_s"]) / middle["tok_s"]}
 
 
 def largest_fitting(make, sizes, cuda: bool, timeout: int, journal: Journal | None = None) -> dict:
@@ -532,7 +552,8 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 
 def simple_table(rows: list[dict]) -> str:
-    keys = [k for k in ("micro_batch", "batch", "tok_s", "step_s", "peak_gib", "reserved_gib", "warmup_s",
+    keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib", "reserved_gib",
+                        "warmup_s",
                         "attention_kernels", "update_ms", "ms", "share", "tflops", "fixed_gib", "gib_per_seq",
                         "largest_fitting", "first_token_ms", "prefill_tok_s", "decode_tok_s",
                         "same_greedy_tokens", "skipped")
@@ -542,7 +563,8 @@ def simple_table(rows: list[dict]) -> str:
         cells = []
         for k in keys:
             v = r.get(k)
-            cells.append("" if v is None else f"{v:.1%}" if k == "share" else f"{v:,.2f}" if isinstance(v, float) else str(v))
+            cells.append("" if v is None else f"{v:.1%}" if k in ("share", "runs_spread")
+                         else f"{v:,.2f}" if isinstance(v, float) else str(v))
         lines.append(f"| {r['rung']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -615,11 +637,15 @@ def main(argv=None):
     p.add_argument("--curve-steps", type=int, default=None, help="steps of each --loss-curves run (default 200 on "
                                                                  "CUDA, 4 on CPU)")
     p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
+    p.add_argument("--repeats", type=int, default=1, help="measure the kernels, attention and compile-modes "
+                   "rungs this many times in turn and report each rung's median run and spread (default 1)")
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung (default 900)")
     p.add_argument("--resume", action="store_true", help="reuse the rungs an interrupted study measured "
                                                          "(results/<study>.partial.json)")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: measure each rung at least once (--repeats 1 or more)")
     try:
         if args.budget:
             rates = args.tok_s or [f"{k}={v}" for k, v in LAPTOP_TOK_S.items()]
@@ -668,12 +694,12 @@ def run_studies(args, chosen: list[str], argv):
         if study == "ladder":
             rows = ladder(preset, batch_tokens, steps, cuda, args.timeout, journal)
         elif study == "attention":
-            rows = run(attention_rungs(preset, mb, steps, args.only), cuda, args.timeout, journal)
+            rows = run(attention_rungs(preset, mb, steps, args.only), cuda, args.timeout, journal, args.repeats)
         elif study == "kernels":
             rows = run(kernel_rungs(preset, mb, steps, {"train__batch_tokens": batch_tokens}), cuda, args.timeout,
-                       journal)
+                       journal, args.repeats)
         elif study == "compile_modes":
-            rows = run(compile_mode_rungs(preset, mb, steps), cuda, args.timeout, journal)
+            rows = run(compile_mode_rungs(preset, mb, steps), cuda, args.timeout, journal, args.repeats)
         elif study == "micro_batch_sweep":
             rows = micro_batch_study(preset, batch_tokens, steps, cuda, args.timeout, journal=journal)
         elif study == "activation_checkpointing":

@@ -38,6 +38,19 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
                                  (False, False, True, "default"), (False, False, False, "max-autotune-no-cudagraphs")]
 
 
+def test_repeats_measure_the_whole_plan_in_turn_and_report_each_rungs_median(monkeypatch):
+    order, rates = [], iter([100.0, 200.0, 90.0, 260.0, 110.0, 230.0])
+    monkeypatch.setattr(ME, "run_in_subprocess",
+                        lambda rung, timeout: order.append(rung.name) or ME.Result(rung.name, 4, tok_s=next(rates)))
+    rows = B.run([ME.Rung("a", "tiny"), ME.Rung("b", "tiny")], cuda=True, timeout=10, repeats=3)
+    assert order == [f"{n} (run {i} of 3)" for i in (1, 2, 3) for n in "ab"]  # A B, A B, A B
+    assert [(r["rung"], r["tok_s"], r["runs"]) for r in rows] == [("a", 100.0, 3), ("b", 230.0, 3)]
+    assert rows[0]["runs_spread"] == pytest.approx(0.2) and rows[1]["runs_spread"] == pytest.approx(60 / 230)
+    assert "| a | 4 | 100.00 | 3 | 20.0% |" in B.simple_table(rows)
+    skipped = [{"rung": f"c (run {i} of 2)", "skipped": "out of memory"} for i in (1, 2)]
+    assert B.median_row("c", skipped) == {"rung": "c", "skipped": "out of memory"}
+
+
 def test_a_misspelled_rung_setting_fails_before_anything_runs():
     rung = ME.Rung("typo", "tiny", {"train__micro_batchs": 4})
     with pytest.raises(ValueError, match=r"unknown key\(s\) train\.micro_batchs"):
