@@ -41,10 +41,10 @@ import model as M
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
-# The compiled BF16 base of the studies, with the fused kernels off: each study and each ladder rung
-# switches on what it measures, so every number compares with the same plain model.
-PLAIN_KERNELS = {"model__fused_loss": False, "model__fused_swiglu": False, "model__bf16_residual": False,
-                 "model__fp8": False}
+# ModelConfig's fast-path switches. The studies' base has them all off: each study and each ladder
+# rung switches on what it measures, so every number compares with the same plain model.
+MODEL_SWITCHES = ("fused_loss", "fused_swiglu", "bf16_residual", "fp8")
+PLAIN_KERNELS = {f"model__{s}": False for s in MODEL_SWITCHES}
 FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True, **PLAIN_KERNELS}
 
 
@@ -69,8 +69,6 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
 KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
                    "+bf16 residual": {"model__bf16_residual": True},
                    "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
-# bench.py --profile's flags for the switches that change kernels (model settings)
-PROFILE_SWITCHES = {"fused_loss": "+fused loss", "fused_swiglu": "+fused SwiGLU", "bf16_residual": "+bf16 residual"}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
@@ -319,7 +317,7 @@ KERNEL_CLASSES = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa"))
 def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None) -> list[dict]:
     """Time per kernel class over 2 micro-batches and one optimizer step, and the rate of the
     classes whose FLOPs are known (matmul: 6N per token; attention: PaLM's 12LHQT). switches: the
-    KERNEL_SWITCHES settings to profile with (none: the compiled BF16 base)."""
+    model switches to profile with on (none: the compiled BF16 base)."""
     context = C.preset(preset).model.context
     rung = ME.Rung("profile", preset, {**FAST, "train__compile": cuda, "train__micro_batch": micro_batch,
                                        "train__batch_tokens": 2 * micro_batch * context,
@@ -474,11 +472,16 @@ def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype
 
 # --- Loss curves -----------------------------------------------------------------------------
 
+def flag(switch: str, on: bool = True) -> str:
+    """train.py's (and --profile's) flag for a ModelConfig switch: fused_loss -> --fused-loss."""
+    return f"--{'' if on else 'no-'}{switch.replace('_', '-')}"
+
+
 # train.py flags: the plain model, then each fast path alone on it
-CURVE_PLAIN = ["--no-fused-loss", "--no-fused-swiglu", "--no-bf16-residual", "--no-fp8"]
-CURVE_VARIANTS = {"plain": CURVE_PLAIN, "fused loss": CURVE_PLAIN + ["--fused-loss"],
-                  "fused SwiGLU": CURVE_PLAIN + ["--fused-swiglu"],
-                  "bf16 residual": CURVE_PLAIN + ["--bf16-residual"], "fp8": CURVE_PLAIN + ["--fp8"]}
+CURVE_PLAIN = [flag(s, on=False) for s in MODEL_SWITCHES]
+CURVE_VARIANTS = {"plain": CURVE_PLAIN, **{name: CURVE_PLAIN + [flag(s)] for name, s in (
+    ("fused loss", "fused_loss"), ("fused SwiGLU", "fused_swiglu"), ("bf16 residual", "bf16_residual"),
+    ("fp8", "fp8"))}}
 
 
 def loss_curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: int,
@@ -552,11 +555,10 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 
 def simple_table(rows: list[dict]) -> str:
-    keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib", "reserved_gib",
-                        "warmup_s",
-                        "attention_kernels", "update_ms", "ms", "share", "tflops", "fixed_gib", "gib_per_seq",
-                        "largest_fitting", "first_token_ms", "prefill_tok_s", "decode_tok_s",
-                        "same_greedy_tokens", "skipped")
+    keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib",
+                        "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "ms", "share", "tflops",
+                        "fixed_gib", "gib_per_seq", "largest_fitting", "first_token_ms", "prefill_tok_s",
+                        "decode_tok_s", "same_greedy_tokens", "skipped")
             if any(k in r for r in rows)]
     lines = ["| rung | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for r in rows:
@@ -630,8 +632,8 @@ def main(argv=None):
                    help="timed optimizer steps per rung (default 3 on CUDA, 2 on CPU)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
-    for switch in PROFILE_SWITCHES:
-        p.add_argument("--" + switch.replace("_", "-"), action="store_true", help=f"profile with {switch}")
+    for switch in MODEL_SWITCHES:
+        p.add_argument(flag(switch), action="store_true", help=f"profile with model.{switch} on")
     p.add_argument("--new-tokens", type=int, default=500, help="tokens each generation run decodes (default 500)")
     p.add_argument("--no-transformers", action="store_true", help="--generate measures onegpu only")
     p.add_argument("--curve-steps", type=int, default=None, help="steps of each --loss-curves run (default 200 on "
@@ -707,9 +709,7 @@ def run_studies(args, chosen: list[str], argv):
         elif study == "optimizer":
             rows = optimizer_study(preset, cuda)
         elif study == "profile":
-            switches = {k: v for flag, rung in PROFILE_SWITCHES.items() if getattr(args, flag)
-                        for k, v in KERNEL_SWITCHES[rung].items()}
-            rows = profile_study(preset, mb, cuda, switches)
+            rows = profile_study(preset, mb, cuda, {f"model__{s}": True for s in MODEL_SWITCHES if getattr(args, s)})
         elif study == "generate":
             rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40),
                                   vs_transformers=not args.no_transformers)

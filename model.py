@@ -14,9 +14,8 @@ to Triton kernels.
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -94,7 +93,7 @@ def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
     (older than Ampere), where the plain SwiGLU computes the same function. On CPU SwiGLU picks the
     plain path itself; the decode kernel asks the same question per cache (KVCache.fusable)."""
     if cfg.fused_swiglu and device.type == "cuda" and not K.device_supported(device):
-        return dataclasses.replace(cfg, fused_swiglu=False)
+        return replace(cfg, fused_swiglu=False)
     return cfg
 
 
