@@ -1,7 +1,8 @@
 """Where the speed comes from: the ladder, one study per setting, and generation, on any GPU.
 
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
-                                             #   AdamW -> pinned -> fused loss -> compile tuning -> FP8
+                                             #   AdamW -> pinned -> fused loss -> fused SwiGLU -> bf16
+                                             #   residual -> max-autotune -> FP8
     python bench.py --kernels                # each fused kernel, and max-autotune, alone against compiled BF16
     python bench.py --kernels --repeats 3    # each rung 3 times in turn: the median run and the spread
     python bench.py --ladder --preset 22m    # any preset in configs/
@@ -9,7 +10,7 @@
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
     python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile
     python bench.py --generate               # decode speed: onegpu vs transformers' generate
-    python bench.py --loss-curves            # 200 steps with and without each fast path: same learning?
+    python bench.py --loss-curves            # 200 steps without, with each fast path, with the defaults
     python bench.py --budget --tok-s 88m=676284   # hours to train each preset at measured rates
 
 Every training configuration ("rung") is a preset plus overrides, checked by the same strict
@@ -101,13 +102,20 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
     return rungs
 
 
+# The fast paths train.py uses when no flag says otherwise (ModelConfig's defaults)
+DEFAULT_KERNELS = {f"model__{s}": getattr(M.ModelConfig(), s) for s in MODEL_SWITCHES}
+
+
 def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
-    """Compiled BF16 with fused AdamW, then each fused kernel, and Inductor's own kernel tuning,
+    """Compiled BF16 with fused AdamW, then each fast path, and Inductor's own kernel tuning,
     switched on alone against it: which of them pays at this preset, apart from the order of the
-    ladder's rungs. The max-autotune rung autotunes for about five minutes at 88m, so it is last."""
+    ladder's rungs; then the model's defaults together, what `train.py` gains over plain
+    torch.compile. The max-autotune rung autotunes for about five minutes at 88m, so it is last."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
-    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps)] + [
-        ME.Rung(name, preset, {**o, **switch}, steps) for name, switch in KERNEL_SWITCHES.items()]
+    alone = [ME.Rung(name, preset, {**o, **switch}, steps) for name, switch in KERNEL_SWITCHES.items()]
+    defaults = ME.Rung("the model's defaults", preset, {**o, **DEFAULT_KERNELS}, steps)
+    assert "train__compile_mode" in alone[-1].overrides  # the slow rung stays last
+    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *alone[:-1], defaults, alone[-1]]
 
 
 def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:
@@ -477,11 +485,11 @@ def flag(switch: str, on: bool = True) -> str:
     return f"--{'' if on else 'no-'}{switch.replace('_', '-')}"
 
 
-# train.py flags: the plain model, then each fast path alone on it
+# train.py flags: the plain model, then each fast path alone on it, then train.py's defaults (no flags)
 CURVE_PLAIN = [flag(s, on=False) for s in MODEL_SWITCHES]
 CURVE_VARIANTS = {"plain": CURVE_PLAIN, **{name: CURVE_PLAIN + [flag(s)] for name, s in (
     ("fused loss", "fused_loss"), ("fused SwiGLU", "fused_swiglu"), ("bf16 residual", "bf16_residual"),
-    ("fp8", "fp8"))}}
+    ("fp8", "fp8"))}, "defaults": []}
 
 
 def loss_curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: int,
@@ -623,7 +631,7 @@ def main(argv=None):
     for study in STUDIES:
         p.add_argument("--" + study.replace("_", "-"), action="store_true",
                        help=f"run the {study.replace('_', ' ')} study")
-    p.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains three models)")
+    p.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains six models)")
     p.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
     p.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="measured tokens/s per preset, "
                    "for --budget (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")

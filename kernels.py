@@ -202,5 +202,5 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def swiglu_supported(h13: torch.Tensor) -> bool:
     """Whether swiglu handles h13: on CUDA (or on CPU under Triton's interpreter), contiguous.
-    (train.setup refuses fused_swiglu on a GPU older than device_supported allows.)"""
+    (model.for_device turns fused_swiglu off on a GPU older than device_supported allows.)"""
     return AVAILABLE and (h13.is_cuda or INTERPRET) and h13.is_contiguous()

@@ -185,8 +185,6 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     if cfg.model.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
                          f"which {torch.cuda.get_device_name(device)} lacks: use --no-fp8")
-    if cfg.model.bf16_residual and not tcfg.bf16:
-        say("note: --bf16-residual acts only under --bf16 (autocast), so the residual stream stays float32")
     model_cfg = M.for_device(cfg.model, device)
     if model_cfg != cfg.model:
         say(f"note: the fused SwiGLU needs Triton and a GPU of compute capability 8.0 (Ampere) or newer, so "

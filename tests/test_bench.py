@@ -8,6 +8,7 @@ import pytest
 
 import bench as B
 import measure as ME
+import model as M
 
 
 # --- Plans ---------------------------------------------------------------------------------
@@ -35,7 +36,11 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
     assert (base.model.fused_loss, base.model.fused_swiglu, base.model.bf16_residual) == (False, False, False)
     assert [(c.model.fused_loss, c.model.fused_swiglu, c.model.bf16_residual, c.train.compile_mode)
             for c in others] == [(True, False, False, "default"), (False, True, False, "default"),
-                                 (False, False, True, "default"), (False, False, False, "max-autotune-no-cudagraphs")]
+                                 (False, False, True, "default"), (False, True, True, "default"),
+                                 (False, False, False, "max-autotune-no-cudagraphs")]
+    defaults = others[3]  # what train.py runs: the model's own defaults, whatever they are
+    assert (defaults.model.fused_swiglu, defaults.model.bf16_residual) == (M.ModelConfig().fused_swiglu,
+                                                                           M.ModelConfig().bf16_residual)
 
 
 def test_repeats_measure_the_whole_plan_in_turn_and_report_each_rungs_median(monkeypatch):
@@ -151,7 +156,8 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     assert attention["textbook eager"]["attention_kernels"].startswith("math") and attention["sdpa eager"]["tok_s"] > 0
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
     assert [r["micro_batch"] for r in rows("micro_batch_sweep") if "micro_batch" in r] == [1, 2, 4]
-    assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", *B.KERNEL_SWITCHES]
+    assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", *list(B.KERNEL_SWITCHES)[:-1],
+                                                    "the model's defaults", list(B.KERNEL_SWITCHES)[-1]]
     assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
     assert rows("generate")[0]["decode_tok_s"] > 0
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)
@@ -165,10 +171,11 @@ def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     saved = json.loads((tmp_path / "loss_curves.json").read_text())
     by_name = {r["rung"]: r for r in saved["rows"]}
     assert {name: len(losses) for name, losses in saved["curves"].items()} == dict.fromkeys(by_name, 3)
-    assert set(by_name) == {"plain", "fused loss", "fused SwiGLU", "bf16 residual", "fp8"}
+    assert set(by_name) == {"plain", "fused loss", "fused SwiGLU", "bf16 residual", "fp8", "defaults"}
     assert all("skipped" not in r for r in by_name.values())
     assert by_name["fused loss"]["max_loss_diff"] < 1e-4  # float32 on CPU: the same numbers
     assert by_name["fused SwiGLU"]["max_loss_diff"] < 1e-4  # the plain path on CPU without the interpreter
     assert by_name["bf16 residual"]["max_loss_diff"] < 1e-4  # no autocast on CPU, so a float32 stream
     assert by_name["fp8"]["max_loss_diff"] < 0.1  # FP8 rounding
+    assert by_name["defaults"]["max_loss_diff"] < 1e-4  # the fused SwiGLU and bf16 stream, as above
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and not list(tmp_path.rglob("ckpt*.pt"))

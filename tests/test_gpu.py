@@ -11,6 +11,7 @@ import model as M
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CFG = dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32768, context=256)
+PLAIN = dict(fused_loss=False, fused_swiglu=False, bf16_residual=False)  # every training fast path off
 
 
 def rel(a, b):
@@ -23,7 +24,7 @@ def loss_and_grads(compiled: bool, seed: int, **switches):
     out = []
     for on in (False, True):
         torch.manual_seed(0)
-        model = M.Llama(M.ModelConfig(**CFG, **{k: v and on for k, v in switches.items()})).cuda()
+        model = M.Llama(M.ModelConfig(**CFG, **{**PLAIN, **{k: v and on for k, v in switches.items()}})).cuda()
         run = torch.compile(model) if compiled else model
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = run(idx, targets)

@@ -252,15 +252,17 @@ def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
     assert abs(losses[0] - plain(idx, targets).item()) < 0.05 and losses[-1] < losses[0] - 1.0
 
 
-def test_bf16_residual_stream_only_under_autocast_and_close_to_float32():
+def test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float32():
     torch.manual_seed(0)
-    plain = M.Llama(M.ModelConfig(**SMALL))
-    low = M.Llama(M.ModelConfig(**SMALL, bf16_residual=True))
+    plain = M.Llama(M.ModelConfig(**SMALL, bf16_residual=False))
+    low = M.Llama(M.ModelConfig(**SMALL))  # bf16_residual is the default
     low.load_state_dict(plain.state_dict())
     idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(3))
     stream = []
     low.blocks[0].register_forward_hook(lambda module, args, out: stream.append(out.dtype))
     assert torch.equal(low(idx, targets), plain(idx, targets))  # no autocast: nothing changes
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # evaluation keeps float32's stream
+        assert torch.equal(low(idx, targets), plain(idx, targets))
     losses, grads = [], []
     for model in (plain, low):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -268,7 +270,7 @@ def test_bf16_residual_stream_only_under_autocast_and_close_to_float32():
         loss.backward()
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert stream == [torch.float32, torch.bfloat16]
+    assert stream == [torch.float32, torch.float32, torch.bfloat16]
     assert abs(losses[1] - losses[0]) < 1e-3 * losses[0]
     assert ((grads[1] - grads[0]).norm() / grads[0].norm()).item() < 2e-2  # bf16 rounding: 0.5% here
 

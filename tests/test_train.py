@@ -189,13 +189,6 @@ def test_cuda_only_flags_are_named_on_cpu(train_config):
     assert not cfg.bf16 and cfg.optimizer == "foreach"
 
 
-def test_a_setting_that_does_nothing_here_says_so(train_config, tmp_path):
-    said = []
-    cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, bf16_residual=True))
-    TR.setup(cfg, log=said.append, random_tokens_dir=tmp_path)
-    assert "note: --bf16-residual acts only under --bf16 (autocast), so the residual stream stays float32" in said
-
-
 # --- Faults --------------------------------------------------------------------------------
 
 def poison(monkeypatch, at_call: int, value=float("nan"), error=None, raise_signal=None):
