@@ -348,8 +348,9 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
     tokens = 2 * micro_batch * context
     flops = {"matmul": 6 * M.param_count(mcfg) * tokens,
              "attention": 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * context * tokens}
+    # top_kernels (in the JSON): enough of each class's largest kernels to see where its time goes
     return [{"rung": c, "ms": round(ms, 2), "share": ms / total,
-             "tflops": flops[c] / (ms / 1000) / 1e12 if c in flops and ms > 0 else None, "top_kernels": top[c][:5]}
+             "tflops": flops[c] / (ms / 1000) / 1e12 if c in flops and ms > 0 else None, "top_kernels": top[c][:15]}
             for c, ms in sorted(classes.items(), key=lambda kv: -kv[1])]
 
 
