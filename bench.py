@@ -2,7 +2,7 @@
 
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
                                              #   AdamW -> pinned -> fused loss -> fused SwiGLU -> bf16
-                                             #   residual -> max-autotune -> FP8
+                                             #   residual -> coordinate descent -> max-autotune -> FP8
     python bench.py --kernels                # each fused kernel, and max-autotune, alone against compiled BF16
     python bench.py --kernels --repeats 3    # each rung 3 times in turn: the median run and the spread
     python bench.py --ladder --preset 22m    # any preset in configs/
@@ -69,13 +69,14 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
 # ladder's tail adds them one after another, the kernels study each alone.
 KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
                    "+bf16 residual": {"model__bf16_residual": True},
+                   "+coordinate descent": {"train__compile_mode": "coordinate-descent"},
                    "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, the fused
-    SwiGLU, the bf16 residual stream, compile tuning, FP8 block matmuls; each rung keeps the
-    settings of the ones before it. FP8 comes last: it measured slower at every preset
+    SwiGLU, the bf16 residual stream, compile tuning (coordinate descent, then max-autotune, which
+    includes it), FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes last: it measured slower at every preset
     (docs/BENCHMARKS.md, third round), so the rungs before it stay free of it, and the last rung
     shows whether it pays on top of the rest."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
@@ -110,12 +111,14 @@ def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
     """Compiled BF16 with fused AdamW, then each fast path, and Inductor's own kernel tuning,
     switched on alone against it: which of them pays at this preset, apart from the order of the
     ladder's rungs; then the model's defaults together, what `train.py` gains over plain
-    torch.compile. The max-autotune rung autotunes for about five minutes at 88m, so it is last."""
+    torch.compile; then the compile tuning, last because max-autotune autotunes for about five
+    minutes at 88m."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
     alone = [ME.Rung(name, preset, {**o, **switch}, steps) for name, switch in KERNEL_SWITCHES.items()]
+    kernels = [r for r in alone if "train__compile_mode" not in r.overrides]
+    tuning = [r for r in alone if "train__compile_mode" in r.overrides]
     defaults = ME.Rung("the model's defaults", preset, {**o, **DEFAULT_KERNELS}, steps)
-    assert "train__compile_mode" in alone[-1].overrides  # the slow rung stays last
-    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *alone[:-1], defaults, alone[-1]]
+    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *kernels, defaults, *tuning]
 
 
 def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:

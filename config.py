@@ -32,7 +32,11 @@ import data as D
 import model as M
 
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
-CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
+# torch.compile's modes, and coordinate-descent: the default mode with Inductor's coordinate-descent
+# tuning of the launch settings of the kernels it generates (the elementwise and reduction work),
+# without max-autotune's matmul autotuning (max-autotune turns both on).
+CompileMode = Literal["default", "coordinate-descent", "reduce-overhead", "max-autotune-no-cudagraphs",
+                      "max-autotune"]
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what train.device and the --device flags accept
 
@@ -58,7 +62,7 @@ class TrainConfig:
     tf32: bool = False  # TF32 tensor-core matmuls for float32 (CUDA)
     bf16: bool = False  # bfloat16 autocast; float32 master weights and optimizer (CUDA)
     compile: bool = False  # torch.compile the model
-    compile_mode: CompileMode = "default"  # torch.compile mode
+    compile_mode: CompileMode = "default"  # torch.compile mode, or coordinate-descent (default + kernel tuning)
     optimizer: Literal["fused", "foreach", "for-loop"] = "foreach"  # AdamW implementation
     pin: bool = False  # pinned host memory and non_blocking copies (CUDA)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute

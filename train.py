@@ -112,6 +112,14 @@ def autocast(cfg: C.TrainConfig, device: torch.device):
     return contextlib.nullcontext()
 
 
+def compile_args(mode: C.CompileMode) -> dict:
+    """torch.compile's keyword arguments for train.compile_mode. coordinate-descent is not one of
+    torch's modes but one Inductor option on the default mode (torch takes a mode or options, not both)."""
+    if mode == "coordinate-descent":
+        return {"options": {"coordinate_descent_tuning": True}}
+    return {"mode": None if mode == "default" else mode}
+
+
 def build_model(mcfg: M.ModelConfig, cfg: C.TrainConfig, device: torch.device, seed: int):
     """(raw model, model to call): the second is compiled and/or DDP-wrapped as configured."""
     torch.manual_seed(seed)
@@ -120,7 +128,7 @@ def build_model(mcfg: M.ModelConfig, cfg: C.TrainConfig, device: torch.device, s
     raw.recompute_mlp = cfg.recompute_mlp
     run = raw
     if cfg.compile:
-        run = torch.compile(raw, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+        run = torch.compile(raw, **compile_args(cfg.compile_mode))
     if dist.is_initialized():
         run = torch.nn.parallel.DistributedDataParallel(run, device_ids=[device.index] if device.type == "cuda" else None)
     return raw, run

@@ -10,7 +10,7 @@ import train as TR
     ("[model]\nd_model = 64\nn_layer = 2\n", r"bad\.toml: unknown key\(s\) model\.n_layer; valid keys .* n_layers"),
     ("[model]\nd_model = \"wide\"\n", r"model\.d_model must be int, got str 'wide'"),
     ("[modle]\nd_model = 64\n", r"unknown section\(s\) \['modle'\]"),
-    ("[train]\ncompile_mode = \"fast\"\n", r"train\.compile_mode='fast': choose one of 'default', 'reduce-overhead'"),
+    ("[train]\ncompile_mode = \"fast\"\n", r"train\.compile_mode='fast': choose one of 'default', 'coordinate-descent'"),
 ], ids=["unknown-key", "wrong-type", "unknown-section", "bad-choice"])
 def test_config_file_unknown_key_and_wrong_type(tmp_path, text, message):
     path = tmp_path / "bad.toml"

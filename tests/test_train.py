@@ -118,6 +118,21 @@ def test_cuda_graph_modes_accumulate_into_kept_buffers(train_config):
         assert torch.equal(a, b)
 
 
+def test_each_compile_mode_reaches_torch_compile(train_config, monkeypatch):
+    """Every train.compile_mode becomes torch.compile arguments torch accepts: its own modes by
+    name, coordinate-descent as the default mode with Inductor's coordinate-descent option."""
+    import torch._inductor as inductor
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
+    for mode in C.CompileMode.__args__:
+        TR.build_model(train_config.model, with_train(train_config, compile=True, compile_mode=mode).train,
+                       torch.device("cpu"), 0)
+    assert calls[:2] == [{"mode": None}, {"options": {"coordinate_descent_tuning": True}}]
+    for kwargs in calls[2:]:
+        inductor.list_mode_options(kwargs["mode"])  # a mode torch knows (raises on an unknown one)
+    assert set(inductor.config.get_config_copy()) >= set(calls[1]["options"])  # an option Inductor has
+
+
 @pytest.mark.parametrize("switch", ["activation_checkpointing", "recompute_mlp"])
 def test_recomputation_gives_the_same_gradients_and_keeps_less(train_config, switch):
     """Recomputing in backward changes what is kept between the passes, not the gradients. With
