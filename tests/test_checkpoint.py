@@ -87,6 +87,16 @@ def test_misspelled_key_in_a_checkpoints_config_is_named(trained, tmp_path):
         CK.load(tmp_path)
 
 
+def test_a_checkpoint_from_before_a_fast_path_default_resumes_on_the_plain_path(trained, tmp_path):
+    state = torch.load(trained / "ckpt.pt", weights_only=True)
+    assert CK.load(trained).config.model.bf16_residual  # written today: today's defaults, kept
+    for switch in CK.PREDATING:
+        del state["config"]["model"][switch]  # as a checkpoint written before the switch existed
+    torch.save(state, tmp_path / "ckpt.pt")
+    model = CK.load(tmp_path).config.model
+    assert not model.fused_swiglu and not model.bf16_residual
+
+
 def test_full_disk_keeps_the_old_checkpoint_and_leaves_no_temp_file(trained, tmp_path, monkeypatch):
     ckpt = CK.load(trained)
     path = tmp_path / "ckpt.pt"
