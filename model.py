@@ -8,8 +8,8 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
 `fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
-in training under autocast, and `fused_swiglu` and `fused_decode` hand SwiGLU and a decoded token's attention
-to Triton kernels.
+in training under autocast, and `fused_swiglu` and `fused_decode` hand SwiGLU and a decoded
+token's attention to Triton kernels.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
