@@ -46,6 +46,8 @@ ROOT = Path(__file__).resolve().parent
 # rung switches on what it measures, so every number compares with the same plain model.
 MODEL_SWITCHES = ("fused_loss", "fused_swiglu", "bf16_residual", "fp8")
 PLAIN_KERNELS = {f"model__{s}": False for s in MODEL_SWITCHES}
+# The fast paths train.py uses when no flag says otherwise (ModelConfig's defaults)
+DEFAULT_KERNELS = {f"model__{s}": getattr(M.ModelConfig(), s) for s in MODEL_SWITCHES}
 FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True, **PLAIN_KERNELS}
 
 
@@ -67,18 +69,19 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
 
 # What each fused kernel, the bf16 residual stream and Inductor's kernel tuning switch on: the
 # ladder's tail adds them one after another, the kernels study each alone.
-KERNEL_SWITCHES = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
-                   "+bf16 residual": {"model__bf16_residual": True},
-                   "+coordinate descent": {"train__compile_mode": "coordinate-descent"},
-                   "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
+FAST_PATHS = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
+              "+bf16 residual": {"model__bf16_residual": True}}
+COMPILE_TUNING = {"+coordinate descent": {"train__compile_mode": "coordinate-descent"},
+                  "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
+KERNEL_SWITCHES = {**FAST_PATHS, **COMPILE_TUNING}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, the fused
     SwiGLU, the bf16 residual stream, compile tuning (coordinate descent, then max-autotune, which
-    includes it), FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes last: it measured slower at every preset
-    (docs/BENCHMARKS.md, third round), so the rungs before it stay free of it, and the last rung
-    shows whether it pays on top of the rest."""
+    includes it), FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes
+    last: it measured slower at every preset (docs/BENCHMARKS.md, third round), so the rungs before
+    it stay free of it, and the last rung shows whether it pays on top of the rest."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
                 *KERNEL_SWITCHES.items(), ("+fp8 matmuls", {"model__fp8": True})]
     rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
@@ -103,10 +106,6 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
     return rungs
 
 
-# The fast paths train.py uses when no flag says otherwise (ModelConfig's defaults)
-DEFAULT_KERNELS = {f"model__{s}": getattr(M.ModelConfig(), s) for s in MODEL_SWITCHES}
-
-
 def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """Compiled BF16 with fused AdamW, then each fast path, and Inductor's own kernel tuning,
     switched on alone against it: which of them pays at this preset, apart from the order of the
@@ -114,11 +113,9 @@ def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
     torch.compile; then the compile tuning, last because max-autotune autotunes for about five
     minutes at 88m."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
-    alone = [ME.Rung(name, preset, {**o, **switch}, steps) for name, switch in KERNEL_SWITCHES.items()]
-    kernels = [r for r in alone if "train__compile_mode" not in r.overrides]
-    tuning = [r for r in alone if "train__compile_mode" in r.overrides]
-    defaults = ME.Rung("the model's defaults", preset, {**o, **DEFAULT_KERNELS}, steps)
-    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *kernels, defaults, *tuning]
+    alone = lambda switches: [ME.Rung(name, preset, {**o, **s}, steps) for name, s in switches.items()]  # noqa: E731
+    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *alone(FAST_PATHS),
+            ME.Rung("the model's defaults", preset, {**o, **DEFAULT_KERNELS}, steps), *alone(COMPILE_TUNING)]
 
 
 def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:

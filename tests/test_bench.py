@@ -157,9 +157,8 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     assert attention["textbook eager"]["attention_kernels"].startswith("math") and attention["sdpa eager"]["tok_s"] > 0
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
     assert [r["micro_batch"] for r in rows("micro_batch_sweep") if "micro_batch" in r] == [1, 2, 4]
-    kernels = [r["rung"] for r in rows("kernels")]
-    assert kernels[0] == "compiled BF16, fused AdamW" and sorted(kernels[1:]) == sorted([*B.KERNEL_SWITCHES,
-                                                                                         "the model's defaults"])
+    assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", *B.FAST_PATHS,
+                                                    "the model's defaults", *B.COMPILE_TUNING]
     assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
     assert rows("generate")[0]["decode_tok_s"] > 0
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)

@@ -1,5 +1,5 @@
 """Sixth round: 88m at micro-batch 16, compiled BF16, fused AdamW, 524,288-token steps: peak memory
-with today's defaults (fused SwiGLU) and the memory switches, each rung in its own process."""
+with the fifth round's defaults (fused SwiGLU) and the memory switches, each rung in its own process."""
 import bench as B
 import measure as ME
 
