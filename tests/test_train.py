@@ -313,6 +313,24 @@ def test_every_preset_file_loads(name):
         assert TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1) > 0
 
 
+# The fastest settings measured on an H200 (docs/BENCHMARKS.md, sixth and seventh rounds): on by default,
+# and the slower ones (the fused loss, FP8, compile tuning) off. Each flag turns one part off.
+FASTEST = {"train.tf32": True, "train.bf16": True, "train.compile": True, "train.compile_mode": "default",
+           "train.optimizer": "fused", "model.fused_swiglu": True, "model.bf16_residual": True,
+           "model.fused_loss": False, "model.fp8": False}
+
+
+@pytest.mark.parametrize("flag, key, off", [
+    (None, None, None), ("--no-tf32", "train.tf32", False), ("--no-bf16", "train.bf16", False),
+    ("--no-compile", "train.compile", False), ("--no-fused", "train.optimizer", "foreach"),
+    ("--no-fused-swiglu", "model.fused_swiglu", False), ("--no-bf16-residual", "model.bf16_residual", False)])
+def test_88m_config_runs_the_fastest_measured_settings_and_each_flag_turns_one_off(flag, key, off):
+    argv = ["--config", str(ROOT / "configs" / "88m.toml"), *([flag] if flag else [])]
+    cfg, _ = TR.resolve_config(TR.build_parser().parse_args(argv))
+    settings = {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in FASTEST}
+    assert settings == ({**FASTEST, key: off} if flag else FASTEST)
+
+
 def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_text('[train]\nstep = 7\n')
