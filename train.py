@@ -633,6 +633,8 @@ def main(argv=None):
             print("config: " + json.dumps(cfg.to_dict()))
         train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
               checkpoint=ckpt)
+        if distributed:  # leave together: rank 0 still plots and writes the summary, and a gloo rank that
+            dist.barrier()  # tears its group down while a peer is still in the group can abort at exit
     except Interrupted as e:
         print(e, file=sys.stderr)
         sys.exit(130)
