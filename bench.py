@@ -39,6 +39,8 @@ import generate as G
 import kernels as K
 import measure as ME
 import model as M
+import optim as O
+import recipes as RE
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
@@ -300,7 +302,7 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
         if impl == "fused" and not cuda:
             rows.append({"rung": impl, "skipped": "fused AdamW is measured on CUDA only"})
             continue
-        opt = TR.configure_optimizer(model, C.TrainConfig(steps=1, optimizer=impl))
+        opt = O.configure_optimizer(model, C.TrainConfig(steps=1, optimizer=impl))
         times = []
         for i in range(25):
             if cuda:
@@ -633,6 +635,14 @@ def main(argv=None):
         p.add_argument("--" + study.replace("_", "-"), action="store_true",
                        help=f"run the {study.replace('_', ' ')} study")
     p.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains six models)")
+    p.add_argument("--recipes", action="store_true", help="the time-to-loss ladder: each recipe change trained to "
+                   "the same token budget and timed to the article recipe's final loss (recipes.py)")
+    p.add_argument("--versus", action="store_true", help="with --recipes: only the article recipe against the "
+                   "preset's default recipe")
+    p.add_argument("--seeds", type=int, default=2, help="--recipes: seeds for the article and the final recipe (default 2)")
+    p.add_argument("--tokens", type=int, default=None, help="--recipes: training tokens per rung (default: the "
+                   "preset's full budget)")
+    p.add_argument("--corpus", default=None, help="--recipes: corpus (default python on CUDA, stdlib on CPU)")
     p.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
     p.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="measured tokens/s per preset, "
                    "for --budget (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")
@@ -657,17 +667,46 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: measure each rung at least once (--repeats 1 or more)")
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: run each compared recipe at least once (--seeds 1 or more)")
     try:
+        if args.recipes:
+            recipes_study(args, argv)
         if args.budget:
             rates = args.tok_s or [f"{k}={v}" for k, v in LAPTOP_TOK_S.items()]
             print(budget_table(rates))
         chosen = [s for s in STUDIES if (args.all and s != "loss_curves") or getattr(args, s)]
-        if not chosen and not args.budget:
+        if not chosen and not args.budget and not args.recipes:
             p.error("choose a study: " + ", ".join("--" + s.replace("_", "-") for s in STUDIES) + ", --all or --budget")
         if chosen:
             run_studies(args, chosen, argv)
     except ValueError as e:
         sys.exit(f"error: {e}")
+
+
+def recipes_study(args, argv):
+    """--recipes: recipes.py runs the rungs; here the table, JSON and plot."""
+    cuda = C.pick_device("auto").type == "cuda"
+    preset = args.preset or ("22m" if cuda else "tiny")
+    devices = [str(i) for i in range(torch.cuda.device_count())] if cuda else [None]
+    out = Path(args.out)
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
+                     args.micro_batch_size, out, args.timeout, args.resume, args.versus, devices)
+    date = time.strftime("%Y-%m-%d")
+    name = f"recipes-{preset}{'-versus' if args.versus else ''}"
+    RE.plot(found["curves"], f"validation loss | {preset} | {found['corpus']} | {found['tokens'] / 1e6:,.0f}M tokens "
+            f"| {device_name} | {date}", out / f"{name}.png")
+    (out / f"{name}.json").write_text(json.dumps({"device": device_name, "devices": len(devices), "date": date,
+                                                   "torch": torch.__version__, "preset": preset,
+                                                   "command": "python bench.py " + " ".join(argv or sys.argv[1:]),
+                                                   **found}, indent=2))
+    print(f"## recipes | {preset} ({found['params']:,} parameters) | {found['corpus']} corpus | "
+          f"{found['tokens']:,} tokens per rung | {device_name} x {len(devices)} | {date}\n\n"
+          f"target: the article recipe's mean final validation loss, {found['target']}; seconds are training "
+          f"seconds (the one-time compile, evaluation and saving left out)\n\n{RE.table(found['rows'])}"
+          + (f"\n\nkept: {', '.join(found['kept']) or 'nothing'}" if not args.versus else "")
+          + f"\n\n{out / name}.json, {out / name}.png")
 
 
 # Short-run rates of "What a Laptop Can Train" on an 8 GB RTX 4060 Laptop GPU (tokens/s).

@@ -40,6 +40,7 @@ PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 CompileMode = Literal["default", "coordinate-descent", "reduce-overhead", "max-autotune-no-cudagraphs",
                       "max-autotune"]
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+Schedule = Literal["cosine", "wsd"]
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what train.device and the --device flags accept
 
 
@@ -47,15 +48,21 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what train.device and the --devi
 class TrainConfig:
     batch_tokens: int = 524_288  # tokens per optimizer step, all ranks (GPT-3 125M's 0.5M)
     micro_batch: int = 16  # sequences per forward/backward; the rest is gradient accumulation
-    lr: float = 6e-4  # peak learning rate (GPT-3's for 125M)
-    min_lr_ratio: float = 0.1  # cosine decays to this share of lr (Llama, GPT-3)
+    lr: float = 6e-4  # peak AdamW learning rate (GPT-3's for 125M)
+    schedule: Schedule = "cosine"  # cosine: decay all the way; wsd: stable, then a linear warm-down (optim.lr_at)
+    min_lr_ratio: float = 0.1  # the schedule ends at this share of lr (Llama, GPT-3: 0.1)
+    warmdown_fraction: float = 0.4  # wsd: share of the steps spent in the linear warm-down
     warmup_steps: int = 200  # linear warm-up steps
     steps: int = 0  # optimizer steps; 0 means tokens // batch_tokens
     tokens: int = 0  # training tokens, used when steps is 0
-    weight_decay: float = 0.1  # on block matrices only (see train.configure_optimizer)
+    weight_decay: float = 0.1  # AdamW's, on block matrices only (see optim.param_groups)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay
-    grad_clip: float = 1.0  # max global gradient norm
+    muon: bool = False  # Muon on the block matrices, AdamW (at lr) on the embedding, head and gains
+    muon_lr: float = 0.02  # Muon's peak learning rate (modded-nanogpt, nanochat: 0.02-0.05)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_weight_decay: float = 0.0  # Muon's decoupled weight decay
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping (and the norm's cost) off
     eval_every: int = 250  # steps between validation passes (and at the end)
     eval_tokens: int = 1_048_576  # validation tokens per pass
     ckpt_every: int = 250  # steps between checkpoints (and at the end, and on Ctrl-C/SIGTERM)
@@ -92,7 +99,11 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "grad_clip": (lambda v: v > 0, "> 0 (a negative norm would flip the gradients)"),
+    "grad_clip": (lambda v: v >= 0, ">= 0 (0 turns clipping off; a negative norm would flip the gradients)"),
+    "warmdown_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "muon_lr": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "muon_weight_decay": NOT_NEGATIVE,
 }
 
 

@@ -43,7 +43,7 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 
 @dataclass
 class DataConfig:
-    corpus: str = "stdlib"  # stdlib | tinystories | fineweb-edu | path or glob of .txt/.jsonl/.parquet
+    corpus: str = "stdlib"  # stdlib | python | tinystories | fineweb-edu | path or glob of text/.jsonl/.parquet files
     text_field: str = "text"  # field holding the text in .jsonl/.parquet records
     val_fraction: float = 0.05  # share of documents held out for validation
     max_documents: int = 0  # stop reading the corpus after this many documents (0: all of it)
@@ -251,14 +251,14 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     eot = tok.token_to_id(tk.EOT)
     writers = {s: _ShardWriter(folder, s, cfg, vocab_size, tok_hash) for s in ("train", "val")}
     log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")
-    t0, total_bytes, index = time.perf_counter(), 0, 0
+    t0, total_bytes, index, hashed = time.perf_counter(), 0, 0, tk.split_by_hash(cfg.corpus)
     docs = tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None, warn=log)
     bar = tqdm(desc="tokenizing", unit="B", unit_scale=True)
     for batch in _batches(docs, max_bytes=16 << 20):
         # encode_batch runs on all cores (Rust threads), so no process pool is needed.
         for doc, enc in zip(batch, tok.encode_batch(batch)):
             n_bytes = len(doc.encode("utf-8"))
-            split = "val" if tk.is_val(index, cfg.val_fraction) else "train"
+            split = "val" if tk.is_val(index, cfg.val_fraction, doc if hashed else None) else "train"
             writers[split].add(np.array(enc.ids + [eot], dtype=TOKEN_DTYPE), n_bytes)
             total_bytes += n_bytes
             index += 1

@@ -27,12 +27,13 @@ import kernels as K
 # How attention runs in training. "sdpa" lets PyTorch pick (cuDNN on an H100/H200 with torch 2.11);
 # flash/cudnn/efficient/math pin one SDPA backend (CUDA); "textbook" writes out the T x T scores.
 AttentionKind = Literal["sdpa", "flash", "cudnn", "efficient", "math", "textbook"]
+MLPKind = Literal["swiglu", "relu2"]
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
 # The fields that fix the weights' shapes and meaning; the rest choose kernels and may change
 # between runs of the same checkpoint.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
-                "tie_embeddings", "rope_theta", "norm_eps")
+                "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap")
 
 
 @dataclass
@@ -41,12 +42,17 @@ class ModelConfig:
     n_layers: int = 10  # transformer blocks
     n_heads: int = 12  # query heads
     n_kv_heads: int = 4  # key/value heads, shared by n_heads // n_kv_heads query heads (GQA)
-    ffn_hidden: int = 0  # SwiGLU width; 0 means 8/3 * d_model rounded up to a multiple of 256
+    ffn_hidden: int = 0  # MLP width; 0 means SwiGLU's 8/3 * d_model rounded up to 256 (relu2: 1.5x that, same params)
     vocab_size: int = 32768  # 2**15: every token id fits a uint16 shard
     context: int = 1024  # longest sequence the model attends over
     tie_embeddings: bool = True  # output head shares the token-embedding matrix
     rope_theta: float = 10000.0  # RoPE base (Su et al. 2021; Llama 2 uses 10,000)
     norm_eps: float = 1e-5  # RMSNorm epsilon (Llama 2's value)
+    # The recipe: each default is the article's (Llama 2's) choice; the presets pick the measured winners.
+    mlp: MLPKind = "swiglu"  # swiglu: (silu(x W1) * x W3) W2; relu2: relu(x W1)^2 W2 (Primer, So et al. 2021)
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (as Qwen3 and modded-nanogpt)
+    zero_init: bool = False  # attention and MLP output projections start at zero (each block starts as identity)
+    logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (Gemma 2, modded-nanogpt); 0 turns it off
     attention: AttentionKind = "sdpa"  # attention kernel in training
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
@@ -80,8 +86,16 @@ class ModelConfig:
         if self.attention not in SDPA_BACKENDS and self.attention not in ("sdpa", "textbook"):
             raise ValueError(f"model.attention={self.attention!r}: choose sdpa, textbook or one of "
                              f"{list(SDPA_BACKENDS)}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"model.logit_softcap must be >= 0 (0 turns it off), got {self.logit_softcap}")
+        if self.logit_softcap and self.fused_loss:
+            raise ValueError("model.logit_softcap is not implemented in the fused loss: use --no-fused-loss "
+                             "or --logit-softcap 0")
+        if self.mlp not in ("swiglu", "relu2"):
+            raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
-            self.ffn_hidden = swiglu_hidden(self.d_model)
+            # relu2 has two matrices to SwiGLU's three: 1.5x the width holds the same parameters
+            self.ffn_hidden = swiglu_hidden(self.d_model) * (3 if self.mlp == "relu2" else 2) // 2
 
     @property
     def head_dim(self) -> int:
@@ -346,7 +360,18 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
         self.wqkv = Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, cfg.fp8)
         self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8)
+        # QK-norm: one RMSNorm gain of head_dim shared by all query heads, one by all key heads (Qwen3's
+        # q_norm and k_norm). It bounds the attention logits, which is what lets Muon's larger steps stay stable.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
+
+    def split_heads(self, qkv):
+        """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd), q and k normed with qk_norm."""
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
         B, T, _ = x.shape
@@ -356,9 +381,11 @@ class Attention(nn.Module):
             # One new token: RoPE, the cache write and attention over positions 0..pos in one
             # Triton kernel (kernels.decode_step), tested against the plain path below. It has no
             # backward pass: with gradients on, the plain path runs.
+            if self.q_norm is not None:  # the kernel applies RoPE to what it is given: norm q and k first
+                qkv = torch.cat(self.split_heads(qkv), dim=2)
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos)  # (B, 1, H, hd)
             return self.wo(y.reshape(B, T, -1))
-        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)  # (B, T, heads, hd)
+        q, k, v = self.split_heads(qkv)  # (B, T, heads, hd)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
@@ -391,13 +418,27 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+class ReLU2(nn.Module):
+    """relu(x W1)^2 W2 (So et al. 2021, "Primer"; modded-nanogpt and nanochat use it). Two matrices
+    to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. The square is
+    one elementwise kernel that torch.compile fuses by itself."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = Linear(cfg.d_model, cfg.ffn_hidden, cfg.fp8)
+        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
+
+    def forward(self, x):
+        return self.w2(F.relu(self.w1(x)).square())
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = ReLU2(cfg) if cfg.mlp == "relu2" else SwiGLU(cfg)
 
     def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, recompute_mlp=False):
         x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos)
@@ -518,13 +559,18 @@ class Llama(nn.Module):
     def reset_parameters(self):
         """GPT-2's init, as nanoGPT and llm.c use it: every matrix normal with std 0.02, and the
         two projections that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * layers),
-        so the stream's variance does not grow with depth. Norm gains start at one."""
+        so the stream's variance does not grow with depth. Norm gains start at one. With zero_init
+        those two start at zero instead (modded-nanogpt): each block starts as the identity, and the
+        first steps' gradients choose the projections' directions."""
         for name, p in self.named_parameters():
             if p.is_meta:  # shapes only (counting a 7B model): there are no values to set
                 continue
-            if p.dim() == 2:
+            output_projection = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
+            if p.dim() == 2 and output_projection and self.cfg.zero_init:
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
                 std = 0.02
-                if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                if output_projection:
                     std /= math.sqrt(2 * self.cfg.n_layers)
                 nn.init.normal_(p, mean=0.0, std=std)
             else:
@@ -585,10 +631,16 @@ class Llama(nn.Module):
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten())
         logits = F.linear(x, self.output_weight())
         if targets is None:
-            return logits
+            return softcap(logits, self.cfg.logit_softcap)
         # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), self.cfg.logit_softcap)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def softcap(logits, cap: float):
+    """cap * tanh(logits / cap): logits stay within (-cap, cap), smoothly (Gemma 2's final-logit
+    soft-cap). Near zero it is the identity, so it only bites on confident tokens. cap 0: off."""
+    return cap * torch.tanh(logits / cap) if cap else logits
 
 
 # --- Arithmetic ----------------------------------------------------------------------------
@@ -596,8 +648,8 @@ class Llama(nn.Module):
 def param_count(cfg: ModelConfig) -> int:
     """Parameters in closed form from the shapes (equals counting the module's tensors)."""
     d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-    attn = d * (d + 2 * kv) + d * d  # wqkv, wo
-    mlp = 3 * d * cfg.ffn_hidden  # w1, w3, w2
+    attn = d * (d + 2 * kv) + d * d + (2 * cfg.head_dim if cfg.qk_norm else 0)  # wqkv, wo, q/k norm gains
+    mlp = (2 if cfg.mlp == "relu2" else 3) * d * cfg.ffn_hidden  # w1, (w3,) w2
     block = attn + mlp + 2 * d  # two RMSNorm gains
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d

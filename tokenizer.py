@@ -24,7 +24,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 EOT = "<|endoftext|>"  # separates documents; always token id 0
-CORPORA = ("stdlib", "tinystories", "fineweb-edu")  # or a path to local .txt / .jsonl / .parquet files
+CORPORA = ("stdlib", "python", "tinystories", "fineweb-edu")  # or a path or glob of local files
 HUB = {  # name -> (dataset, config, split, text field), streamed: nothing is downloaded whole
     "tinystories": ("roneneldan/TinyStories", None, "train", "text"),
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", "text"),
@@ -50,6 +50,45 @@ def stdlib_documents() -> Iterator[str]:
         text = path.read_bytes().decode("utf-8", errors="replace")
         if text.strip():
             yield text
+
+
+PYTHON_SUFFIXES = (".py", ".pyi", ".rst", ".md", ".txt", ".h")
+PYTHON_MAX_FILE = 1 << 20  # bytes; larger files are generated tables (unicode data, vendored blobs), not text
+
+
+@functools.lru_cache(maxsize=1)
+def python_files() -> tuple[Path, ...]:
+    """Every text source of the running Python installation: the standard library and the
+    site-packages (code, stubs, docs and C headers), files of at most PYTHON_MAX_FILE bytes.
+    Sorted by path here; python_documents orders them by content."""
+    paths = sysconfig.get_paths()
+    roots = sorted({Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib", "include") if k in paths})
+    roots = [r for r in roots if not any(o != r and o in r.parents for o in roots)]  # site-packages sits in stdlib
+    files = set()
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.suffix in PYTHON_SUFFIXES and path.is_file() and path.stat().st_size <= PYTHON_MAX_FILE:
+                files.add(path)
+    return tuple(sorted(files))
+
+
+def python_documents(warn=print) -> Iterator[str]:
+    """The python corpus: python_files() read on all cores, each distinct text once (packages vendor
+    the same files), in the order of the text's sha256. That order, and so the split and the
+    tokenizer sample, is the same on every machine with the same files, whatever their paths."""
+    from concurrent.futures import ThreadPoolExecutor
+    files = python_files()
+    texts = {}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        for raw in tqdm(pool.map(Path.read_bytes, files, chunksize=64), total=len(files), desc="reading python",
+                        unit="file", leave=False):
+            text = raw.decode("utf-8", errors="replace")
+            if text.strip():
+                texts.setdefault(hashlib.sha256(raw).hexdigest(), text)
+    warn(f"python corpus: {len(files):,} files, {len(texts):,} distinct non-empty texts "
+         f"({len(files) - len(texts):,} duplicates or empty skipped)")
+    for digest in sorted(texts):
+        yield texts.pop(digest)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -84,11 +123,12 @@ def hub_documents(name: str, limit: int | None = None) -> Iterator[str]:
 
 
 def local_files(pattern: str) -> list[Path]:
-    files = [Path(f) for f in sorted(glob.glob(pattern))] if glob.has_magic(pattern) else [Path(pattern)]
+    files = ([Path(f) for f in sorted(glob.glob(pattern, recursive=True))] if glob.has_magic(pattern)
+             else [Path(pattern)])
     files = [f for f in files if f.is_file()]
     if not files:
-        raise CorpusError(f"corpus {pattern!r}: no such file; give one of {CORPORA} or a path to "
-                          f".txt, .jsonl or .parquet files")
+        raise CorpusError(f"corpus {pattern!r}: no such file; give one of {CORPORA} or a path or glob of text, "
+                          f".jsonl or .parquet files (quote a glob: --corpus 'src/**/*.py')")
     return files
 
 
@@ -98,6 +138,11 @@ def source_fingerprint(corpus: str) -> dict:
     corpus its name (the hub's revision is not checked)."""
     if corpus == "stdlib":
         return {"python": sys.version.split()[0], "files": len(stdlib_files())}
+    if corpus == "python":
+        files = python_files()
+        listing = "\n".join(f"{f} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files)
+        return {"python": sys.version.split()[0], "files": len(files), "bytes": sum(f.stat().st_size for f in files),
+                "listing_sha256": hashlib.sha256(listing.encode()).hexdigest()[:16]}
     if corpus in HUB:
         return {"hub": HUB[corpus][0]}
     files = local_files(corpus)
@@ -107,13 +152,15 @@ def source_fingerprint(corpus: str) -> dict:
 
 
 def local_documents(pattern: str, field: str = "text", warn=print) -> Iterator[str]:
-    """Local .txt files (one document per file) or .jsonl / .parquet files (one per record),
+    """Local text files of any extension (one document per file: .txt, .py, .md ...) or .jsonl /
+    .parquet files (one per record),
     read through the same `datasets` call path as the hub corpora. Text that is not valid UTF-8
     is decoded with replacement characters, and records without text are skipped: both are
     counted and reported with the file they came from."""
     files = local_files(pattern)
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
     kinds = {f.suffix for f in files}
-    if kinds == {".txt"}:
+    if not kinds & set(builder):
         empty = []
         for f in files:
             raw = f.read_bytes()
@@ -129,9 +176,9 @@ def local_documents(pattern: str, field: str = "text", warn=print) -> Iterator[s
         if empty:
             warn(f"warning: skipped {len(empty)} empty file(s) in {pattern!r}: {', '.join(empty[:5])}")
         return
-    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-    if len(kinds) != 1 or next(iter(kinds)) not in builder:
-        raise CorpusError(f"corpus {pattern!r}: files must all be .txt, .jsonl or .parquet, got {sorted(kinds)}")
+    if len(kinds) != 1:
+        raise CorpusError(f"corpus {pattern!r}: record files (.jsonl, .parquet) and text files cannot mix, got "
+                          f"{sorted(kinds)}: narrow the pattern to one kind")
     import datasets
     # A malformed file is reported below in one line naming it; datasets' own log of it is noise.
     logging.getLogger("datasets").setLevel(logging.CRITICAL)
@@ -167,6 +214,8 @@ def documents(corpus: str, text_field: str = "text", limit: int | None = None, w
     """The documents of a corpus by name, or of local files by path or glob. Refuses an empty one."""
     if corpus == "stdlib":
         docs = stdlib_documents()
+    elif corpus == "python":
+        docs = python_documents(warn)
     elif corpus in HUB:
         docs = hub_documents(corpus, limit)
     else:
@@ -248,21 +297,36 @@ def bytes_per_token(tok, docs: list[str]) -> float:
     return n_bytes / max(n_tokens, 1)
 
 
-def is_val(index: int, val_fraction: float) -> bool:
-    """Document `index` belongs to the validation split: every (1/val_fraction)-th document.
+def is_val(index: int, val_fraction: float, doc: str | None = None) -> bool:
+    """Whether a document belongs to the validation split: every (1/val_fraction)-th document, or,
+    given its text (the python corpus), when a hash of the text falls in the first val_fraction of
+    the range, so that adding or removing a file moves no other file between the splits.
     Deterministic, so the tokenizer, the shards and the stats agree on what is held out."""
-    return val_fraction > 0 and index % max(1, round(1 / val_fraction)) == 0
+    if val_fraction <= 0:
+        return False
+    if doc is not None:
+        digest = hashlib.blake2b(doc.encode("utf-8", errors="replace"), digest_size=8).digest()
+        return int.from_bytes(digest, "little") < val_fraction * 2**64
+    return index % max(1, round(1 / val_fraction)) == 0
+
+
+def split_by_hash(corpus: str) -> bool:
+    """The corpora whose split is by the document's text (is_val): those built from files that
+    differ between machines."""
+    return corpus == "python"
 
 
 def train_documents(corpus: str, text_field: str, val_fraction: float, limit: int | None = None, warn=print):
-    return (d for i, d in enumerate(documents(corpus, text_field, limit, warn)) if not is_val(i, val_fraction))
+    hashed = split_by_hash(corpus)
+    return (d for i, d in enumerate(documents(corpus, text_field, limit, warn))
+            if not is_val(i, val_fraction, d if hashed else None))
 
 
 def held_out(corpus: str, text_field: str, val_fraction: float, n: int = 200) -> list[str]:
     """Up to n validation documents, which the tokenizer never saw in training."""
-    docs = []
+    docs, hashed = [], split_by_hash(corpus)
     for i, d in enumerate(documents(corpus, text_field)):
-        if is_val(i, val_fraction):
+        if is_val(i, val_fraction, d if hashed else None):
             docs.append(d)
             if len(docs) == n:
                 break

@@ -39,9 +39,11 @@ import config as C
 import data as D
 import generate as G
 import model as M
+import optim as O
 import tokenizer as tk
 
 ROOT = Path(__file__).resolve().parent
+DEFAULT_CONFIG = C.PRESETS_DIR / "tiny.toml"  # what `python train.py` with no --config trains
 
 # Dense BF16 tensor-core peaks (FP32 accumulate, no sparsity) in TFLOP/s, matched against
 # torch.cuda.get_device_name(). Sources: NVIDIA's H100/H200, A100, L4 and L40S datasheets,
@@ -71,15 +73,6 @@ def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world:
 
 def total_steps(cfg: C.TrainConfig) -> int:
     return cfg.steps if cfg.steps > 0 else max(1, cfg.tokens // cfg.batch_tokens)
-
-
-def lr_at(step: int, cfg: C.TrainConfig, steps: int) -> float:
-    """Linear warm-up to lr, then cosine decay to min_lr_ratio * lr at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
 # --- Setting up a run ----------------------------------------------------------------------
@@ -132,20 +125,6 @@ def build_model(mcfg: M.ModelConfig, cfg: C.TrainConfig, device: torch.device, s
     if dist.is_initialized():
         run = torch.nn.parallel.DistributedDataParallel(run, device_ids=[device.index] if device.type == "cuda" else None)
     return raw, run
-
-
-def configure_optimizer(model: M.Llama, cfg: C.TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on the block matrices only. Norm gains are not decayed (decay
-    would pull them toward zero, not toward the initial one), and neither is the embedding:
-    it is also the output head here, and a token that is rare in the data would see its row
-    shrink between the few steps that update it."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.dim() == 2 and name.startswith("blocks.") else no_decay).append(p)
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[cfg.optimizer]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
 
 
 def random_shards(folder: Path, vocab: int, tokens: int, seed: int = 1337) -> list[Path]:
@@ -221,7 +200,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
                                    **loader_args)
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
     raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
-    return Run(cfg, device, rank, world, raw, model, configure_optimizer(raw, tcfg), train_loader, val_loader,
+    return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
                accum, steps, tok_path, tok_hash, source)
 
 
@@ -238,8 +217,8 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # Muon's groups run at their own multiple of the AdamW rate
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
     # would be overwritten by the next micro-batch: under those modes gradients accumulate into
@@ -258,7 +237,10 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
             loss = forward_loss(model, batch, cfg, device) / accum  # mean over the whole step
             loss.backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    if cfg.grad_clip:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    else:  # no clipping: the norm is not computed (nanochat measured clipping at +2% time for no gain)
+        grad_norm = torch.zeros((), device=device)
     if cfg.skip_nonfinite and not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=not keep_grads)
         return loss_sum, grad_norm
@@ -476,6 +458,10 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
     say_bar = (lambda s: bar.write(s)) if master else (lambda s: None)
     stopper = Stopper(say_bar)
     rates, last_eval, start_time, first_step = [], {}, time.perf_counter(), step
+    # Seconds spent in training steps, summed over sessions: evaluation and saving left out, and the
+    # session's first step (which compiles) counted at the second one's time. Time-to-loss reads it.
+    train_seconds = next((row["train_seconds"] for row in reversed(read_log(log_path)) if "train_seconds" in row),
+                         0.0) if master and ckpt is not None and log_path.exists() else 0.0
     last_saved = step if ckpt is not None else None
     try:
         while True:
@@ -485,7 +471,7 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
             if fresh and (step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
                 last_eval = evaluate(model, r.val_loader, eval_batches, token_bytes, tcfg, device)
                 say_bar(f"step {step:>6} | val loss {last_eval['val_loss']:.4f} | val bpb {last_eval['val_bpb']:.4f}")
-                write_log({"step": step, "tokens": tokens_seen, **last_eval})
+                write_log({"step": step, "tokens": tokens_seen, "train_seconds": round(train_seconds, 3), **last_eval})
             if fresh and (step % tcfg.ckpt_every == 0 or last_step):
                 checkpoint()
                 last_saved = step
@@ -499,7 +485,7 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
             t0 = time.perf_counter()
             try:
                 loss, grad_norm = train_step(model, optimizer, next_batch, accum, tcfg, device,
-                                             lr_at(step, tcfg, steps))
+                                             O.lr_at(step, tcfg, steps))
                 if dist.is_initialized():
                     dist.all_reduce(loss, op=dist.ReduceOp.AVG)
                 loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
@@ -526,12 +512,14 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
             tok_s = tcfg.batch_tokens / dt
             if step > first_step + 1:  # the first step includes compilation and warm-up
                 rates.append(tok_s)
+                train_seconds += dt * (2 if step == first_step + 2 else 1)  # this step and the first one
             step_mfu = M.mfu(tok_s / world, flops_tok, peak * 1e12) if peak else None
-            row = {"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": lr_at(step - 1, tcfg, steps),
-                   "grad_norm": norm_value, "tok_s": round(tok_s), "mfu": step_mfu,
-                   "peak_mem_gib": round(peak_memory_gib(device), 3), "step_s": round(dt, 4), "skipped": skipped}
+            row = {"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": O.lr_at(step - 1, tcfg, steps),
+                   "grad_norm": norm_value if tcfg.grad_clip else None, "tok_s": round(tok_s), "mfu": step_mfu,
+                   "peak_mem_gib": round(peak_memory_gib(device), 3), "step_s": round(dt, 4), "skipped": skipped,
+                   "train_seconds": round(train_seconds, 3)}
             write_log(row)
-            say_bar(f"step {step:>6} | loss {loss_value:.4f} | lr {row['lr']:.2e} | gnorm {norm_value:.3f} | "
+            say_bar(f"step {step:>6} | loss {loss_value:.4f} | lr {row['lr']:.2e} | gnorm {norm_value if tcfg.grad_clip else float('nan'):.3f} | "
                     f"{tok_s:,.0f} tok/s | MFU {f'{step_mfu:.1%}' if step_mfu is not None else 'n/a'} | "
                     f"mem {row['peak_mem_gib']:.2f} GiB")
             bar.update(1)
@@ -586,8 +574,9 @@ def sample_text(model: M.Llama, tok, prompt: str, n: int, device: torch.device) 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train the Llama-style model.")
-    p.add_argument("--config", default=str(C.PRESETS_DIR / "tiny.toml"),
-                   help="TOML file with [model] [data] [train] (default: configs/tiny.toml)")
+    p.add_argument("--config", default=None,
+                   help="TOML file with [model] [data] [train] (default: configs/tiny.toml; on --resume the "
+                        "checkpoint's own config)")
     p.add_argument("--name", default=None, help="run name; outputs go to <runs-dir>/<name> (default: the config "
                                                 "file's name)")
     p.add_argument("--runs-dir", default=str(ROOT / "runs"), help="folder holding the runs (default: ./runs)")
@@ -604,19 +593,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_config(args: argparse.Namespace, run_dir: Path | None = None):
+def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=print):
     """(config, checkpoint): the config file and flags; on --resume, the loaded checkpoint and its
-    own config with the flags. Only [train] settings may change on resume: the model and data
-    are the checkpoint's."""
+    own config. On resume the checkpoint's config is the base: a model or data value the file or
+    a flag gives must equal it (the same command plus --resume always works), and [train] values
+    may change, each reported."""
     overrides = C.flag_overrides(args)
-    if args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists():
-        fixed = sorted(k.replace("__", ".") for k in overrides if not k.startswith("train__"))
-        if fixed:
-            raise ValueError(f"--resume continues the checkpoint's model and data, so {', '.join(fixed)} cannot "
-                             f"change; start a new run with --name NAME instead")
-        ckpt = CK.load(run_dir / "ckpt.pt", **overrides)
-        return ckpt.config, ckpt
-    return C.load_config(args.config, **overrides), None
+    if not (args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists()):
+        return C.load_config(args.config or DEFAULT_CONFIG, **overrides), None
+    ckpt = CK.load(run_dir / "ckpt.pt")
+    # What the user asked for: the file's settings (when --config is given) and the flags, resolved
+    # on the checkpoint's config, so that fields they leave out compare equal.
+    from_file = C.read_toml(args.config) if args.config else {}
+    given = {f"{s}__{k}": v for s, table in from_file.items() for k, v in table.items()} | overrides
+    asked = C.load_config(values=dataclasses.asdict(ckpt.config), source=args.config or "flags", **given)
+    differ = {}
+    for key in sorted(given):
+        section, name = key.split("__")
+        now, then = getattr(getattr(asked, section), name), getattr(getattr(ckpt.config, section), name)
+        if now != then:
+            differ[key] = (then, now)
+    fixed = [f"{k.replace('__', '.')} (checkpoint {a!r}, asked {b!r})" for k, (a, b) in differ.items()
+             if not k.startswith("train__")]
+    if fixed:
+        raise ValueError(f"--resume continues {run_dir / 'ckpt.pt'}, whose model and data cannot change, but "
+                         f"{'; '.join(fixed)}: drop those flags or settings, or start a new run with --name NAME")
+    changes = {k: b for k, (a, b) in differ.items()}
+    for key, (then, now) in differ.items():
+        note = " (the learning-rate schedule stretches to the new length)" if key in ("train__steps",
+                                                                                       "train__tokens") else ""
+        log(f"resume: {key.replace('__', '.')} {then!r} -> {now!r}{note}")
+    if changes:
+        ckpt = CK.load(run_dir / "ckpt.pt", **changes)
+    return ckpt.config, ckpt
 
 
 def main(argv=None):
@@ -625,11 +634,12 @@ def main(argv=None):
     try:
         if distributed:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        name = args.name or Path(args.config).stem
+        name = args.name or Path(args.config or DEFAULT_CONFIG).stem
         check_run_name(name)
         run_dir = Path(args.runs_dir) / name
-        cfg, ckpt = resolve_config(args, run_dir)
-        if not distributed or dist.get_rank() == 0:
+        master = not distributed or dist.get_rank() == 0
+        cfg, ckpt = resolve_config(args, run_dir, log=print if master else (lambda *a: None))
+        if master:
             print("config: " + json.dumps(cfg.to_dict()))
         train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
               checkpoint=ckpt)

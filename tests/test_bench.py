@@ -113,7 +113,7 @@ def test_ladder_table_math():
 
 def test_budget_command_prints_table(capsys):
     B.main(["--budget", "--tok-s", "88m=29408"])
-    assert "| 88m | 88,096,512 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in capsys.readouterr().out
+    assert "| 88m | 88,097,792 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--tok-s '99m=5': expected PRESET=TOKENS_PER_S with a preset from configs/"):
         B.main(["--budget", "--tok-s", "99m=5"])
 

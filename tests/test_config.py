@@ -20,7 +20,7 @@ def test_config_file_unknown_key_and_wrong_type(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("override, message", [
-    (dict(train__grad_clip=-1.0), r"train\.grad_clip=-1\.0 is out of range: it must be > 0"),
+    (dict(train__grad_clip=-1.0), r"train\.grad_clip=-1\.0 is out of range: it must be >= 0 \(0 turns clipping off"),
     (dict(train__warmup_steps=-5), r"train\.warmup_steps=-5 is out of range: it must be >= 0"),
     (dict(train__lr=0.0), r"train\.lr=0\.0 is out of range: it must be in \(0, 1\]"),
     (dict(train__beta2=1.0), r"train\.beta2=1\.0 is out of range: it must be in \[0, 1\)"),
@@ -55,5 +55,5 @@ def test_every_flag_has_help_from_the_field_comment(capsys):
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '22m'"):
+    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '22m'"):
         C.preset("99m")

@@ -210,7 +210,7 @@ def test_an_interrupted_run_exits_non_zero_and_plots(finished, tmp_path, capsys)
 def test_resume_cannot_change_the_model(finished, tmp_path):
     with pytest.raises(SystemExit) as e:
         TR.main(["--runs-dir", str(finished[1].parent), "--name", "run", "--resume", "--d-model", "128"])
-    one_line_error(e, "model.d_model cannot change")
+    one_line_error(e, "model.d_model (checkpoint 64, asked 128)")
 
 
 # --- Rough edges ---------------------------------------------------------------------------

@@ -21,13 +21,15 @@ def small_model(dtype=torch.float64, **overrides):
 @pytest.mark.parametrize("name, params", [("22m", 22_025_088), ("47m", 47_195_712),
                                           ("88m", 88_096_512), ("126m", 125_854_464)])
 def test_preset_parameter_counts(name, params):
-    cfg = C.preset(name).model
-    assert cfg.head_dim == 64 and cfg.vocab_size == 32768 and cfg.context == 1024
-    assert cfg.ffn_hidden == M.swiglu_hidden(cfg.d_model)
-    with torch.device("meta"):
-        model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == params
-    assert M.param_count(cfg) == params
+    """The article's presets (configs/<name>-gpt3.toml) have the article's counts; today's presets
+    (ReLU² at 1.5x SwiGLU's width, QK-norm) have the same matrices plus two head_dim gains a layer."""
+    article, today = C.preset(f"{name}-gpt3").model, C.preset(name).model
+    assert article.head_dim == 64 and article.vocab_size == 32768 and article.context == 1024
+    assert article.ffn_hidden == M.swiglu_hidden(article.d_model) and today.ffn_hidden == article.ffn_hidden * 3 // 2
+    for cfg, expected in ((article, params), (today, params + 2 * today.head_dim * today.n_layers)):
+        with torch.device("meta"):
+            model = M.Llama(cfg)
+        assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == expected
 
 
 def test_llama2_7b_on_meta_device_is_exact_and_fast():
@@ -44,7 +46,7 @@ def test_llama2_7b_on_meta_device_is_exact_and_fast():
 
 
 def test_flops_per_token_88m():
-    assert M.flops_per_token(C.preset("88m").model) == 622_950_912  # "Making Training Fast on One GPU": 6N + 12*L*H*Q*T
+    assert M.flops_per_token(C.preset("88m-gpt3").model) == 622_950_912  # "Making Training Fast on One GPU": 6N + 12*L*H*Q*T
     assert M.mfu(29_408, 622_950_912, 25.3e12) == pytest.approx(0.724, abs=1e-3)  # that article's 72.4%
 
 

@@ -13,6 +13,7 @@ import torch
 import checkpoint as CK
 import config as C
 import model as M
+import optim as O
 import train as TR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,14 +61,14 @@ def test_checkpoint_carries_its_context(train_config, tmp_path):
 
 def test_learning_rate_schedule():
     cfg = C.TrainConfig(lr=1.0, warmup_steps=10, steps=110)
-    assert TR.lr_at(0, cfg, 110) == pytest.approx(0.1) and TR.lr_at(9, cfg, 110) == pytest.approx(1.0)
-    assert TR.lr_at(60, cfg, 110) == pytest.approx(0.55)  # halfway down the cosine
-    assert TR.lr_at(110, cfg, 110) == pytest.approx(0.1)  # ends at 10% of the peak
+    assert O.lr_at(0, cfg, 110) == pytest.approx(0.1) and O.lr_at(9, cfg, 110) == pytest.approx(1.0)
+    assert O.lr_at(60, cfg, 110) == pytest.approx(0.55)  # halfway down the cosine
+    assert O.lr_at(110, cfg, 110) == pytest.approx(0.1)  # ends at 10% of the peak
 
 
 def test_weight_decay_only_on_block_matrices():
     model = M.Llama(M.ModelConfig(d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=300, context=16))
-    opt = TR.configure_optimizer(model, C.TrainConfig(steps=1))
+    opt = O.configure_optimizer(model, C.TrainConfig(steps=1))
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in decayed}
     assert names == {n for n, _ in model.named_parameters() if n.startswith("blocks.") and n.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight"))}
@@ -104,7 +105,7 @@ def test_cuda_graph_modes_accumulate_into_kept_buffers(train_config):
         tcfg = with_train(train_config, compile=True, compile_mode=mode).train  # model itself left eager
         torch.manual_seed(0)
         model = M.Llama(cfg)
-        opt = TR.configure_optimizer(model, tcfg)
+        opt = O.configure_optimizer(model, tcfg)
         batches = iter([(x, y) for x, y in data for _ in range(2)])
         for _ in range(3):
             TR.train_step(model, opt, lambda: next(batches), 2, tcfg, torch.device("cpu"), 1e-3)

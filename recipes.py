@@ -1,0 +1,343 @@
+"""Time to a good model: the recipe ladder that `python bench.py --recipes` runs.
+
+A rung is a recipe: a config file from configs/ plus overrides that the config loader checks
+(a misspelled setting fails before any process starts). Every rung trains with train.py in its
+own process, on the same shards in the same order (the same seed orders the data), and is
+evaluated on the same validation tokens at the same token counts. What is compared is the
+validation loss against tokens and against training seconds: train.py's `train_seconds`,
+which leaves out evaluation, checkpoints and the one-time compile (the first step of a run
+counts at the second step's time).
+
+The rungs, in the order they run:
+  article  configs/<preset>-gpt3.toml: the recipe of the article this project started from
+           (GPT-3's of 2020: AdamW, cosine to 10%, SwiGLU, tied head, clipping at 1.0), run once
+           per seed. Its mean final loss is the target every other rung is timed to.
+  sweep    the article's recipe at other AdamW learning rates and weight decays: the honest
+           baseline, since a tuned AdamW closes part of any optimizer's gap (Wen et al. 2025).
+  chain    one change at a time, each on top of the rung before it: warmup-stable-decay, Muon,
+           ReLU², QK-norm with zero-initialised projections, an untied head, a logit soft-cap,
+           no gradient clipping, a 262K-token batch.
+  final    the article's recipe with every chain change that helped (below), once per seed.
+           A chain rung "helped" when its final loss beat the rung before it, or matched it in
+           less time (see helped). The spread between the article's seeds says which single-seed
+           differences are claims; the final recipe against the article, once per seed each, is.
+
+--versus skips the search: it runs the article and configs/<preset>.toml (the default
+recipe), each once per seed. That is how a result is confirmed on a larger preset.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import config as C
+import data as D
+import model as M
+import train as TR
+
+ROOT = Path(__file__).resolve().parent
+SEED = 1337  # TrainConfig's default: the first seed; further seeds count up from it
+EVALS_PER_RUN = 20  # validation passes per rung: the resolution of the time-to-loss curves
+
+# AdamW learning rates and weight decays around the article's (multiples of its lr; absolute decays)
+SWEEP_LR = (0.5, 2.0, 4.0)
+SWEEP_WD = (0.0,)
+# (name, overrides), each applied on top of the rung before it. The values are the published ones:
+# modded-nanogpt's and nanochat's Muon lr 0.02 and momentum 0.95, a soft-cap of 15 (nanochat), a
+# warm-down over the last 40% to zero. ffn_hidden 0 lets ReLU² take SwiGLU's parameter count.
+CHAIN = (
+    ("+ warmup-stable-decay", {"train__schedule": "wsd", "train__warmdown_fraction": 0.4, "train__min_lr_ratio": 0.0}),
+    ("+ Muon", {"train__muon": True, "train__muon_lr": 0.02, "train__muon_momentum": 0.95}),
+    ("+ ReLU²", {"model__mlp": "relu2", "model__ffn_hidden": 0}),
+    ("+ QK-norm, zero-init", {"model__qk_norm": True, "model__zero_init": True}),
+    ("+ untied head", {"model__tie_embeddings": False}),
+    ("+ soft-cap 15", {"model__logit_softcap": 15.0}),
+    ("- gradient clipping", {"train__grad_clip": 0.0}),
+    ("262K batch", {"train__batch_tokens": 262_144}),
+)
+TIME_GAIN = 0.02  # "in less time": at least 2% fewer training seconds
+SAME_LOSS = 0.005  # nats: final losses this close count as equal (one seed of a bf16 run moves by about this)
+# The python corpus' BPE trains on its first 10,000 documents (in content-hash order, so a sample of
+# every package): about 90 MB, a minute of a 16-core machine, where all 500 MB take several.
+PYTHON_TOKENIZER_DOCUMENTS = 10_000  # "in less time": at least 2% fewer training seconds
+
+
+@dataclass
+class Recipe:
+    """One rung: a config file, overrides as load_config takes them, and a seed."""
+    name: str
+    config: str  # a preset name in configs/
+    group: str  # article | sweep | chain | final | default
+    overrides: dict = field(default_factory=dict)
+    seed: int = SEED
+
+    @property
+    def folder(self) -> str:
+        slug = "".join(c if c.isalnum() else "-" for c in self.name.lower()).strip("-")
+        return f"{'-'.join(s for s in slug.split('-') if s)}-s{self.seed}"
+
+
+# --- The plan (pure functions) --------------------------------------------------------------
+
+def fixed_settings(base: C.Config, tokens: int, corpus: str, micro_batch: int | None) -> dict:
+    """What every rung shares: the corpus, the token budget and the measuring cadence."""
+    fixed = {"data__corpus": corpus, "train__tokens": tokens, "train__steps": 0, "train__sample_tokens": 0,
+             "train__micro_batch": micro_batch or base.train.micro_batch}
+    if corpus != base.data.corpus:  # the preset's document limits were sized for its own corpus
+        fixed.update({"data__max_documents": 0, "data__tokenizer_documents": PYTHON_TOKENIZER_DOCUMENTS
+                      if corpus == "python" else 0})
+    return fixed
+
+
+def run_settings(cfg: C.Config) -> dict:
+    """Per rung, from its batch: warm-up over 10% of the steps (the presets' 200 steps are a
+    fraction of a full run, but would be all of a short one), EVALS_PER_RUN validation passes at
+    the same token counts whatever the batch, and four checkpoints, so a cut run resumes."""
+    steps = max(1, cfg.train.tokens // cfg.train.batch_tokens)
+    every = max(1, steps // EVALS_PER_RUN)
+    return {"train__warmup_steps": max(1, steps // 10), "train__eval_every": every,
+            "train__ckpt_every": max(every, steps // 4)}
+
+
+def ladder_plan(preset: str, seeds: int) -> list[Recipe]:
+    """The article once per seed, the sweep, then the chain, each chain rung carrying the changes
+    of the rungs before it."""
+    article, lr = f"{preset}-gpt3", C.preset(f"{preset}-gpt3").train.lr
+    plan = [Recipe("article (GPT-3 2020)", article, "article", seed=SEED + i) for i in range(seeds)]
+    plan += [Recipe(f"AdamW lr x{m:g}", article, "sweep", {"train__lr": lr * m}) for m in SWEEP_LR]
+    plan += [Recipe(f"AdamW wd {wd:g}", article, "sweep", {"train__weight_decay": wd}) for wd in SWEEP_WD]
+    carried = {}
+    for name, change in CHAIN:
+        carried = {**carried, **change}
+        plan.append(Recipe(name, article, "chain", dict(carried)))
+    return plan
+
+
+def versus_plan(preset: str, seeds: int) -> list[Recipe]:
+    return [r for i in range(seeds) for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
+                                              Recipe("default recipe", preset, "default", seed=SEED + i))]
+
+
+def helped(rows: list[dict]) -> list[str]:
+    """The chain rungs that helped: a final loss lower than the rung before by more than
+    SAME_LOSS, or within SAME_LOSS of it and at least TIME_GAIN faster. rows: the chain's rows in
+    order, after the article's row (the first chain rung is compared with the article).
+    One seed each: a single rung's gain is a direction, not a claim; the final recipe, run
+    against the article once per seed, is the claim."""
+    kept = []
+    for before, row in zip(rows, rows[1:]):
+        if row.get("val_loss") is None or before.get("val_loss") is None:
+            continue
+        gain = before["val_loss"] - row["val_loss"]
+        faster = row["train_seconds"] < (1 - TIME_GAIN) * before["train_seconds"]
+        if gain > SAME_LOSS or (abs(gain) <= SAME_LOSS and faster):
+            kept.append(row["rung"])
+    return kept
+
+
+def final_recipes(preset: str, kept: list[str], seeds: int) -> list[Recipe]:
+    """The article with the kept chain changes, once per seed."""
+    changes = {}
+    for name, change in CHAIN:
+        if name in kept:
+            changes.update(change)
+    return [Recipe("final: " + (", ".join(kept) or "no change"), f"{preset}-gpt3", "final", changes, SEED + i)
+            for i in range(seeds)]
+
+
+# --- Reading the runs (pure functions) --------------------------------------------------------
+
+def eval_curve(log_rows: list[dict]) -> list[dict]:
+    """A run's validation passes: tokens, training seconds, loss and bits per byte."""
+    return [{k: r[k] for k in ("step", "tokens", "train_seconds", "val_loss", "val_bpb")}
+            for r in log_rows if "val_loss" in r and "train_seconds" in r]
+
+
+def time_to(curve: list[dict], target: float) -> tuple[float, float] | None:
+    """(tokens, seconds) at which the validation loss first reaches `target`, linearly
+    interpolated between the passes either side; None when it never does."""
+    for before, now in zip([None] + curve, curve):
+        if now["val_loss"] <= target:
+            if before is None:
+                return float(now["tokens"]), float(now["train_seconds"])
+            f = (before["val_loss"] - target) / (before["val_loss"] - now["val_loss"])
+            return tuple(float(b + f * (a - b)) for a, b in ((now["tokens"], before["tokens"]),
+                                                             (now["train_seconds"], before["train_seconds"])))
+    return None
+
+
+def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: float | None) -> dict:
+    """One table row from a rung's runs (one per seed): means over the seeds, and the spread
+    (max - min) of the final loss."""
+    finals = [r["curve"][-1] for r in runs if r.get("curve")]
+    if not finals:
+        return {"rung": name, "skipped": runs[0].get("error", "no validation pass") if runs else "not run"}
+    row = {"rung": name, "seeds": len(finals), "val_loss": float(np.mean([f["val_loss"] for f in finals])),
+           "val_bpb": float(np.mean([f["val_bpb"] for f in finals])),
+           "spread": float(np.ptp([f["val_loss"] for f in finals])),
+           "tokens": int(np.mean([f["tokens"] for f in finals])),
+           "train_seconds": float(np.mean([f["train_seconds"] for f in finals])),
+           "tok_s": float(np.mean([r["tok_s"] for r in runs if r.get("tok_s")] or [np.nan]))}
+    if target is not None:
+        reached = [time_to(r["curve"], target) for r in runs if r.get("curve")]
+        if all(reached):
+            row["tokens_to_target"] = float(np.mean([t for t, _ in reached]))
+            row["seconds_to_target"] = float(np.mean([s for _, s in reached]))
+    if article_tok_s and row["tok_s"] == row["tok_s"]:
+        row["step_overhead"] = article_tok_s / row["tok_s"] - 1  # > 0: slower per token than the article
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """The ladder as markdown; "x article's time" is the seconds to the target over the article's."""
+    article_seconds = rows[0].get("train_seconds") if rows else None
+    head = ("| rung | seeds | final val loss | spread | bits/byte | tokens to target | seconds to target | "
+            "x article's time | tok/s | step overhead |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['rung']} | skipped: {r['skipped']} |||||||||")
+            continue
+        to_t, to_s = r.get("tokens_to_target"), r.get("seconds_to_target")
+        ratio = f"{to_s / article_seconds:.2f}" if to_s is not None and article_seconds else "not reached"
+        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {r['spread']:.4f} | {r['val_bpb']:.4f} | "
+                     f"{'not reached' if to_t is None else f'{to_t / 1e6:,.0f}M'} | "
+                     f"{'' if to_s is None else f'{to_s:,.1f}'} | {ratio} | {r['tok_s']:,.0f} | "
+                     f"{r.get('step_overhead', 0):+.1%} |")
+    return "\n".join(lines)
+
+
+# --- Running ----------------------------------------------------------------------------------
+
+def to_flags(overrides: dict) -> list[str]:
+    """train.py's flags for load_config overrides: {"train__lr": 0.003} -> ["--lr", "0.003"]."""
+    flags = []
+    for key, value in overrides.items():
+        name = key.split("__", 1)[1].replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{'' if value else 'no-'}{name}")
+        else:
+            flags += [f"--{name}", str(value)]
+    return flags
+
+
+def resolved(recipe: Recipe, fixed: dict) -> tuple[C.Config, dict]:
+    """The rung's config through the strict loader, and all of its overrides."""
+    overrides = {**fixed, **recipe.overrides, "train__seed": recipe.seed}
+    cfg = C.preset(recipe.config, **overrides)
+    overrides.update(run_settings(cfg))
+    return C.preset(recipe.config, **overrides), overrides
+
+
+def command(recipe: Recipe, overrides: dict, runs_dir: Path, resume: bool) -> list[str]:
+    folder = runs_dir / recipe.folder
+    again = ["--resume"] if resume and (folder / "ckpt.pt").exists() else ["--overwrite"]
+    return [sys.executable, str(ROOT / "train.py"), "--config", str(C.PRESETS_DIR / f"{recipe.config}.toml"),
+            "--runs-dir", str(runs_dir), "--name", recipe.folder, *again, *to_flags(overrides)]
+
+
+def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[str | None], timeout: int,
+            resume: bool) -> dict[str, dict]:
+    """Train every recipe not already finished, as many at once as there are devices (one GPU
+    each through CUDA_VISIBLE_DEVICES). Returns {folder: run} with each run's curve and speed."""
+    todo, results = [], {}
+    for r in recipes:
+        cfg, overrides = resolved(r, fixed)  # every config is checked before the first run starts
+        done = runs_dir / r.folder / "summary.json"
+        if not (resume and done.exists()) and r.folder not in {t[0].folder for t in todo}:
+            todo.append((r, command(r, overrides, runs_dir, resume)))
+    running, free = {}, list(devices)
+    while todo or running:
+        while todo and free:
+            recipe, cmd = todo.pop(0)
+            device = free.pop(0)
+            (runs_dir / recipe.folder).mkdir(parents=True, exist_ok=True)
+            out = open(runs_dir / recipe.folder / "stdout.log", "w")
+            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if device is not None else {})}
+            print(f"run: {recipe.name} (seed {recipe.seed}){f' on GPU {device}' if device is not None else ''} ...",
+                  flush=True)
+            running[recipe.folder] = (subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT),
+                                      device, time.monotonic(), out)
+        time.sleep(0.5)
+        for folder, (proc, device, started, out) in list(running.items()):
+            late = time.monotonic() - started > timeout
+            if proc.poll() is None and not late:
+                continue
+            if late and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                results[folder] = {"error": f"timed out after {timeout} s"}
+            elif proc.returncode:
+                tail = (runs_dir / folder / "stdout.log").read_text(errors="replace").strip().splitlines()
+                results[folder] = {"error": (tail[-1] if tail else f"exit {proc.returncode}")[:160]}
+            out.close()
+            free.append(device)
+            del running[folder]
+    for r in recipes:
+        results.setdefault(r.folder, read_run(runs_dir / r.folder))
+    return results
+
+
+def read_run(folder: Path) -> dict:
+    if not (folder / "summary.json").exists():
+        return {"error": "did not finish"}
+    summary = json.loads((folder / "summary.json").read_text())
+    for checkpoint in folder.glob("ckpt*.pt"):  # the curves are the result; the weights are not kept
+        checkpoint.unlink()
+    return {"curve": eval_curve(TR.read_log(folder / "log.jsonl")), "tok_s": summary.get("mean_tok_s")}
+
+
+def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
+          timeout: int, resume: bool, versus: bool, devices: list[str | None]) -> dict:
+    """Run the ladder (or --versus) and return its rows, curves, target and kept changes."""
+    for name in (preset, f"{preset}-gpt3"):
+        if not (C.PRESETS_DIR / f"{name}.toml").is_file():
+            raise ValueError(f"--recipes --preset {preset}: configs/{name}.toml does not exist; the recipe ladder "
+                             f"needs the preset and its article recipe, configs/{preset}-gpt3.toml")
+    base = C.preset(f"{preset}-gpt3")
+    tokens = tokens or base.train.tokens or base.train.steps * base.train.batch_tokens
+    fixed = fixed_settings(base, tokens, corpus, micro_batch)
+    runs_dir = out / "recipes" / preset
+    plan = versus_plan(preset, seeds) if versus else ladder_plan(preset, seeds)
+    for r in plan:
+        resolved(r, fixed)  # every config is checked before anything runs, the data included
+    cfg = resolved(plan[0], fixed)[0]
+    D.prepare(cfg.data, cfg.model.vocab_size)  # once, here: rungs running at once must not race to write it
+    print(f"recipes: {preset} ({M.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "
+          f"{len(devices)} at a time", flush=True)
+    results = run_all(plan, fixed, runs_dir, devices, timeout, resume)
+    rows, kept = rows_for(plan, results), []
+    if not versus:
+        article = rows[0]
+        chain = [article] + [r for r in rows if r["rung"] in dict(CHAIN)]
+        kept = helped(chain)
+        final = final_recipes(preset, kept, seeds)
+        results.update(run_all(final, fixed, runs_dir, devices, timeout, resume))
+        plan += final
+        rows = rows_for(plan, results)
+    curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
+    return {"rows": rows, "curves": curves, "kept": kept, "tokens": tokens, "corpus": corpus,
+            "params": M.param_count(cfg.model), "target": rows[0].get("val_loss")}
+
+
+def rows_for(plan: list[Recipe], results: dict) -> list[dict]:
+    """One row per rung name (its seeds together), in plan order, timed to the article's mean loss."""
+    names = list(dict.fromkeys(r.name for r in plan))
+    runs = {n: [results[r.folder] for r in plan if r.name == n] for n in names}
+    article = summarize(names[0], runs[names[0]], None, None)
+    target, tok_s = article.get("val_loss"), article.get("tok_s")
+    return [summarize(n, runs[n], target, tok_s) for n in names]
+
+
+def plot(curves: dict, title: str, path: Path):
+    series = {name: ([p["train_seconds"] for p in c], [p["val_loss"] for p in c], "-")
+              for name, c in curves.items() if c}
+    if series:
+        TR.plot_lines(series, "training seconds (compile, evaluation and saving left out)", "validation loss (nats)",
+                      title, path)
