@@ -197,39 +197,72 @@ def tokenizer_for(ckpt: Checkpoint, override: str | Path | None = None):
     return tk.load_tokenizer(path), path
 
 
-# --- The HuggingFace Llama format (export.py writes it; bench compares generation on it) ----
-# Our model already is a Llama: RMSNorm, rotary embeddings in HF's "rotate half" layout (so q
-# and k need no permutation), grouped-query attention, SwiGLU, no biases. Only the fused
-# matrices are split back: wqkv into q_proj, k_proj, v_proj and w13 into gate_proj, up_proj.
+# --- The HuggingFace format (export.py writes it; bench compares generation on it) ------------
+# Our model is a Llama with optional parts. Each combination maps onto the transformers class that
+# computes exactly it: RMSNorm, rotary embeddings in HF's "rotate half" layout (so q and k need no
+# permutation), grouped-query attention, no biases. Only the fused matrices are split back: wqkv
+# into q_proj, k_proj, v_proj and w13 into gate_proj, up_proj.
+#   SwiGLU             -> LlamaForCausalLM
+#   SwiGLU + QK-norm   -> Qwen3ForCausalLM (per-head q_norm and k_norm, before RoPE, as ours)
+#   ReLU²              -> ArceeForCausalLM (a non-gated MLP with hidden_act "relu2")
+#   ReLU² + QK-norm    -> ApertusForCausalLM (the same, with per-head q_norm and k_norm)
+# No class has a logit soft-cap with these layers: hf_architecture refuses it.
+
+HF_CLASSES = {("swiglu", False): ("LlamaForCausalLM", "llama"), ("swiglu", True): ("Qwen3ForCausalLM", "qwen3"),
+              ("relu2", False): ("ArceeForCausalLM", "arcee"), ("relu2", True): ("ApertusForCausalLM", "apertus")}
+
+
+def hf_architecture(cfg: M.ModelConfig) -> tuple[str, str]:
+    """(transformers class, model_type) that computes what cfg does, or ValueError naming the setting."""
+    if cfg.logit_softcap:
+        raise ValueError(f"model.logit_softcap={cfg.logit_softcap}: no transformers class combines a logit soft-cap "
+                         f"with this architecture, so this checkpoint cannot be exported (train with "
+                         f"--logit-softcap 0 to export)")
+    return HF_CLASSES[(cfg.mlp, cfg.qk_norm)]
+
 
 def hf_config(cfg: M.ModelConfig, eot_id: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    architecture, model_type = hf_architecture(cfg)
+    config = {
+        "architectures": [architecture], "model_type": model_type,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu" if cfg.mlp == "swiglu" else "relu2",
         "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02, "torch_dtype": "float32",
         "bos_token_id": eot_id, "eos_token_id": eot_id,
     }
+    if model_type == "qwen3":  # no sliding window: every layer attends over the whole context
+        config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers})
+    return config
 
 
 def hf_state_dict(state: dict, cfg: M.ModelConfig) -> dict:
-    """Our parameter names and fused matrices -> HF LlamaForCausalLM's."""
+    """Our parameter names and fused matrices -> those of the class hf_architecture picks."""
     d, kv, f = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
+    apertus = hf_architecture(cfg)[1] == "apertus"
+    norms = ("attention_layernorm", "feedforward_layernorm") if apertus else ("input_layernorm",
+                                                                              "post_attention_layernorm")
     out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
     for i in range(cfg.n_layers):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         q, k, v = state[ours + "attn.wqkv.weight"].split([d, kv, kv])
-        gate, up = state[ours + "mlp.w13.weight"].split([f, f])
         out.update({
-            theirs + "input_layernorm.weight": state[ours + "attn_norm.weight"],
+            theirs + norms[0] + ".weight": state[ours + "attn_norm.weight"],
             theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
             theirs + "self_attn.v_proj.weight": v, theirs + "self_attn.o_proj.weight": state[ours + "attn.wo.weight"],
-            theirs + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"],
-            theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
+            theirs + norms[1] + ".weight": state[ours + "mlp_norm.weight"],
             theirs + "mlp.down_proj.weight": state[ours + "mlp.w2.weight"],
         })
+        if cfg.qk_norm:
+            out[theirs + "self_attn.q_norm.weight"] = state[ours + "attn.q_norm.weight"]
+            out[theirs + "self_attn.k_norm.weight"] = state[ours + "attn.k_norm.weight"]
+        if cfg.mlp == "relu2":
+            out[theirs + "mlp.up_proj.weight"] = state[ours + "mlp.w1.weight"]
+        else:
+            gate, up = state[ours + "mlp.w13.weight"].split([f, f])
+            out.update({theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up})
     if not cfg.tie_embeddings:  # a tied head is the embedding; safetensors stores it once
         out["lm_head.weight"] = state["head.weight"]
     return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}

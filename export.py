@@ -1,4 +1,7 @@
-"""Write a checkpoint as a HuggingFace Llama directory, so the tools users already have read it.
+"""Write a checkpoint as a HuggingFace model directory, so the tools users already have read it.
+
+The class follows the architecture (checkpoint.HF_CLASSES): Llama, Qwen3 (QK-norm), Arcee (ReLU²)
+or Apertus (ReLU² and QK-norm); a logit soft-cap has none and is refused.
 
     python export.py --ckpt runs/tiny --out exported/tiny
 
@@ -35,6 +38,7 @@ def check_out_folder(out: Path, force: bool):
 
 def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
     cfg = ckpt.config.model
+    CK.hf_architecture(cfg)  # refuses, before anything is written, what no transformers class computes
     tok = tk.load_tokenizer(tokenizer_path)
     eot_id = tok.token_to_id(tk.EOT)
     out.mkdir(parents=True, exist_ok=True)
@@ -48,7 +52,7 @@ def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Export a checkpoint as a HuggingFace Llama directory.")
+    p = argparse.ArgumentParser(description="Export a checkpoint as a HuggingFace model directory.")
     p.add_argument("--ckpt", required=True, help="run folder (runs/NAME) or a ckpt.pt file")
     p.add_argument("--out", required=True, help="folder to write (new or empty; never a run folder)")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder, replacing the export's files")

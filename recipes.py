@@ -332,7 +332,9 @@ def rows_for(plan: list[Recipe], results: dict) -> list[dict]:
     runs = {n: [results[r.folder] for r in plan if r.name == n] for n in names}
     article = summarize(names[0], runs[names[0]], None, None)
     target, tok_s = article.get("val_loss"), article.get("tok_s")
-    return [summarize(n, runs[n], target, tok_s) for n in names]
+    if target is not None:  # the target is the article's own mean loss, which it reaches at its end
+        article.update(tokens_to_target=article["tokens"], seconds_to_target=article["train_seconds"], step_overhead=0.0)
+    return [article] + [summarize(n, runs[n], target, tok_s) for n in names[1:]]
 
 
 def plot(curves: dict, title: str, path: Path):

@@ -323,3 +323,59 @@ def test_flex_attention_matches_boolean_mask_on_cuda():
 def test_cuda_copy_options_are_off_on_cpu(shards):
     loader = D.ShardLoader(shards[0], 2, 16, pin=True)
     assert not loader.pin and loader.next_batch()[0].device.type == "cpu"
+
+
+# --- The python corpus and local files of any extension ------------------------------------
+
+@pytest.fixture
+def python_tree(tmp_path, monkeypatch):
+    """A fake installation: 30 modules, two vendored copies of one of them, and an empty file."""
+    root = tmp_path / "site"
+    for i in range(30):
+        (root / f"pkg{i % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"pkg{i % 3}" / f"m{i}.py").write_text(f"def f{i}():\n    return {i}\n" * 20)
+    for vendor in ("a", "b"):
+        (root / vendor / "_vendor").mkdir(parents=True)
+        (root / vendor / "_vendor" / "six.py").write_text((root / "pkg0" / "m0.py").read_text())
+    (root / "empty.pyi").write_text("  \n")
+    files = tuple(sorted(p for p in root.rglob("*") if p.is_file()))
+    monkeypatch.setattr(tk, "python_files", lambda: files)
+    return root, files
+
+
+def test_python_corpus_is_distinct_texts_in_content_order(python_tree, monkeypatch):
+    root, files = python_tree
+    said = []
+    docs = list(tk.python_documents(warn=said.append))
+    assert len(docs) == 30 and len(set(docs)) == 30  # the vendored copies and the empty file are gone
+    assert said == ["python corpus: 33 files, 30 distinct non-empty texts (3 duplicates or empty skipped)"]
+    monkeypatch.setattr(tk, "python_files", lambda: tuple(reversed(files)))  # another machine's file order
+    assert list(tk.python_documents(warn=said.append)) == docs
+
+
+def test_python_split_is_by_text_so_a_new_file_moves_no_other(python_tree):
+    root, files = python_tree
+    val = set(tk.held_out("python", "text", 0.3, n=100))
+    assert 0 < len(val) < 30 and not val & set(tk.train_documents("python", "text", 0.3, warn=lambda s: None))
+    assert all(tk.is_val(0, 0.3, d) for d in val) and all(tk.is_val(12345, 0.3, d) for d in val)
+
+
+def test_python_corpus_prepares_with_a_fingerprint(python_tree, tmp_path):
+    root, files = python_tree
+    cfg = D.DataConfig(corpus="python", cache_dir=str(tmp_path / "cache"), val_fraction=0.2)
+    folder = D.prepare(cfg, 300, log=lambda *a: None)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["documents"] == 30 and manifest["source"]["files"] == 33 and "listing_sha256" in manifest["source"]
+    (root / "pkg1" / "m1.py").write_text("changed = True\n")  # an upgraded package: the prepared data is stale
+    assert tk.source_fingerprint("python") != manifest["source"]
+
+
+def test_local_files_of_any_extension_through_a_recursive_glob(tmp_path):
+    (tmp_path / "src" / "deep").mkdir(parents=True)
+    (tmp_path / "src" / "a.py").write_text("import os\n")
+    (tmp_path / "src" / "deep" / "b.py").write_text("print(1)\n")
+    (tmp_path / "src" / "deep" / "c.md").write_text("# notes\n")
+    assert sorted(tk.documents(str(tmp_path / "src" / "**" / "*.py"))) == ["import os\n", "print(1)\n"]
+    (tmp_path / "src" / "d.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(tk.CorpusError, match=r"record files \(\.jsonl, \.parquet\) and text files cannot mix"):
+        list(tk.documents(str(tmp_path / "src" / "*")))

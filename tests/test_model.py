@@ -82,6 +82,8 @@ def numpy_block(x, w, n_heads, n_kv_heads, theta, eps):
     q = (h @ w["wq"].T).reshape(T, n_heads, hd).transpose(1, 0, 2)
     k = (h @ w["wk"].T).reshape(T, n_kv_heads, hd).transpose(1, 0, 2)
     v = (h @ w["wv"].T).reshape(T, n_kv_heads, hd).transpose(1, 0, 2)
+    if "q_norm" in w:  # QK-norm: each head's query and key vectors RMS-normed before RoPE
+        q, k = rmsnorm(q, w["q_norm"]), rmsnorm(k, w["k_norm"])
     q, k = rope(q), rope(k)
     group = n_heads // n_kv_heads
     k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
@@ -92,29 +94,70 @@ def numpy_block(x, w, n_heads, n_kv_heads, theta, eps):
     attn = (p @ v).transpose(1, 0, 2).reshape(T, d)
     x = x + attn @ w["wo"].T
     h = rmsnorm(x, w["mlp_norm"])
+    if "w3" not in w:  # ReLU²: relu(h W1)^2 W2
+        return x + np.maximum(h @ w["w1"].T, 0) ** 2 @ w["w2"].T
     g, u = h @ w["w1"].T, h @ w["w3"].T
     return x + ((g / (1 + np.exp(-g))) * u) @ w["w2"].T
 
 
-def test_block_matches_numpy_float64():
-    cfg = M.ModelConfig(**SMALL)
-    model = small_model()
+@pytest.mark.parametrize("recipe", [{}, {"mlp": "relu2", "qk_norm": True}])
+def test_block_matches_numpy_float64(recipe):
+    cfg = M.ModelConfig(**SMALL, **recipe)
+    model = small_model(**recipe)
     block = model.blocks[0]
     with torch.no_grad():  # non-trivial norm gains, so the test sees them
-        block.attn_norm.weight.uniform_(0.5, 1.5)
-        block.mlp_norm.weight.uniform_(0.5, 1.5)
-    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+        for p in block.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    d, kv, f = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
     wqkv = block.attn.wqkv.weight.detach().numpy()
-    w13 = block.mlp.w13.weight.detach().numpy()
     w = {"wq": wqkv[:d], "wk": wqkv[d:d + kv], "wv": wqkv[d + kv:], "wo": block.attn.wo.weight.detach().numpy(),
-         "w1": w13[:cfg.ffn_hidden], "w3": w13[cfg.ffn_hidden:], "w2": block.mlp.w2.weight.detach().numpy(),
+         "w2": block.mlp.w2.weight.detach().numpy(),
          "attn_norm": block.attn_norm.weight.detach().numpy(), "mlp_norm": block.mlp_norm.weight.detach().numpy()}
+    if cfg.mlp == "relu2":
+        w["w1"] = block.mlp.w1.weight.detach().numpy()
+    else:
+        w13 = block.mlp.w13.weight.detach().numpy()
+        w.update({"w1": w13[:f], "w3": w13[f:]})
+    if cfg.qk_norm:
+        w.update({"q_norm": block.attn.q_norm.weight.detach().numpy(), "k_norm": block.attn.k_norm.weight.detach().numpy()})
     x = np.random.default_rng(0).standard_normal((20, d))
     ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
     T = x.shape[0]
     with torch.no_grad():
         out = block(torch.from_numpy(x)[None], model.cos[:T], model.sin[:T])[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
+
+
+def test_soft_cap_matches_numpy_and_bounds_the_logits():
+    model = small_model(logit_softcap=2.0)
+    with torch.no_grad():
+        model.embed.weight.mul_(200)  # logits far beyond the cap
+    idx = torch.randint(0, SMALL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        capped = model(idx)
+        model.cfg.logit_softcap = 0.0
+        raw = model(idx).numpy()
+        model.cfg.logit_softcap = 2.0
+        loss = model(idx, idx)
+    assert np.abs(capped.numpy() - 2.0 * np.tanh(raw / 2.0)).max() < 1e-12 and np.abs(raw).max() > 10
+    assert capped.abs().max() <= 2.0  # the loss is taken on the capped logits too
+    ref = -np.log(np.exp(capped.numpy()) / np.exp(capped.numpy()).sum(-1, keepdims=True))
+    assert abs(loss.item() - np.take_along_axis(ref, idx.numpy()[..., None], -1).mean()) < 1e-12
+
+
+def test_relu2_matches_swiglus_parameters_and_zero_init_starts_as_identity():
+    swiglu, relu2 = M.ModelConfig(**SMALL), M.ModelConfig(**SMALL, mlp="relu2")
+    assert relu2.ffn_hidden == swiglu.ffn_hidden * 3 // 2 and M.param_count(relu2) == M.param_count(swiglu)
+    model = small_model(zero_init=True)
+    assert all(not b.attn.wo.weight.any() and not b.mlp.w2.weight.any() for b in model.blocks)
+    x = torch.randn(1, 5, SMALL["d_model"], dtype=torch.float64)
+    assert torch.equal(model.blocks[0](x, model.cos[:5], model.sin[:5]), x)
+
+
+def test_soft_cap_and_the_fused_loss_are_refused_together():
+    with pytest.raises(ValueError, match=r"model\.logit_softcap is not implemented in the fused loss: use --no-fused-loss"):
+        M.ModelConfig(**SMALL, logit_softcap=15.0, fused_loss=True)
 
 
 # --- Properties ----------------------------------------------------------------------------

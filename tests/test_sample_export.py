@@ -1,3 +1,4 @@
+import dataclasses
 import io
 import json
 
@@ -8,6 +9,7 @@ import checkpoint as CK
 import config as C
 import export as E
 import generate as G
+import model as M
 import sample as S
 import train as TR
 from conftest import tiny_model_cfg
@@ -168,3 +170,37 @@ def test_export_command_writes_the_files(run_dir, tmp_path, capsys):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
     assert config["num_key_value_heads"] == 1 and config["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("mlp, qk_norm, architecture", [("swiglu", True, "Qwen3ForCausalLM"),
+                                                        ("relu2", False, "ArceeForCausalLM"),
+                                                        ("relu2", True, "ApertusForCausalLM")])
+def test_each_architecture_exports_to_the_class_that_computes_it(loaded, tmp_path, mlp, qk_norm, architecture):
+    """The recipe's options map onto transformers classes (checkpoint.HF_CLASSES), untied head
+    included; logits agree within 1e-4. Norm gains are randomised so that a q_norm or k_norm
+    exported to the wrong place would show."""
+    transformers = pytest.importorskip("transformers")
+    ckpt, _, tok_path, _ = loaded
+    cfg = dataclasses.replace(ckpt.config.model, mlp=mlp, ffn_hidden=96, qk_norm=qk_norm, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = M.Llama(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    E.export(dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, model=cfg), model=model.state_dict()),
+             tok_path, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(idx) - hf(idx).logits).abs().max().item() < 1e-4
+
+
+def test_export_refuses_a_soft_cap_in_one_line(loaded, tmp_path):
+    ckpt, _, tok_path, _ = loaded
+    capped = dataclasses.replace(ckpt, config=dataclasses.replace(
+        ckpt.config, model=dataclasses.replace(ckpt.config.model, logit_softcap=15.0)))
+    with pytest.raises(ValueError, match=r"^model\.logit_softcap=15\.0: no transformers class .* --logit-softcap 0"):
+        E.export(capped, tok_path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()  # refused before anything was written

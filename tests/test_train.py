@@ -36,12 +36,22 @@ QUIET = dict(log=lambda *a, **k: None)
 
 # --- Exact resume --------------------------------------------------------------------------
 
-def test_resume_is_bitwise_exact(train_config, tmp_path):
+# Today's recipe: Muon (its momentum lives in the checkpoint), ReLU², QK-norm, zero-init, and a
+# warm-down over the last half of the 6 steps, so a stop after step 4 resumes in the middle of it.
+TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
+                 {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.0})
+
+
+@pytest.mark.parametrize("recipe, stop", [(({}, {}), 3), (TODAYS_RECIPE, 4)], ids=["article", "muon-mid-warm-down"])
+def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop):
+    model, train = recipe
+    train_config = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, **model),
+                                       train=dataclasses.replace(train_config.train, **train))
     straight, split = tmp_path / "straight", tmp_path / "split"
     TR.train(train_config, straight, **QUIET)
-    with pytest.raises(TR.Interrupted, match="--stop-after: saved .* at step 3 of 6; continue with --resume"):
-        TR.train(train_config, split, stop_after=3, **QUIET)
-    assert CK.load(split).step == 3
+    with pytest.raises(TR.Interrupted, match=f"--stop-after: saved .* at step {stop} of 6; continue with --resume"):
+        TR.train(train_config, split, stop_after=stop, **QUIET)
+    assert CK.load(split).step == stop
     TR.train(train_config, split, resume=True, **QUIET)
     assert losses(straight) == losses(split) and len(losses(split)) == 6
     a, b = weights(straight), weights(split)
@@ -344,14 +354,18 @@ def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
 
 # --- Several processes ---------------------------------------------------------------------
 
-def test_two_gloo_processes_equal_one(train_config, tmp_path):
-    """torchrun with 2 CPU ranks, each half the micro-batches, matches 1 process (same global batch)."""
-    cfg = train_config
+@pytest.mark.parametrize("recipe", [({}, {}), TODAYS_RECIPE], ids=["article", "muon"])
+def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe):
+    """torchrun with 2 CPU ranks, each half the micro-batches, matches 1 process (same global batch),
+    with AdamW and with Muon (each rank orthogonalises the same all-reduced gradients)."""
+    cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, **recipe[0]),
+                              train=dataclasses.replace(train_config.train, **recipe[1]))
     common = ["--config", str(tmp_path / "c.toml"), "--runs-dir", str(tmp_path), "--steps", "3",
               "--eval-every", "3", "--ckpt-every", "3"]
     toml = ["[model]"] + [f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(cfg.model).items()]
     toml += ["[data]"] + [f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(cfg.data).items()]
     toml += ["[train]", "batch_tokens = 512", "micro_batch = 2", "device = \"cpu\"", "sample_tokens = 0", "warmup_steps = 2"]
+    toml += [f"{k} = {json.dumps(v)}" for k, v in recipe[1].items()]
     (tmp_path / "c.toml").write_text("\n".join(toml))  # JSON scalars are valid TOML values
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for launcher, name in (([], "one"), (["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533"], "two")):

@@ -1,0 +1,95 @@
+"""recipes.py: the ladder's plan and the reading of its runs, as pure functions; the whole ladder
+end to end on the tiny preset in the slow tier."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import config as C
+import recipes as RE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_plan_runs_the_article_per_seed_the_sweep_then_a_cumulative_chain():
+    plan = RE.ladder_plan("22m", seeds=2)
+    assert [r.group for r in plan[:2]] == ["article", "article"] and [r.seed for r in plan[:2]] == [1337, 1338]
+    assert all(r.config == "22m-gpt3" for r in plan)
+    sweep = [r for r in plan if r.group == "sweep"]
+    assert [r.overrides for r in sweep][:3] == [{"train__lr": 1.5e-3 * m} for m in RE.SWEEP_LR]
+    chain = [r for r in plan if r.group == "chain"]
+    assert [r.name for r in chain] == [name for name, _ in RE.CHAIN]
+    for before, after in zip(chain, chain[1:]):  # each rung keeps every change before it
+        assert before.overrides.items() <= after.overrides.items()
+    assert chain[-1].overrides["train__muon"] is True and chain[-1].overrides["train__batch_tokens"] == 262_144
+    assert len({r.folder for r in plan}) == len(plan)  # one run folder per rung and seed
+
+
+def test_every_rung_config_passes_the_strict_loader_with_its_run_settings():
+    base = C.preset("22m-gpt3")
+    fixed = RE.fixed_settings(base, tokens=83_886_080, corpus="python", micro_batch=64)
+    for recipe in RE.ladder_plan("22m", 1) + RE.versus_plan("88m", 1):
+        cfg, overrides = RE.resolved(recipe, fixed)
+        steps = cfg.train.tokens // cfg.train.batch_tokens
+        assert cfg.data.corpus == "python" and cfg.data.max_documents == 0 and cfg.train.sample_tokens == 0
+        assert cfg.train.warmup_steps == steps // 10 and cfg.train.eval_every == max(1, steps // RE.EVALS_PER_RUN)
+    assert RE.to_flags({"train__lr": 0.003, "train__muon": True, "model__qk_norm": False}) == [
+        "--lr", "0.003", "--muon", "--no-qk-norm"]
+
+
+def test_misspelled_recipe_setting_fails_before_anything_runs(tmp_path):
+    bad = RE.Recipe("typo", "tiny-gpt3", "chain", {"train__muon_lrr": 0.02})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) train\.muon_lrr"):
+        RE.run_all([bad], {}, tmp_path, [None], timeout=60, resume=False)
+    assert not any(tmp_path.iterdir())
+
+
+CURVE = [{"step": 1, "tokens": 100, "train_seconds": 1.0, "val_loss": 5.0, "val_bpb": 2.0},
+         {"step": 2, "tokens": 200, "train_seconds": 2.0, "val_loss": 4.0, "val_bpb": 1.6},
+         {"step": 3, "tokens": 300, "train_seconds": 3.0, "val_loss": 3.0, "val_bpb": 1.2}]
+
+
+def test_time_to_a_loss_interpolates_between_passes():
+    assert RE.time_to(CURVE, 3.5) == (250.0, 2.5)
+    assert RE.time_to(CURVE, 5.5) == (100.0, 1.0)  # reached at the first pass
+    assert RE.time_to(CURVE, 2.9) is None
+
+
+def test_a_change_helps_when_it_lowers_the_loss_or_matches_it_faster():
+    rows = [{"rung": "article", "val_loss": 4.0, "train_seconds": 10.0},
+            {"rung": "lower", "val_loss": 3.9, "train_seconds": 10.0},
+            {"rung": "worse", "val_loss": 3.95, "train_seconds": 9.0},
+            {"rung": "same, faster", "val_loss": 3.952, "train_seconds": 8.0},
+            {"rung": "same, as fast", "val_loss": 3.951, "train_seconds": 7.9}]
+    assert RE.helped(rows) == ["lower", "same, faster"]
+
+
+def test_rows_average_seeds_and_time_each_rung_to_the_articles_mean_loss():
+    runs = {"a1": {"curve": CURVE, "tok_s": 100.0},
+            "a2": {"curve": [dict(p, val_loss=p["val_loss"] + 0.2) for p in CURVE], "tok_s": 100.0},
+            "b1": {"curve": [dict(p, val_loss=p["val_loss"] - 1) for p in CURVE], "tok_s": 80.0}}
+    plan = [RE.Recipe("article", "tiny-gpt3", "article", seed=1), RE.Recipe("article", "tiny-gpt3", "article", seed=2),
+            RE.Recipe("b", "tiny-gpt3", "chain", seed=1)]
+    results = dict(zip([r.folder for r in plan], runs.values()))
+    article, b = RE.rows_for(plan, results)
+    assert article["seeds"] == 2 and article["val_loss"] == pytest.approx(3.1) and article["spread"] == pytest.approx(0.2)
+    assert b["tokens_to_target"] == pytest.approx(190.0) and b["seconds_to_target"] == pytest.approx(1.9)
+    assert b["step_overhead"] == pytest.approx(0.25)
+    table = RE.table([article, b])
+    assert "| article | 2 | 3.1000 | 0.2000 | 1.2000 | 0M | 3.0 | 1.00 | 100 | +0.0% |" in table
+    assert "| b | 1 | 2.0000 | 0.0000 | 1.2000 | 0M | 1.9 | 0.63 | 80 | +25.0% |" in table
+
+
+@pytest.mark.slow
+def test_the_recipe_ladder_runs_end_to_end_on_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--recipes", "--preset", "tiny", "--tokens", "16384",
+                           "--seeds", "1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    found = json.loads((tmp_path / "recipes-tiny.json").read_text())
+    names = [r["rung"] for r in found["rows"]]
+    assert names[0] == "article (GPT-3 2020)" and [n for n, _ in RE.CHAIN] == names[1 + len(RE.SWEEP_LR) + len(RE.SWEEP_WD):-1]
+    assert names[-1].startswith("final: ") and all("val_loss" in r for r in found["rows"])
+    assert (tmp_path / "recipes-tiny.png").exists() and "| rung | seeds | final val loss" in done.stdout
