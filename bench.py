@@ -132,8 +132,8 @@ def cpu_skip(rung: ME.Rung) -> str | None:
     o = rung.overrides
     if o.get("model__attention") in M.SDPA_BACKENDS:
         return "SDPA backends are CUDA kernels"
-    if o.get("train__compile"):
-        return "compiles on CPU too (train.py --compile), but the CPU smoke test does not time it"
+    if o.get("train__compile"):  # the ladder is cumulative: every rung from compile on carries it
+        return "a GPU rung (torch.compile and what is added after it): the CPU smoke test does not time it"
     return None
 
 

@@ -137,6 +137,11 @@ def load(path: str | Path, device="cpu", **overrides) -> Checkpoint:
     """Read a checkpoint safely (tensors and plain data only) and check its config strictly.
     overrides (section__name=value) change the saved config, e.g. train__lr for a resumed run."""
     path = resolve_path(path)
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head and not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or a bare pickle
+        raise CheckpointError(f"{path}: not a checkpoint (it starts with {head!r}, where torch.save's files start "
+                              f"with b'PK'): pass a run folder or the ckpt.pt train.py wrote")
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:

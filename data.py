@@ -219,7 +219,8 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
         log(f"shards: {manifest_path} is unreadable or incomplete: writing the shards again")
     if manifest is not None and manifest.get("source") not in (None, source) and not rebuild:
         raise ValueError(f"corpus {cfg.corpus!r} changed since {folder} was prepared (then {manifest['source']}, "
-                         f"now {source}): rebuild it with `python data.py prepare --config <your config> --rebuild` "
+                         f"now {source}): rebuild it with `python data.py prepare --corpus {cfg.corpus!r} "
+                         f"--vocab-size {vocab_size} --rebuild` "
                          f"(this retrains the tokenizer, so older checkpoints will not resume on it)")
     if rebuild and folder.exists():
         log(f"rebuild: removing the tokenizer and shards in {folder}")
@@ -334,8 +335,11 @@ class ShardLoader:
         self.first_window = np.concatenate([[0], np.cumsum(windows)])  # global window -> shard
         self.per_rank = int(windows.sum()) // world
         if self.per_rank < batch:
-            raise ValueError(f"{len(files)} shard(s) hold {int(windows.sum())} windows of {seq_len + 1} tokens, "
-                             f"fewer than {batch} per rank x {world} rank(s): use more data or a smaller batch")
+            split = "validation" if Path(files[0]).name.startswith("val_") else "training"
+            more = "raise --val-fraction (the validation share), " if split == "validation" else ""
+            raise ValueError(f"the {split} split's {len(files)} shard(s) hold {int(windows.sum())} windows of "
+                             f"{seq_len + 1} tokens, fewer than --micro-batch {batch} per rank x {world} rank(s): "
+                             f"{more}lower --micro-batch, or use more data")
         self.epoch, self.pos = 0, 0
         self._order = None
 
@@ -438,6 +442,10 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except OSError as e:
         sys.exit(f"error: {e.filename or ''}: {e.strerror or e}: check the path and its permissions")
+    except KeyboardInterrupt:  # nothing half-written is trusted: shards and the manifest are renamed into place
+        print("SIGINT: stopped; a finished tokenizer.json is kept, and the next prepare redoes the rest",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 def bench_loader(files: list[Path], batch: int, seq_len: int, n: int = 2000) -> dict:

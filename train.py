@@ -347,8 +347,7 @@ class Stopper:
 
     def _handle(self, signum, frame):
         if self.signal is not None:
-            raise SystemExit(f"{signal.Signals(signum).name} again: stopped at once without saving; "
-                             f"continue from the last checkpoint with --resume")
+            quit_at_once(signal.Signals(signum).name + " again")
         self.signal = signal.Signals(signum).name
         self.say(f"{self.signal}: saving a checkpoint after the current step (press Ctrl-C again to quit "
                  f"without saving)")
@@ -356,6 +355,14 @@ class Stopper:
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+
+def quit_at_once(what: str):
+    """Leave now, in one line and with Ctrl-C's exit code (128 + SIGINT), from anywhere: a
+    checkpoint being written is a temporary file until its rename, so the last complete one stays."""
+    print(f"{what}: stopped at once; the last complete checkpoint is kept, continue from it with --resume",
+          file=sys.stderr)
+    raise SystemExit(130)
 
 
 class Interrupted(Exception):
@@ -429,6 +436,9 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         f"doc_mask={tcfg.doc_mask}")
     if device.type == "cuda" and peak is None:
         say(f"note: no BF16 peak known for {info['device']}: MFU is not shown (pass --peak-tflops)")
+    # MFU here is against the peak named in the line (the spec sheet's dense BF16, or --peak-tflops);
+    # bench.py's ladder reports it against the roof it measures, which is lower, so its MFU is higher.
+    peak_name = f"{peak:,.0f} TFLOP/s {'given' if tcfg.peak_tflops else 'spec'}" if peak else ""
     if master:
         (run_dir / "config.json").write_text(json.dumps({"config": cfg.to_dict(), "provenance": info,
                                                          "tokenizer_hash": r.tokenizer_hash}, indent=2))
@@ -520,14 +530,16 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
                    "train_seconds": round(train_seconds, 3)}
             write_log(row)
             say_bar(f"step {step:>6} | loss {loss_value:.4f} | lr {row['lr']:.2e} | gnorm {norm_value if tcfg.grad_clip else float('nan'):.3f} | "
-                    f"{tok_s:,.0f} tok/s | MFU {f'{step_mfu:.1%}' if step_mfu is not None else 'n/a'} | "
+                    f"{tok_s:,.0f} tok/s | MFU {f'{step_mfu:.1%} of {peak_name}' if step_mfu is not None else 'n/a'} | "
                     f"mem {row['peak_mem_gib']:.2f} GiB")
             bar.update(1)
     finally:
-        stopper.restore()
         bar.close()
-        if master and log_path.exists() and log_path.stat().st_size:  # a plot even for a stopped run
-            plot_losses(log_path, run_dir / "loss.png", title)
+        try:  # still under the Stopper: a second signal while plotting quits in one line
+            if master and log_path.exists() and log_path.stat().st_size:  # a plot even for a stopped run
+                plot_losses(log_path, run_dir / "loss.png", title)
+        finally:
+            stopper.restore()
 
     elapsed = time.perf_counter() - start_time
     mean_rate = float(np.mean(rates)) if rates else None
@@ -540,7 +552,7 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         summary_path.write_text(json.dumps(summary, indent=2))
         say(f"done: step {step}, {tokens_seen - first_step * tcfg.batch_tokens:,} tokens in this session's "
             f"{elapsed:.0f} s, mean {summary['mean_tok_s'] or 0:,} tok/s, "
-            f"MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%')}, "
+            f"MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%') + ' of ' + peak_name}, "
             + (f"val loss {last_eval['val_loss']:.4f} (ln vocab {math.log(cfg.model.vocab_size):.2f}), "
                f"val bpb {last_eval['val_bpb']:.4f}" if last_eval else "no validation pass")
             + f"; plot {run_dir / 'loss.png'}")
@@ -648,6 +660,8 @@ def main(argv=None):
     except Interrupted as e:
         print(e, file=sys.stderr)
         sys.exit(130)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop: preparing data, the final sample
+        quit_at_once("SIGINT")
     except (ValueError, FileNotFoundError, tk.CorpusError, OSError) as e:
         sys.exit(f"error: {e}")
     finally:

@@ -152,7 +152,7 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     ladder = rows("ladder")
     assert ladder[0]["tok_s"] > 0 and ladder[0]["micro_batch"] == 4
     assert [r["skipped"] for r in ladder[1:3]] == ["CUDA-only setting"] * 2  # +tf32, +bf16
-    assert ladder[3]["skipped"].startswith("compiles on CPU too")  # +torch.compile
+    assert ladder[3]["skipped"].startswith("a GPU rung (torch.compile")  # +torch.compile
     attention = {r["rung"]: r for r in rows("attention")}
     assert attention["textbook eager"]["attention_kernels"].startswith("math") and attention["sdpa eager"]["tok_s"] > 0
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"

@@ -1,7 +1,9 @@
 """What a user can rely on when things go wrong: every bad input is one line naming the file and
 a non-zero exit with nothing else touched; interrupted and finished runs lose nothing."""
 
+import dataclasses
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import pytest
 
 import checkpoint as CK
 import config as C
+import data as D
 import export as E
 import sample as S
 import train as TR
@@ -183,18 +186,65 @@ def test_log_has_each_step_once_after_a_crash_and_resume(finished, tmp_path, mon
     assert (run / "loss.png").stat().st_size > 1000
 
 
-def test_ctrl_c_says_it_will_save_and_a_second_one_exits_cleanly():
-    said = []
-    stopper = TR.Stopper(said.append)
-    try:
-        stopper._handle(signal.SIGINT, None)
-        assert stopper.signal == "SIGINT" and "saving a checkpoint after the current step" in said[0]
-        with pytest.raises(SystemExit, match="SIGINT again: stopped at once without saving; continue from the last "
-                                             "checkpoint with --resume"):
-            stopper._handle(signal.SIGINT, None)
-    finally:
-        stopper.restore()
+def toml_config(cfg: C.Config, path: Path) -> Path:
+    path.write_text(toml_of(cfg))
+    return path
+
+
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("phase", ["save", "plot"])
+def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys, phase):
+    """The first Ctrl-C arrives during step 3 (after the checkpoint of step 2); the second during
+    the stop's save or its plot, made slow enough to hit by sending it from inside them."""
+    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=6))
+    real_step, real_save, real_plot = TR.train_step, CK.save, TR.plot_losses
+    steps = []
+
+    def step(*a, **k):
+        steps.append(1)
+        if len(steps) == 3:
+            ctrl_c()
+        return real_step(*a, **k)
+
+    def save(path, **k):
+        if k["step"] == 3:  # the stop's own save
+            ctrl_c()
+        return real_save(path, **k)
+
+    def plot(*a):
+        ctrl_c()
+        return real_plot(*a)
+
+    monkeypatch.setattr(TR, "train_step", step)
+    monkeypatch.setattr(TR.CK, "save", save if phase == "save" else real_save)
+    monkeypatch.setattr(TR, "plot_losses", plot if phase == "plot" else real_plot)
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err
+    assert "SIGINT again: stopped at once; the last complete checkpoint is kept" in err
+    assert CK.load(tmp_path / "r").step == (2 if phase == "save" else 3)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_during_the_final_sample_or_prepare_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys):
+    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, sample_tokens=5))
+    monkeypatch.setattr(TR, "sample_text", lambda *a: ctrl_c())
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
+    assert e.value.code == 130 and "SIGINT: stopped at once" in capsys.readouterr().err
+    assert (tmp_path / "r" / "summary.json").exists()  # the run had finished: everything is saved
+
+    def slow_tokenizer(*a, **k):
+        ctrl_c()
+    monkeypatch.setattr(D.tk, "train_tokenizer", slow_tokenizer)
+    with pytest.raises(SystemExit) as e:
+        D.main(["prepare", "--corpus", finished[0].data.corpus, "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err and "SIGINT: stopped" in err
 
 
 def test_an_interrupted_run_exits_non_zero_and_plots(finished, tmp_path, capsys):
@@ -258,3 +308,65 @@ def test_resumed_summary_counts_this_sessions_tokens_and_the_plot_has_a_title(fi
     done = next(s for s in said if s.startswith("done:"))
     assert done.startswith("done: step 4, 1,024 tokens in this session's")  # 2 steps of 512, not all 4
     assert titles and all(t.startswith("run | 64d x 2 layers | ") for t in titles)
+
+
+def test_a_json_file_passed_as_a_checkpoint_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text('{"config": {}}')
+    with pytest.raises(CK.CheckpointError, match=r"config\.json: not a checkpoint \(it starts with b'\{\"co'"):
+        CK.load(tmp_path / "config.json")
+
+
+def test_the_small_validation_split_is_named_with_the_flags_that_help(tmp_path):
+    import numpy as np
+    path = tmp_path / "val_00000.bin"
+    D.write_shard(path, np.arange(1, 600, dtype=np.uint16), np.array([0], np.uint64), 1024, "0" * 16, 600)
+    with pytest.raises(ValueError, match=r"the validation split's 1 shard\(s\) hold 9 windows of 65 tokens, fewer "
+                                         r"than --micro-batch 16 .* raise --val-fraction .*lower --micro-batch"):
+        D.ShardLoader([path], 16, 64)
+
+
+def test_mfu_names_the_peak_it_is_measured_against(finished, tmp_path):
+    said = []
+    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, peak_tflops=2.0, steps=2))
+    TR.train(cfg, tmp_path / "r", log=said.append)
+    assert any("MFU" in line and "of 2 TFLOP/s given" in line for line in said if line.startswith("done:"))
+
+
+# --- Resume: the checkpoint's config is the base --------------------------------------------
+
+def resume_args(finished, tmp_path, *extra):
+    cfg, run = finished
+    path = toml_config(cfg, tmp_path / "same.toml")
+    return TR.build_parser().parse_args(["--runs-dir", str(run.parent), "--name", "run", "--resume", *extra]), path
+
+
+def test_the_same_command_or_file_plus_resume_is_accepted(finished, tmp_path):
+    cfg, run = finished
+    said = []
+    args, path = resume_args(finished, tmp_path, "--d-model", "64", "--n-layers", "2", "--corpus", cfg.data.corpus)
+    resumed, ckpt = TR.resolve_config(args, run, log=said.append)
+    assert resumed == cfg and ckpt.step == 4 and said == []
+    args, _ = resume_args(finished, tmp_path, "--config", str(path))
+    assert TR.resolve_config(args, run, log=said.append)[0] == cfg and said == []
+
+
+def test_a_differing_model_or_data_value_is_refused_naming_both_values(finished, tmp_path):
+    cfg, run = finished
+    args, _ = resume_args(finished, tmp_path, "--d-model", "128", "--corpus", "stdlib")
+    with pytest.raises(ValueError, match=r"data\.corpus \(checkpoint '.*\*\.txt', asked 'stdlib'\); model\.d_model "
+                                         r"\(checkpoint 64, asked 128\): drop those flags"):
+        TR.resolve_config(args, run)
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=3))
+    args, _ = resume_args(finished, tmp_path, "--config", str(toml_config(other, tmp_path / "other.toml")))
+    with pytest.raises(ValueError, match=r"model\.n_layers \(checkpoint 2, asked 3\)"):
+        TR.resolve_config(args, run)
+
+
+def test_a_changed_train_value_is_applied_and_reported(finished, tmp_path):
+    cfg, run = finished
+    said = []
+    args, _ = resume_args(finished, tmp_path, "--lr", "0.001", "--steps", "8")
+    resumed, ckpt = TR.resolve_config(args, run, log=said.append)
+    assert resumed.train.lr == 0.001 and resumed.train.steps == 8 and ckpt.config == resumed
+    assert said == ["resume: train.lr 0.003 -> 0.001",
+                    "resume: train.steps 4 -> 8 (the learning-rate schedule stretches to the new length)"]

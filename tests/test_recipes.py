@@ -21,7 +21,7 @@ def test_the_plan_runs_the_article_per_seed_the_sweep_then_a_cumulative_chain():
     sweep = [r for r in plan if r.group == "sweep"]
     assert [r.overrides for r in sweep][:3] == [{"train__lr": 1.5e-3 * m} for m in RE.SWEEP_LR]
     chain = [r for r in plan if r.group == "chain"]
-    assert [r.name for r in chain] == [name for name, _ in RE.CHAIN]
+    assert [r.name for r in chain] == [name for name, _ in RE.CHAIN] + ["262K batch"]
     for before, after in zip(chain, chain[1:]):  # each rung keeps every change before it
         assert before.overrides.items() <= after.overrides.items()
     assert chain[-1].overrides["train__muon"] is True and chain[-1].overrides["train__batch_tokens"] == 262_144
@@ -90,6 +90,7 @@ def test_the_recipe_ladder_runs_end_to_end_on_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     found = json.loads((tmp_path / "recipes-tiny.json").read_text())
     names = [r["rung"] for r in found["rows"]]
-    assert names[0] == "article (GPT-3 2020)" and [n for n, _ in RE.CHAIN] == names[1 + len(RE.SWEEP_LR) + len(RE.SWEEP_WD):-1]
+    chain = [n for n, _ in RE.CHAIN] + ["8K batch"]  # half the tiny preset's 16,384 tokens
+    assert names[0] == "article (GPT-3 2020)" and chain == names[1 + len(RE.SWEEP_LR) + len(RE.SWEEP_WD):-1]
     assert names[-1].startswith("final: ") and all("val_loss" in r for r in found["rows"])
     assert (tmp_path / "recipes-tiny.png").exists() and "| rung | seeds | final val loss" in done.stdout
