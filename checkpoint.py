@@ -277,5 +277,9 @@ def write_hf_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
     """config.json, generation_config.json and model.safetensors: enough for from_pretrained."""
     from safetensors.torch import save_file
     save_file(hf_state_dict(state, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600); give it the mode of the files beside it
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
     (out / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))

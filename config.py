@@ -205,7 +205,16 @@ def load_config(path: str | Path | None = None, *, values: dict | None = None, s
         if section not in SECTIONS or not name:
             raise ValueError(f"override {key!r}: write it as <section>__<name>, section one of {list(SECTIONS)}")
         merged[section][name] = value
-    return Config(**{s: from_dict(cls, merged[s], source, s) for s, cls in SECTIONS.items()})
+    try:
+        return Config(**{s: from_dict(cls, merged[s], source, s) for s, cls in SECTIONS.items()})
+    except ValueError:
+        if not overrides:
+            raise
+    # The file alone may be fine: then the bad value came from a flag, and the error says which.
+    for s, cls in SECTIONS.items():
+        from_dict(cls, dict(values.get(s) or {}), source, s)
+    flags = ", ".join("--" + k.split("__")[1].replace("_", "-") for k in overrides)
+    return Config(**{s: from_dict(cls, merged[s], f"flags ({flags})", s) for s, cls in SECTIONS.items()})
 
 
 def preset(name: str, **overrides) -> Config:
@@ -240,17 +249,21 @@ def field_comments(cls) -> dict[str, str]:
     return comments
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections=tuple(SECTIONS)):
+def add_config_flags(parser: argparse.ArgumentParser, sections=tuple(SECTIONS), base: Path | None = None):
     """One flag per field of the named sections: --micro-batch, --lr, --compile/--no-compile.
-    Values land in args as "<section>__<name>" and only when given, so the file's values stand."""
+    Values land in args as "<section>__<name>" and only when given, so the file's values stand.
+    base: the config file that runs when no --config is given; the help shows its values."""
+    shown = load_config(base) if base is not None else None
     for section in sections:
         cls = SECTIONS[section]
         group = parser.add_argument_group(f"[{section}] settings (override the config file)")
         comments = field_comments(cls)
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults = {f.name: getattr(getattr(shown, section), f.name) if shown else f.default
+                    for f in dataclasses.fields(cls)}
+        where = f" in {base.parent.name}/{base.name}" if base is not None else ""
         for name, kind in field_types(cls).items():
             flag = "--" + name.replace("_", "-")
-            help_ = f"{comments.get(name, '')} (default {defaults[name]!r})".replace("%", "%%")
+            help_ = f"{comments.get(name, '')} (default{where}: {defaults[name]!r})".replace("%", "%%")
             dest = f"{section}__{name}"
             if kind is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,

@@ -229,6 +229,7 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
                 path.unlink()
         manifest = None
     tok_path = ensure_tokenizer(cfg, vocab_size, log)
+    tok = tk.load_tokenizer(tok_path)  # a damaged tokenizer.json is refused here, before any file changes
     tok_hash = tk.tokenizer_hash(tok_path)
     if manifest is not None and manifest["tokenizer_hash"] == tok_hash and manifest["val_fraction"] == cfg.val_fraction:
         broken = []
@@ -242,7 +243,6 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
             return folder
         log(f"shards: {len(broken)} shard(s) failed their checks ({', '.join(broken[:3])}): writing the shards again")
     manifest_path.unlink(missing_ok=True)
-    tok = tk.load_tokenizer(tok_path)
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"{tok_path} has {tok.get_vocab_size():,} tokens but the model's vocab_size is "
                          f"{vocab_size:,}: delete {tok_path} to retrain it, or fix the config")

@@ -183,6 +183,9 @@ def local_documents(pattern: str, field: str = "text", warn=print) -> Iterator[s
     # A malformed file is reported below in one line naming it; datasets' own log of it is noise.
     logging.getLogger("datasets").setLevel(logging.CRITICAL)
     for f in files:  # file by file, so that a skipped record can be reported with its file
+        if f.stat().st_size == 0:
+            warn(f"warning: {f} is empty: skipped")
+            continue
         try:
             stream = datasets.load_dataset(builder[f.suffix], data_files=[str(f)], split="train", streaming=True)
             yield from _texts(stream, field, str(f), None, warn)
@@ -195,19 +198,26 @@ def local_documents(pattern: str, field: str = "text", warn=print) -> Iterator[s
 
 
 def _texts(stream, field: str, source: str, limit: int | None, warn=print) -> Iterator[str]:
-    skipped = 0
+    """The text of each record. A record whose field is missing, empty or not text is skipped and
+    named in one warning (the first five by number): one bad record in a large dump should not
+    stop a run, but it must not vanish unseen. A file where no record has the field is refused."""
+    skipped, total = [], 0
     for i, record in enumerate(stream):
         if limit is not None and i >= limit:
             break
+        total += 1
         if field not in record:
-            raise CorpusError(f"{source}: record {i} has no text field {field!r} (fields: {sorted(record)}); "
+            raise CorpusError(f"{source}: record {i + 1} has no text field {field!r} (fields: {sorted(record)}); "
                               f"pass the right one with --text-field")
         if isinstance(record[field], str) and record[field]:
             yield record[field]
         else:
-            skipped += 1
+            skipped.append((i + 1, record[field]))
     if skipped:
-        warn(f"warning: {source}: skipped {skipped} record(s) whose {field!r} is missing, empty or not text")
+        named = ", ".join(f"record {n} ({'no ' + repr(field) if v is None else 'empty' if v == '' else type(v).__name__})"
+                          for n, v in skipped[:5])
+        warn(f"warning: {source}: skipped {len(skipped)} of {total} records without text in {field!r}: {named}"
+             f"{' ...' if len(skipped) > 5 else ''}")
 
 
 def documents(corpus: str, text_field: str = "text", limit: int | None = None, warn=print) -> Iterator[str]:

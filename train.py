@@ -366,7 +366,12 @@ def quit_at_once(what: str):
 
 
 class Interrupted(Exception):
-    """The run stopped early (a signal or --stop-after) after saving; main() exits non-zero."""
+    """The run stopped early after saving: on a signal (main() exits 130, as Ctrl-C does) or at
+    --stop-after, a planned stop (main() exits 0)."""
+
+    def __init__(self, message: str, planned: bool = False):
+        super().__init__(message)
+        self.planned = planned
 
 
 def check_run_name(name: str):
@@ -424,10 +429,14 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
     title = f"{run_dir.name} | {cfg.model.d_model}d x {cfg.model.n_layers} layers | {info['device']}"
     say(f"run {run_dir} | {info['device']} | torch {info['torch']} (CUDA {info['cuda']}) | "
         f"git {info['git_commit'][:10]}{' (dirty)' if info['git_dirty'] else ''} | world {world}")
-    say(f"model: {M.param_count(cfg.model):,} parameters, head size {cfg.model.head_dim}, SwiGLU "
-        f"{cfg.model.ffn_hidden}, {flops_tok / 1e6:,.1f} MFLOPs/token, attention {cfg.model.attention}, "
-        f"fused loss {cfg.model.fused_loss}, fused SwiGLU {cfg.model.fused_swiglu}, "
-        f"bf16 residual {cfg.model.bf16_residual and tcfg.bf16}, fp8 {cfg.model.fp8}")
+    m = cfg.model  # what runs, not only what was asked: the fused SwiGLU is a CUDA kernel for the SwiGLU MLP
+    say(f"model: {M.param_count(m):,} parameters, head size {m.head_dim}, {m.mlp} {m.ffn_hidden} wide, "
+        f"QK-norm {m.qk_norm}, {'tied' if m.tie_embeddings else 'untied'} head, soft-cap {m.logit_softcap or 'off'}, "
+        f"{flops_tok / 1e6:,.1f} MFLOPs/token, attention {m.attention}, fused loss {m.fused_loss}, fused SwiGLU "
+        f"{m.fused_swiglu and m.mlp == 'swiglu' and device.type == 'cuda'}, bf16 residual "
+        f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}")
+    say(f"optimizer: {'Muon (lr ' + format(tcfg.muon_lr, 'g') + ') + ' if tcfg.muon else ''}AdamW (lr {tcfg.lr:g}), "
+        f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {B} seq x {T} tokens x {accum} accumulation x {world} rank(s); "
         f"{steps} steps = {steps * tcfg.batch_tokens:,} tokens")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"
@@ -491,7 +500,7 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
                 if last_saved != step:
                     checkpoint()
                 raise Interrupted(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {step} of "
-                                  f"{steps}; continue with --resume")
+                                  f"{steps}; continue with --resume", planned=not stopper.signal)
             t0 = time.perf_counter()
             try:
                 loss, grad_norm = train_step(model, optimizer, next_batch, accum, tcfg, device,
@@ -601,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=argparse.SUPPRESS, help="fused AdamW (same as --optimizer fused)")
     p.add_argument("--no-fused", dest="train__optimizer", action="store_const", const="foreach",
                    default=argparse.SUPPRESS, help="foreach AdamW (same as --optimizer foreach)")
-    C.add_config_flags(p)
+    C.add_config_flags(p, base=DEFAULT_CONFIG)
     return p
 
 
@@ -652,14 +661,15 @@ def main(argv=None):
         master = not distributed or dist.get_rank() == 0
         cfg, ckpt = resolve_config(args, run_dir, log=print if master else (lambda *a: None))
         if master:
-            print("config: " + json.dumps(cfg.to_dict()))
+            for section, values in cfg.to_dict().items():  # one line per section, as in the config file
+                print(f"config [{section}] " + " ".join(f"{k}={v}" for k, v in values.items()))
         train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
               checkpoint=ckpt)
         if distributed:  # leave together: rank 0 still plots and writes the summary, and a gloo rank that
             dist.barrier()  # tears its group down while a peer is still in the group can abort at exit
     except Interrupted as e:
         print(e, file=sys.stderr)
-        sys.exit(130)
+        sys.exit(0 if e.planned else 130)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop: preparing data, the final sample
         quit_at_once("SIGINT")
     except (ValueError, FileNotFoundError, tk.CorpusError, OSError) as e:

@@ -106,10 +106,19 @@ def test_unreachable_hub_fails_at_once_with_one_clear_message(monkeypatch):
 
 
 def test_bad_records_and_bad_bytes_are_counted_and_named(tmp_path):
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in [{"text": "one"}, {"text": None}, {"text": "two"}]))
+    records = [{"text": f"doc {i}"} for i in range(41)]
+    records[24] = {"content": "the text is in another field"}  # record 25 lacks 'text' (datasets fills None)
+    records[30] = {"text": ""}
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     said = []
-    assert list(tk.documents(str(tmp_path / "a.jsonl"), warn=said.append)) == ["one", "two"]
-    assert said == [f"warning: {tmp_path / 'a.jsonl'}: skipped 1 record(s) whose 'text' is missing, empty or not text"]
+    assert len(list(tk.documents(str(tmp_path / "a.jsonl"), warn=said.append))) == 39
+    assert said == [f"warning: {tmp_path / 'a.jsonl'}: skipped 2 of 41 records without text in 'text': "
+                    f"record 25 (no 'text'), record 31 (empty)"]
+    (tmp_path / "empty.jsonl").write_text("")
+    said.clear()
+    with pytest.raises(tk.CorpusError, match="has no documents"):
+        list(tk.documents(str(tmp_path / "empty.jsonl"), warn=said.append))
+    assert said == [f"warning: {tmp_path / 'empty.jsonl'} is empty: skipped"]
     (tmp_path / "b.txt").write_bytes(b"caf\xe9 au lait")
     said.clear()
     assert list(tk.documents(str(tmp_path / "b.txt"), warn=said.append)) == ["caf\ufffd au lait"]
@@ -379,3 +388,13 @@ def test_local_files_of_any_extension_through_a_recursive_glob(tmp_path):
     (tmp_path / "src" / "d.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(tk.CorpusError, match=r"record files \(\.jsonl, \.parquet\) and text files cannot mix"):
         list(tk.documents(str(tmp_path / "src" / "*")))
+
+
+def test_a_refused_tokenizer_leaves_every_file_as_it_was(tmp_path):
+    cfg = small_corpus(tmp_path)
+    folder = D.prepare(cfg, 300, log=lambda *a: None)
+    (folder / "tokenizer.json").write_text('{"truncated": ')
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a readable tokenizer\.json"):
+        D.prepare(cfg, 300, log=lambda *a: None)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

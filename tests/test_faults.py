@@ -247,12 +247,12 @@ def test_ctrl_c_during_the_final_sample_or_prepare_exits_130_in_one_line(finishe
     assert e.value.code == 130 and "Traceback" not in err and "SIGINT: stopped" in err
 
 
-def test_an_interrupted_run_exits_non_zero_and_plots(finished, tmp_path, capsys):
+def test_a_run_stopped_as_planned_exits_zero_and_plots(finished, tmp_path, capsys):
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(toml_of(finished[0]))
     with pytest.raises(SystemExit) as e:
         TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "r", "--stop-after", "1"])
-    assert e.value.code == 130 and "--stop-after: saved" in capsys.readouterr().err
+    assert e.value.code == 0 and "--stop-after: saved" in capsys.readouterr().err  # a planned stop
     assert CK.load(tmp_path / "r").step == 1 and (tmp_path / "r" / "loss.png").exists()
     assert not (tmp_path / "r" / "summary.json").exists()
 
@@ -370,3 +370,27 @@ def test_a_changed_train_value_is_applied_and_reported(finished, tmp_path):
     assert resumed.train.lr == 0.001 and resumed.train.steps == 8 and ckpt.config == resumed
     assert said == ["resume: train.lr 0.003 -> 0.001",
                     "resume: train.steps 4 -> 8 (the learning-rate schedule stretches to the new length)"]
+
+
+def test_help_shows_what_runs_with_no_flags(capsys):
+    with pytest.raises(SystemExit):
+        TR.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "width of the residual stream (default in configs/tiny.toml: 128)" in text  # not the dataclass's 768
+
+
+def test_a_bad_flag_value_is_blamed_on_the_flag_not_the_file(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--lr", "-1", "--runs-dir", str(tmp_path)])
+    one_line_error(e, "flags (--lr): train.lr=-1.0 is out of range")
+    assert "tiny.toml" not in str(e.value.code)
+
+
+def test_the_cpu_run_header_reports_what_runs(finished, tmp_path):
+    said = []
+    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=1))
+    assert cfg.model.fused_swiglu  # asked for, but a CUDA kernel
+    TR.train(cfg, tmp_path / "r", log=said.append)
+    header = next(line for line in said if line.startswith("model: "))
+    assert "fused SwiGLU False" in header and "bf16 residual False" in header and "swiglu 256 wide" in header
+    assert any(line.startswith("optimizer: AdamW (lr 0.003), cosine schedule, clipping 1.0") for line in said)

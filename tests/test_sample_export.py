@@ -166,6 +166,8 @@ def test_export_loads_in_transformers_with_equal_logits(loaded, tmp_path):
 def test_export_command_writes_the_files(run_dir, tmp_path, capsys):
     E.main(["--ckpt", str(run_dir), "--out", str(tmp_path / "hf")])
     names = {p.name for p in (tmp_path / "hf").iterdir()}
+    modes = {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert len(modes) == 1  # model.safetensors is readable as the other files are
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
