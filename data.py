@@ -156,8 +156,31 @@ def ensure_tokenizer(cfg: DataConfig, vocab_size: int, log=print) -> Path:
     limit = cfg.tokenizer_documents or cfg.max_documents or None
     docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, limit, warn=log)
     tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc"), vocab_size, path.parent)
+    # What it was trained for: a tokenizer with fewer tokens than asked is a small corpus's (BPE ran out
+    # of pairs to merge) only if this record says so; one copied in from elsewhere has no such record.
+    (path.parent / "tokenizer.trained.json").write_text(json.dumps({"vocab_size": vocab_size,
+                                                                     "hash": tk.tokenizer_hash(path)}))
     log(f"tokenizer: trained in {time.perf_counter() - t0:.0f} s")
     return path
+
+
+def check_vocabulary(tok, tok_path: Path, vocab_size: int, manifest: dict | None, log=print):
+    """The tokenizer, the shards and the model must agree on the vocabulary. The one allowed
+    difference: a tokenizer trained here for vocab_size that came out smaller (a small corpus)."""
+    n = tok.get_vocab_size()
+    shards = f", its shards were written for {manifest['vocab_size']:,}" if manifest and "vocab_size" in manifest else ""
+    if n == vocab_size:
+        return
+    try:
+        trained = json.loads((tok_path.parent / "tokenizer.trained.json").read_text())
+    except (OSError, ValueError):
+        trained = {}
+    if n < vocab_size and trained == {"vocab_size": vocab_size, "hash": tk.tokenizer_hash(tok_path)}:
+        log(f"note: the corpus only supports {n:,} of the {vocab_size:,} tokens asked for; the model's extra "
+            f"embedding rows stay unused")
+        return
+    raise ValueError(f"{tok_path} has {n:,} tokens{shards}, but model.vocab_size is {vocab_size:,}: pass "
+                     f"--vocab-size {n} to use this tokenizer, or delete {tok_path} to train a {vocab_size:,}-token one")
 
 
 class _ShardWriter:
@@ -225,11 +248,12 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     if rebuild and folder.exists():
         log(f"rebuild: removing the tokenizer and shards in {folder}")
         for path in folder.iterdir():
-            if path.name == "tokenizer.json" or path.suffix == ".bin" or path.name == "manifest.json":
+            if path.name in ("tokenizer.json", "tokenizer.trained.json", "manifest.json") or path.suffix == ".bin":
                 path.unlink()
         manifest = None
     tok_path = ensure_tokenizer(cfg, vocab_size, log)
     tok = tk.load_tokenizer(tok_path)  # a damaged tokenizer.json is refused here, before any file changes
+    check_vocabulary(tok, tok_path, vocab_size, manifest, log)
     tok_hash = tk.tokenizer_hash(tok_path)
     if manifest is not None and manifest["tokenizer_hash"] == tok_hash and manifest["val_fraction"] == cfg.val_fraction:
         broken = []
@@ -243,12 +267,6 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
             return folder
         log(f"shards: {len(broken)} shard(s) failed their checks ({', '.join(broken[:3])}): writing the shards again")
     manifest_path.unlink(missing_ok=True)
-    if tok.get_vocab_size() > vocab_size:
-        raise ValueError(f"{tok_path} has {tok.get_vocab_size():,} tokens but the model's vocab_size is "
-                         f"{vocab_size:,}: delete {tok_path} to retrain it, or fix the config")
-    if tok.get_vocab_size() < vocab_size:  # BPE ran out of pairs to merge: a small corpus
-        log(f"note: the corpus only supports {tok.get_vocab_size():,} of the {vocab_size:,} tokens asked for; "
-            f"the model's extra embedding rows stay unused")
     eot = tok.token_to_id(tk.EOT)
     writers = {s: _ShardWriter(folder, s, cfg, vocab_size, tok_hash) for s in ("train", "val")}
     log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")

@@ -398,3 +398,25 @@ def test_a_refused_tokenizer_leaves_every_file_as_it_was(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer\.json is not a readable tokenizer\.json"):
         D.prepare(cfg, 300, log=lambda *a: None)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused_naming_both(tmp_path):
+    cfg = small_corpus(tmp_path)
+    small = D.prepare(cfg, 300, log=lambda *a: None)
+    other = D.data_dir(cfg, 400)
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((small / "tokenizer.json").read_bytes())  # copied in by hand
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    with pytest.raises(ValueError, match=r"tokenizer\.json has 300 tokens, but model\.vocab_size is 400: pass "
+                                         r"--vocab-size 300 to use this tokenizer, or delete .* to train a 400-token one"):
+        D.prepare(cfg, 400, log=lambda *a: None)
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+
+
+def test_a_small_corpus_tokenizer_trained_here_may_come_out_smaller(tmp_path):
+    cfg = small_corpus(tmp_path)
+    said = []
+    folder = D.prepare(cfg, 60_000, log=said.append)  # far more tokens than 30 short documents support
+    n = tk.load_tokenizer(folder / "tokenizer.json").get_vocab_size()
+    assert n < 60_000 and any(f"only supports {n:,} of the 60,000 tokens" in line for line in said)
+    assert D.read_header(D.shard_files(folder, "train")[0]).vocab_size == 60_000

@@ -195,38 +195,40 @@ def ctrl_c():
     os.kill(os.getpid(), signal.SIGINT)
 
 
-@pytest.mark.parametrize("phase", ["save", "plot"])
-def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys, phase):
-    """The first Ctrl-C arrives during step 3 (after the checkpoint of step 2); the second during
-    the stop's save or its plot, made slow enough to hit by sending it from inside them."""
+@pytest.mark.parametrize("phase, first, kept", [("save", 3, 2), ("evaluation", 4, 2), ("plot", 3, 3)])
+def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys, phase,
+                                                                    first, kept):
+    """The first Ctrl-C arrives during step `first` (checkpoints every 2 steps); the second during
+    the stop's save, the evaluation the stop runs first at step 4, or the plot, each made slow
+    enough to hit by sending the signal from inside it."""
     cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=6))
-    real_step, real_save, real_plot = TR.train_step, CK.save, TR.plot_losses
+    real_step, real_save, real_plot, real_eval = TR.train_step, CK.save, TR.plot_losses, TR.evaluate
     steps = []
 
     def step(*a, **k):
         steps.append(1)
-        if len(steps) == 3:
+        if len(steps) == first:
             ctrl_c()
         return real_step(*a, **k)
 
-    def save(path, **k):
-        if k["step"] == 3:  # the stop's own save
-            ctrl_c()
-        return real_save(path, **k)
-
-    def plot(*a):
-        ctrl_c()
-        return real_plot(*a)
+    def second(real, when=lambda *a, **k: True):
+        def slow(*a, **k):
+            if len(steps) >= first and when(*a, **k):
+                ctrl_c()
+            return real(*a, **k)
+        return slow
 
     monkeypatch.setattr(TR, "train_step", step)
-    monkeypatch.setattr(TR.CK, "save", save if phase == "save" else real_save)
-    monkeypatch.setattr(TR, "plot_losses", plot if phase == "plot" else real_plot)
+    monkeypatch.setattr(TR.CK, "save", second(real_save, lambda path, **k: k["step"] > 2) if phase == "save"
+                        else real_save)
+    monkeypatch.setattr(TR, "evaluate", second(real_eval) if phase == "evaluation" else real_eval)
+    monkeypatch.setattr(TR, "plot_losses", second(real_plot) if phase == "plot" else real_plot)
     with pytest.raises(SystemExit) as e:
         TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
     err = capsys.readouterr().err
     assert e.value.code == 130 and "Traceback" not in err
     assert "SIGINT again: stopped at once; the last complete checkpoint is kept" in err
-    assert CK.load(tmp_path / "r").step == (2 if phase == "save" else 3)
+    assert CK.load(tmp_path / "r").step == kept
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
