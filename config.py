@@ -3,7 +3,7 @@
 The one place settings are read. A config file has three sections a person edits by hand:
 
     [model]   ModelConfig (model.py): the shape of the network and which kernels it runs
-    [data]    DataConfig (data.py): corpus, tokenizer and shard cache
+    [data]    DataConfig (here): corpus, tokenizer and shard cache
     [train]   TrainConfig (here): batch, schedule, speed flags
 
 Defaults come from the dataclasses, the file overrides them, flags override the file. A typo
@@ -11,8 +11,8 @@ must never pass silently: unknown keys and wrong types are errors naming the key
 what is allowed, and every number has its range checked in the dataclass it belongs to.
 Every field is also a flag (`--micro-batch 32`, `--no-compile`) whose help is the field's comment.
 
-TrainConfig lives here rather than in train.py so that checkpoints, sampling and bench can read a
-run's config without importing the training script.
+DataConfig and TrainConfig live here rather than in data.py and train.py so that every module
+reads settings from one place, and imports run one way: config.py imports only model.py.
 """
 
 import argparse
@@ -28,7 +28,6 @@ from typing import Literal
 
 import torch
 
-import data as D
 import model as M
 
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
@@ -42,6 +41,24 @@ CompileMode = Literal["default", "coordinate-descent", "reduce-overhead", "max-a
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 Schedule = Literal["cosine", "wsd"]
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what train.device and the --device flags accept
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "stdlib"  # stdlib | python | tinystories | fineweb-edu | path or glob of text/.jsonl/.parquet files
+    text_field: str = "text"  # field holding the text in .jsonl/.parquet records
+    val_fraction: float = 0.05  # share of documents held out for validation
+    max_documents: int = 0  # stop reading the corpus after this many documents (0: all of it)
+    tokenizer_documents: int = 0  # documents the BPE trains on (0: the same as max_documents)
+    shard_tokens: int = 100_000_000  # tokens per shard file (about 200 MB)
+    cache_dir: str = ""  # tokenizers and shards; "" means $ONEGPU_CACHE or ./cache
+
+    def __post_init__(self):
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction={self.val_fraction!r} is out of range: it must be in [0, 1)")
+        for name, low in (("max_documents", 0), ("tokenizer_documents", 0), ("shard_tokens", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"data.{name}={getattr(self, name)!r} is out of range: it must be >= {low}")
 
 
 @dataclass
@@ -118,14 +135,14 @@ def check_ranges(obj, section: str, ranges: dict):
 @dataclass
 class Config:
     model: M.ModelConfig
-    data: D.DataConfig
+    data: DataConfig
     train: TrainConfig
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"model": M.ModelConfig, "data": D.DataConfig, "train": TrainConfig}
+SECTIONS = {"model": M.ModelConfig, "data": DataConfig, "train": TrainConfig}
 
 
 # --- The strict loader ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
     python data.py prepare                                # tiny config: stdlib corpus, 4,096 tokens
     python data.py prepare --config configs/88m.toml      # what the 88m run trains on
     python data.py prepare --corpus 'my/*.txt' --vocab-size 8192
+    python data.py stats --config configs/88m.toml         # bytes per token on held-out documents
 
 A shard is one file: a fixed 256-byte little-endian header, the tokens as uint16, then the
 document-start index as uint64 offsets into the tokens. Readers check every header field
@@ -29,7 +30,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import config as C
 import tokenizer as tk
+from config import DataConfig  # data's settings live with the others in config.py
 
 MAGIC = b"ONEGPUTK"
 VERSION = 1
@@ -39,24 +42,6 @@ HEADER_SIZE = 256  # bytes; keeps the token array 256-byte aligned in the file
 HEADER = struct.Struct("<8sIIII16sQQQ")
 TOKEN_DTYPE = np.dtype("<u2")  # uint16: vocabularies up to 65,536
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
-
-
-@dataclass
-class DataConfig:
-    corpus: str = "stdlib"  # stdlib | python | tinystories | fineweb-edu | path or glob of text/.jsonl/.parquet files
-    text_field: str = "text"  # field holding the text in .jsonl/.parquet records
-    val_fraction: float = 0.05  # share of documents held out for validation
-    max_documents: int = 0  # stop reading the corpus after this many documents (0: all of it)
-    tokenizer_documents: int = 0  # documents the BPE trains on (0: the same as max_documents)
-    shard_tokens: int = 100_000_000  # tokens per shard file (about 200 MB)
-    cache_dir: str = ""  # tokenizers and shards; "" means $ONEGPU_CACHE or ./cache
-
-    def __post_init__(self):
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction={self.val_fraction!r} is out of range: it must be in [0, 1)")
-        for name, low in (("max_documents", 0), ("tokenizer_documents", 0), ("shard_tokens", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"data.{name}={getattr(self, name)!r} is out of range: it must be >= {low}")
 
 
 class ShardError(ValueError):
@@ -429,10 +414,10 @@ class ShardLoader:
 
 
 def main(argv=None):
-    import config as C  # the CLI reads settings through the one config loader (config imports this module)
-    parser = argparse.ArgumentParser(description="Tokenize a corpus into uint16 shards.")
+    parser = argparse.ArgumentParser(description="Tokenize a corpus into uint16 shards; inspect the tokenizer.")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"prepare": "train (or reuse) the tokenizer and write train/val shards",
+                "stats": "bytes per token of the prepared tokenizer on held-out documents",
                 "bench-loader": "CPU cost of one micro-batch from prepared shards"}
     for name, help_ in commands.items():
         p = sub.add_parser(name, help=help_)
@@ -442,6 +427,9 @@ def main(argv=None):
                                                                     "model.vocab_size)")
         if name == "prepare":
             p.add_argument("--rebuild", action="store_true", help="retrain the tokenizer and rewrite the shards")
+        elif name == "stats":
+            p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json to measure (default: the "
+                                                                        "prepared one for --config and --corpus)")
         else:
             p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch (default 16)")
         C.add_config_flags(p, ("data",))
@@ -451,10 +439,15 @@ def main(argv=None):
         if args.vocab_size is not None:
             overrides["model__vocab_size"] = args.vocab_size
         cfg = C.load_config(args.config, **overrides)
+        folder = data_dir(cfg.data, cfg.model.vocab_size)
         if args.command == "prepare":
             prepare(cfg.data, cfg.model.vocab_size, rebuild=args.rebuild)
+        elif args.command == "stats":
+            path = args.tokenizer or folder / "tokenizer.json"
+            tok, docs = tk.load_tokenizer(path), tk.held_out(cfg.data.corpus, cfg.data.text_field, cfg.data.val_fraction)
+            print(json.dumps({"tokenizer": str(path), "vocab": tok.get_vocab_size(), "documents": len(docs),
+                              "bytes_per_token": round(tk.bytes_per_token(tok, docs), 3)}))
         else:
-            folder = data_dir(cfg.data, cfg.model.vocab_size)
             print(json.dumps(bench_loader(shard_files(folder, "train"), args.micro_batch, cfg.model.context)))
     except (tk.CorpusError, ShardError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

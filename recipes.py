@@ -95,8 +95,11 @@ class Recipe:
 
 def fixed_settings(base: C.Config, tokens: int, corpus: str, micro_batch: int | None) -> dict:
     """What every rung shares: the corpus, the token budget and the measuring cadence."""
+    # Validation passes of at most two article batches: 1,048,576 tokens for 22m to 126m (what their
+    # ladders were measured with), 32,768 for the tiny smoke test, whose default would cost more than its steps.
     fixed = {"data__corpus": corpus, "train__tokens": tokens, "train__steps": 0, "train__sample_tokens": 0,
-             "train__micro_batch": micro_batch or base.train.micro_batch}
+             "train__micro_batch": micro_batch or base.train.micro_batch,
+             "train__eval_tokens": min(base.train.eval_tokens, 2 * base.train.batch_tokens)}
     if corpus != base.data.corpus:  # the preset's document limits were sized for its own corpus
         fixed.update({"data__max_documents": 0, "data__tokenizer_documents": PYTHON_TOKENIZER_DOCUMENTS
                       if corpus == "python" else 0})

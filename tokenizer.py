@@ -4,15 +4,12 @@ Every corpus is an iterator of documents (strings). The tokenizer is HuggingFace
 byte-level BPE, saved as a standard tokenizer.json that `tokenizers.Tokenizer.from_file` and
 transformers' fast tokenizer load unchanged.
 
-    python tokenizer.py train --corpus stdlib --vocab-size 32768 --out cache/stdlib-32768
-    python tokenizer.py stats --tokenizer cache/stdlib-32768/tokenizer.json --corpus stdlib
+Imports nothing of the project: data.py drives it (`python data.py prepare`, `python data.py stats`).
 """
 
-import argparse
 import functools
 import glob
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -273,7 +270,7 @@ def load_tokenizer(path: Path):
     from tokenizers import Tokenizer
     if not Path(path).is_file():
         raise FileNotFoundError(f"tokenizer {path} does not exist: train one with "
-                                f"`python tokenizer.py train --corpus stdlib --out {Path(path).parent}`")
+                                f"`python data.py prepare` and the run's --config and --corpus")
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust library raises a plain Exception for a malformed file
@@ -341,43 +338,3 @@ def held_out(corpus: str, text_field: str, val_fraction: float, n: int = 200) ->
             if len(docs) == n:
                 break
     return docs
-
-
-def main(argv=None):
-    import config as C  # settings come through the one config loader
-    parser = argparse.ArgumentParser(description="Train or inspect the byte-level BPE tokenizer.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a tokenizer on a corpus")
-    train.add_argument("--out", type=Path, required=True, help="folder to write tokenizer.json into")
-    stats = sub.add_parser("stats", help="bytes per token on held-out documents")
-    stats.add_argument("--tokenizer", type=Path, required=True, help="tokenizer.json to measure")
-    for p in (train, stats):
-        p.add_argument("--config", default=str(C.PRESETS_DIR / "tiny.toml"),
-                       help="TOML file whose [data] section and model.vocab_size are used (default: configs/tiny.toml)")
-        p.add_argument("--vocab-size", type=int, default=None, help="tokens in the vocabulary (default: the config's "
-                                                                    "model.vocab_size)")
-        C.add_config_flags(p, ("data",))
-    args = parser.parse_args(argv)
-    try:
-        overrides = C.flag_overrides(args)
-        if args.vocab_size is not None:
-            overrides["model__vocab_size"] = args.vocab_size
-        cfg = C.load_config(args.config, **overrides)
-        data = cfg.data
-        if args.command == "train":
-            limit = data.tokenizer_documents or data.max_documents or None
-            docs = tqdm(train_documents(data.corpus, data.text_field, data.val_fraction, limit),
-                        desc="documents", unit="doc")
-            train_tokenizer(docs, cfg.model.vocab_size, args.out)
-            print(f"wrote {args.out / 'tokenizer.json'} (hash {tokenizer_hash(args.out / 'tokenizer.json')})")
-        else:
-            tok = load_tokenizer(args.tokenizer)
-            docs = held_out(data.corpus, data.text_field, data.val_fraction)
-            print(json.dumps({"tokenizer": str(args.tokenizer), "vocab": tok.get_vocab_size(),
-                              "documents": len(docs), "bytes_per_token": round(bytes_per_token(tok, docs), 3)}))
-    except (CorpusError, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-
-
-if __name__ == "__main__":
-    main()

@@ -55,8 +55,8 @@ def test_tokenizer_file_is_standard(data_cfg):
 
 
 def test_stats_prints_bytes_per_token(data_cfg, capsys):
-    tk.main(["stats", "--tokenizer", str(D.data_dir(data_cfg, VOCAB) / "tokenizer.json"),
-             "--corpus", data_cfg.corpus, "--val-fraction", "0.1"])
+    D.main(["stats", "--tokenizer", str(D.data_dir(data_cfg, VOCAB) / "tokenizer.json"),
+            "--corpus", data_cfg.corpus, "--val-fraction", "0.1"])
     stats = json.loads(capsys.readouterr().out)
     assert stats["documents"] == 6 and stats["bytes_per_token"] > 1.5  # BPE merges: more than a byte a token
 

@@ -277,14 +277,12 @@ def test_help_names_each_default_once(capsys):
 
 
 def test_one_name_and_one_default_per_setting(capsys):
-    """data.py and tokenizer.py take --vocab-size, defaulting to the config's model.vocab_size,
-    as train.py does; bench's micro-batch study is --micro-batch-sweep, not --micro-batch."""
+    """data.py's commands take --vocab-size, defaulting to the config's model.vocab_size, as
+    train.py does; bench's micro-batch study is --micro-batch-sweep, not --micro-batch."""
     import bench as B
-    import data as D
-    import tokenizer as tk
-    for main in (D.main, tk.main):
+    for command in ("prepare", "stats"):
         with pytest.raises(SystemExit):
-            main(["prepare" if main is D.main else "train", "--help"])
+            D.main([command, "--help"])
         text = capsys.readouterr().out
         assert "--vocab-size" in text and "--vocab " not in text and "model.vocab_size" in text
     with pytest.raises(SystemExit):

@@ -1,0 +1,43 @@
+"""The project's modules import one way: each only from modules below it in LAYERS, with no
+circle, so `python data.py prepare` loads every module once (a module run as a script and
+imported again by a module below it would exist twice, with two copies of each exception class)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Lowest first: a module may import only modules to its left.
+LAYERS = ["kernels", "model", "generate", "tokenizer", "config", "optim", "data", "checkpoint", "train", "measure",
+          "recipes", "bench", "sample", "export"]
+
+
+def project_imports(module: str) -> set[str]:
+    """Every project module `module` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse((ROOT / f"{module}.py").read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found & set(LAYERS)
+
+
+def test_every_module_is_in_a_layer():
+    assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(LAYERS)
+
+
+def test_imports_only_point_down():
+    upward = [f"{m} imports {d}" for m in LAYERS for d in project_imports(m) if LAYERS.index(d) >= LAYERS.index(m)]
+    assert upward == []
+    assert project_imports("tokenizer") == set() and project_imports("model") == {"kernels"}
+
+
+def test_a_script_loads_its_own_module_once():
+    code = ("import runpy, sys; sys.argv = ['data.py', '--help']\n"
+            "try: runpy.run_path('data.py', run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "print('data' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
