@@ -123,6 +123,21 @@ def save(path: Path, *, model: dict, optimizer: dict, step: int, tokens: int, sk
 
 # --- Load ----------------------------------------------------------------------------------
 
+def keep_before(ckpt_path: Path, step: int) -> str:
+    """After a NaN at `step`, make ckpt.pt a checkpoint from before it. The latest checkpoint may
+    be this very step's (saved just before the step ran), whose weights already diverge; then
+    the one before it (ckpt.prev.pt, kept by CK.save) takes its place."""
+    if not ckpt_path.exists():
+        return "no checkpoint was written"
+    prev = ckpt_path.with_name("ckpt.prev.pt")
+    latest = load(ckpt_path).step
+    if latest == step and prev.exists():
+        ckpt_path.replace(ckpt_path.with_name("ckpt.diverged.pt"))
+        prev.replace(ckpt_path)
+        latest = load(ckpt_path).step
+    return f"the last good checkpoint {ckpt_path} (step {latest}) is kept"
+
+
 def resolve_path(path: str | Path) -> Path:
     """A run folder (runs/NAME) or a ckpt.pt file -> the file."""
     path = Path(path)

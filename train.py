@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -127,18 +127,6 @@ def build_model(mcfg: M.ModelConfig, cfg: C.TrainConfig, device: torch.device, s
     return raw, run
 
 
-def random_shards(folder: Path, vocab: int, tokens: int, seed: int = 1337) -> list[Path]:
-    """A shard of random token ids with random document lengths (mean 512), for measuring speed
-    through the real ShardLoader without a prepared corpus. Throughput does not depend on what
-    the tokens say."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, vocab, tokens, dtype=np.uint16)
-    starts = np.unique(np.concatenate([[0], rng.integers(1, tokens, tokens // 512)])).astype(np.uint64)
-    path = folder / "train_00000.bin"
-    D.write_shard(path, ids, starts, vocab, "random0000000000", tokens)
-    return [path]
-
-
 @dataclass
 class Run:
     """Everything a training run (or one bench rung) works with, assembled by setup()."""
@@ -185,7 +173,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
                        device=device)
     if random_tokens_dir is not None:
         needed = (steps + 1) * tcfg.batch_tokens + 8 * B * (T + 1)
-        files = random_shards(Path(random_tokens_dir), V, needed)
+        files = D.random_shards(Path(random_tokens_dir), V, needed)
         tok_path, tok_hash, val_loader, source = None, "random0000000000", None, "random tokens"
     else:
         if rank == 0:
@@ -380,209 +368,268 @@ def check_run_name(name: str):
                          f"-, _), not a path; use --runs-dir to put runs elsewhere")
 
 
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint records and each step advances."""
+    step: int = 0
+    tokens: int = 0
+    skipped: int = 0  # steps skipped for a non-finite loss (--skip-nonfinite)
+    # Seconds spent in training steps, summed over sessions: evaluation and saving left out, and a
+    # session's first step (which compiles) counted at its second step's time. Time-to-loss reads it.
+    train_seconds: float = 0.0
+
+
+@dataclass
+class Session:
+    """This process's share of a run: what the summary reports beside the Progress."""
+    first_step: int
+    start: float = field(default_factory=time.perf_counter)
+    rates: list = field(default_factory=list)  # tok/s of each step after the first
+    last_eval: dict = field(default_factory=dict)
+
+
+@dataclass
+class Meter:
+    """How the run's speed is reported: FLOPs per token and the named peak MFU is taken against."""
+    info: dict  # provenance()
+    flops_tok: int
+    peak: float | None  # TFLOP/s
+    peak_source: str  # "spec" (the spec sheet's dense BF16) or "given" (--peak-tflops)
+    title: str
+
+    @property
+    def peak_name(self) -> str:
+        # bench.py's ladder reports MFU against the roof it measures, which is lower, so its MFU reads higher
+        return f"{self.peak:,.0f} TFLOP/s {self.peak_source}" if self.peak else ""
+
+    def mfu(self, tok_s: float, world: int) -> float | None:
+        return M.mfu(tok_s / world, self.flops_tok, self.peak * 1e12) if self.peak else None
+
+
 def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = False,
           stop_after: int | None = None, log=print, checkpoint: CK.Checkpoint | None = None) -> dict:
     """Run training as configured; returns the summary. Rank 0 alone writes files.
     stop_after: save a checkpoint and stop after this step, as Ctrl-C would (raises Interrupted).
     checkpoint: the run's checkpoint when the caller has already loaded it (resume)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    master = rank == 0
-    say = log if master else (lambda *a, **k: None)
-    ckpt_path, log_path, summary_path = run_dir / "ckpt.pt", run_dir / "log.jsonl", run_dir / "summary.json"
+    say = log if rank == 0 else (lambda *a, **k: None)
+    ckpt = check_start(cfg, run_dir, resume, overwrite, checkpoint)
+    if ckpt is not None and ckpt.step >= total_steps(cfg.train) and (run_dir / "summary.json").exists():
+        say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
+            f"--steps or --tokens to train further)")
+        return json.loads((run_dir / "summary.json").read_text())
+    r = setup(cfg, rank, world, log=say)
+    progress = resume_run(r, ckpt, run_dir, say) if ckpt is not None else start_run(r, run_dir)
+    meter = announce(r, run_dir, say)
+    session = run_loop(r, progress, meter, run_dir, stop_after, resumed=ckpt is not None)
+    return summarize(r, progress, session, meter, run_dir, say)
+
+
+def check_start(cfg: C.Config, run_dir: Path, resume: bool, overwrite: bool,
+                checkpoint: CK.Checkpoint | None) -> CK.Checkpoint | None:
+    """The guards: never overwrite a run by accident; the checkpoint to resume, or None."""
+    ckpt_path = run_dir / "ckpt.pt"
     if ckpt_path.exists() and not resume and not overwrite:
         raise ValueError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, --overwrite to "
                          f"start over, or --name NAME for a new run")
     if resume and not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-    ckpt = checkpoint or (CK.load(ckpt_path) if resume else None)
-    if ckpt is not None and ckpt.step >= total_steps(cfg.train) and summary_path.exists():
-        say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
-            f"--steps or --tokens to train further)")
-        return json.loads(summary_path.read_text())
+    return checkpoint or (CK.load(ckpt_path) if resume else None)
 
-    r = setup(cfg, rank, world, log=say)
-    cfg, device, tcfg, raw, model, optimizer = r.cfg, r.device, r.cfg.train, r.raw, r.model, r.optimizer
-    B, T, accum, steps = tcfg.micro_batch, cfg.model.context, r.accum, r.steps
-    step, tokens_seen, skipped = 0, 0, 0
-    if ckpt is not None:
-        CK.check_compatible(ckpt, cfg, r.tokenizer_hash)
-        if len(ckpt.loaders) != world:
-            raise ValueError(f"{ckpt_path} was written by {len(ckpt.loaders)} rank(s), this run has {world}: "
-                             f"resume with the same number of processes")
-        raw.load_state_dict(ckpt.model, strict=True)
-        optimizer.load_state_dict(ckpt.optimizer)
-        r.train_loader.load_state_dict(ckpt.loaders[rank])
-        CK.set_rng_state(ckpt.rngs[rank])
-        step, tokens_seen, skipped = ckpt.step, ckpt.tokens, ckpt.skipped
-        if master and log_path.exists():  # drop rows logged after the checkpoint (a crash before the next one)
-            rows = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            log_path.write_text("".join(line + "\n" for line in rows))
-        say(f"resumed {ckpt_path} at step {step} ({tokens_seen:,} tokens)")
-    elif master:
+
+def start_run(r: Run, run_dir: Path) -> Progress:
+    if r.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("")
-        summary_path.unlink(missing_ok=True)
+        (run_dir / "log.jsonl").write_text("")
+        (run_dir / "summary.json").unlink(missing_ok=True)
+    return Progress()
 
+
+def resume_run(r: Run, ckpt: CK.Checkpoint, run_dir: Path, say) -> Progress:
+    """Load the checkpoint's weights, optimizer, loader cursor and RNG into the run set up by
+    setup(); drop log rows written after it (a crash before the next checkpoint)."""
+    CK.check_compatible(ckpt, r.cfg, r.tokenizer_hash)
+    if len(ckpt.loaders) != r.world:
+        raise ValueError(f"{ckpt.path} was written by {len(ckpt.loaders)} rank(s), this run has {r.world}: "
+                         f"resume with the same number of processes")
+    r.raw.load_state_dict(ckpt.model, strict=True)
+    r.optimizer.load_state_dict(ckpt.optimizer)
+    r.train_loader.load_state_dict(ckpt.loaders[r.rank])
+    CK.set_rng_state(ckpt.rngs[r.rank])
+    progress = Progress(ckpt.step, ckpt.tokens, ckpt.skipped)
+    log_path = run_dir / "log.jsonl"
+    if r.rank == 0 and log_path.exists():
+        rows = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= ckpt.step]
+        log_path.write_text("".join(line + "\n" for line in rows))
+        progress.train_seconds = next((row["train_seconds"] for row in reversed(read_log(log_path))
+                                       if "train_seconds" in row), 0.0)
+    say(f"resumed {ckpt.path} at step {ckpt.step} ({ckpt.tokens:,} tokens)")
+    return progress
+
+
+def announce(r: Run, run_dir: Path, say) -> Meter:
+    """Provenance and what runs, printed and saved in config.json; the Meter for the log lines."""
+    cfg, tcfg, device, m = r.cfg, r.cfg.train, r.device, r.cfg.model
     info = provenance(device)
-    flops_tok = M.flops_per_token(cfg.model)
-    peak = tcfg.peak_tflops or (peak_tflops(info["device"]) if device.type == "cuda" else None)
-    title = f"{run_dir.name} | {cfg.model.d_model}d x {cfg.model.n_layers} layers | {info['device']}"
+    spec = peak_tflops(info["device"]) if device.type == "cuda" else None
+    meter = Meter(info, M.flops_per_token(m), tcfg.peak_tflops or spec, "given" if tcfg.peak_tflops else "spec",
+                  f"{run_dir.name} | {m.d_model}d x {m.n_layers} layers | {info['device']}")
     say(f"run {run_dir} | {info['device']} | torch {info['torch']} (CUDA {info['cuda']}) | "
-        f"git {info['git_commit'][:10]}{' (dirty)' if info['git_dirty'] else ''} | world {world}")
-    m = cfg.model  # what runs, not only what was asked: the fused SwiGLU is a CUDA kernel for the SwiGLU MLP
+        f"git {info['git_commit'][:10]}{' (dirty)' if info['git_dirty'] else ''} | world {r.world}")
+    # What runs, not only what was asked: the fused SwiGLU is a CUDA kernel, for the SwiGLU MLP only.
     say(f"model: {M.param_count(m):,} parameters, head size {m.head_dim}, {m.mlp} {m.ffn_hidden} wide, "
         f"QK-norm {m.qk_norm}, {'tied' if m.tie_embeddings else 'untied'} head, soft-cap {m.logit_softcap or 'off'}, "
-        f"{flops_tok / 1e6:,.1f} MFLOPs/token, attention {m.attention}, fused loss {m.fused_loss}, fused SwiGLU "
+        f"{meter.flops_tok / 1e6:,.1f} MFLOPs/token, attention {m.attention}, fused loss {m.fused_loss}, fused SwiGLU "
         f"{m.fused_swiglu and m.mlp == 'swiglu' and device.type == 'cuda'}, bf16 residual "
         f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}")
     say(f"optimizer: {'Muon (lr ' + format(tcfg.muon_lr, 'g') + ') + ' if tcfg.muon else ''}AdamW (lr {tcfg.lr:g}), "
         f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
-    say(f"batch: {tcfg.batch_tokens:,} tokens = {B} seq x {T} tokens x {accum} accumulation x {world} rank(s); "
-        f"{steps} steps = {steps * tcfg.batch_tokens:,} tokens")
+    say(f"batch: {tcfg.batch_tokens:,} tokens = {tcfg.micro_batch} seq x {m.context} tokens x {r.accum} accumulation "
+        f"x {r.world} rank(s); {r.steps} steps = {r.steps * tcfg.batch_tokens:,} tokens")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"
         f"{'(' + tcfg.compile_mode + ')' if tcfg.compile else ''} adamw={tcfg.optimizer} pin={tcfg.pin} "
         f"activation_checkpointing={tcfg.activation_checkpointing} recompute_mlp={tcfg.recompute_mlp} "
         f"doc_mask={tcfg.doc_mask}")
-    if device.type == "cuda" and peak is None:
+    if device.type == "cuda" and meter.peak is None:
         say(f"note: no BF16 peak known for {info['device']}: MFU is not shown (pass --peak-tflops)")
-    # MFU here is against the peak named in the line (the spec sheet's dense BF16, or --peak-tflops);
-    # bench.py's ladder reports it against the roof it measures, which is lower, so its MFU is higher.
-    peak_name = f"{peak:,.0f} TFLOP/s {'given' if tcfg.peak_tflops else 'spec'}" if peak else ""
-    if master:
+    if r.rank == 0:
         (run_dir / "config.json").write_text(json.dumps({"config": cfg.to_dict(), "provenance": info,
                                                          "tokenizer_hash": r.tokenizer_hash}, indent=2))
+    return meter
 
-    def checkpoint():
-        loaders, rngs = [r.train_loader.state_dict()], [CK.rng_state()]
-        if dist.is_initialized():  # every rank's cursor and RNG, so each resumes exactly
-            loaders, rngs = [None] * world, [None] * world
-            dist.all_gather_object(loaders, r.train_loader.state_dict())
-            dist.all_gather_object(rngs, CK.rng_state())
-        if master:
-            CK.save(ckpt_path, model=raw.state_dict(), optimizer=optimizer.state_dict(), step=step,
-                    tokens=tokens_seen, skipped=skipped, loaders=loaders, rngs=rngs, config=cfg,
-                    tokenizer_hash=r.tokenizer_hash)
 
-    def write_log(row: dict):
-        if master:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+def save_checkpoint(r: Run, p: Progress, path: Path):
+    """Every rank's loader cursor and RNG (so each resumes exactly), written by rank 0."""
+    loaders, rngs = [r.train_loader.state_dict()], [CK.rng_state()]
+    if dist.is_initialized():
+        loaders, rngs = [None] * r.world, [None] * r.world
+        dist.all_gather_object(loaders, r.train_loader.state_dict())
+        dist.all_gather_object(rngs, CK.rng_state())
+    if r.rank == 0:
+        CK.save(path, model=r.raw.state_dict(), optimizer=r.optimizer.state_dict(), step=p.step, tokens=p.tokens,
+                skipped=p.skipped, loaders=loaders, rngs=rngs, config=r.cfg, tokenizer_hash=r.tokenizer_hash)
 
+
+def write_log(r: Run, run_dir: Path, row: dict):
+    if r.rank == 0:
+        with open(run_dir / "log.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int | None, resumed: bool) -> Session:
+    """Evaluate and save first (so the state on disk always matches the step counter), then stop,
+    then step and log, until the last step or a stop (Ctrl-C, SIGTERM, stop_after)."""
+    tcfg, steps, ckpt_path = r.cfg.train, r.steps, run_dir / "ckpt.pt"
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
-    eval_batches = max(1, tcfg.eval_tokens // (B * T * world))
-    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=device,
+    eval_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * r.cfg.model.context * r.world))
+    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
-    bar = tqdm(total=steps, initial=step, desc="train", unit="step", disable=not master, dynamic_ncols=True)
-    say_bar = (lambda s: bar.write(s)) if master else (lambda s: None)
-    stopper = Stopper(say_bar)
-    rates, last_eval, start_time, first_step = [], {}, time.perf_counter(), step
-    # Seconds spent in training steps, summed over sessions: evaluation and saving left out, and the
-    # session's first step (which compiles) counted at the second one's time. Time-to-loss reads it.
-    train_seconds = next((row["train_seconds"] for row in reversed(read_log(log_path)) if "train_seconds" in row),
-                         0.0) if master and ckpt is not None and log_path.exists() else 0.0
-    last_saved = step if ckpt is not None else None
+    bar = tqdm(total=steps, initial=p.step, desc="train", unit="step", disable=r.rank != 0, dynamic_ncols=True)
+    say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
+    stopper, session = Stopper(say), Session(first_step=p.step)
+    last_saved = p.step if resumed else None
     try:
         while True:
-            last_step = step == steps
-            fresh = step > first_step  # a resumed run already evaluated and saved this step
-            # Evaluate and save first, so the state on disk always matches the step counter.
-            if fresh and (step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
-                last_eval = evaluate(model, r.val_loader, eval_batches, token_bytes, tcfg, device)
-                say_bar(f"step {step:>6} | val loss {last_eval['val_loss']:.4f} | val bpb {last_eval['val_bpb']:.4f}")
-                write_log({"step": step, "tokens": tokens_seen, "train_seconds": round(train_seconds, 3), **last_eval})
-            if fresh and (step % tcfg.ckpt_every == 0 or last_step):
-                checkpoint()
-                last_saved = step
+            last_step, fresh = p.step == steps, p.step > session.first_step  # a resumed step was evaluated and saved
+            if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
+                session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device)
+                say(f"step {p.step:>6} | val loss {session.last_eval['val_loss']:.4f} | "
+                    f"val bpb {session.last_eval['val_bpb']:.4f}")
+                write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
+                                       **session.last_eval})
+            if fresh and (p.step % tcfg.ckpt_every == 0 or last_step):
+                save_checkpoint(r, p, ckpt_path)
+                last_saved = p.step
             if last_step:
                 break
-            if stopper.signal or step == stop_after:
-                if last_saved != step:
-                    checkpoint()
-                raise Interrupted(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {step} of "
+            if stopper.signal or p.step == stop_after:
+                if last_saved != p.step:
+                    save_checkpoint(r, p, ckpt_path)
+                raise Interrupted(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {p.step} of "
                                   f"{steps}; continue with --resume", planned=not stopper.signal)
-            t0 = time.perf_counter()
-            try:
-                loss, grad_norm = train_step(model, optimizer, next_batch, accum, tcfg, device,
-                                             O.lr_at(step, tcfg, steps))
-                if dist.is_initialized():
-                    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-                loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-            except torch.cuda.OutOfMemoryError:
-                raise SystemExit(
-                    f"CUDA out of memory at step {step} with micro_batch={B} sequences of {T} tokens "
-                    f"(peak {peak_memory_gib(device):.1f} GiB): try --micro-batch {max(1, B // 2)} (the batch "
-                    f"stays {tcfg.batch_tokens:,} tokens through more accumulation), --fused-loss or "
-                    f"--activation-checkpointing") from None
-            dt = time.perf_counter() - t0
-            if not math.isfinite(loss_value) or not math.isfinite(norm_value):
-                if not tcfg.skip_nonfinite:
-                    raise SystemExit(f"loss is {loss_value} (gradient norm {norm_value}) at step {step}: stopping; "
-                                     f"{keep_checkpoint_before(ckpt_path, step)}. Lower train.lr, or pass "
-                                     f"--skip-nonfinite to skip such steps")
-                skipped += 1
-                say_bar(f"step {step}: non-finite loss {loss_value}, step skipped ({skipped} so far)")
-            if step == 0:
-                expected = math.log(cfg.model.vocab_size)
-                warn = "" if abs(loss_value - expected) < 1.0 else "  WARNING: far from ln(vocab); check the init and the data"
-                say_bar(f"step 0 loss {loss_value:.4f} vs ln(vocab) = {expected:.4f}{warn}")
-            step += 1
-            tokens_seen += tcfg.batch_tokens
-            tok_s = tcfg.batch_tokens / dt
-            if step > first_step + 1:  # the first step includes compilation and warm-up
-                rates.append(tok_s)
-                train_seconds += dt * (2 if step == first_step + 2 else 1)  # this step and the first one
-            step_mfu = M.mfu(tok_s / world, flops_tok, peak * 1e12) if peak else None
-            row = {"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": O.lr_at(step - 1, tcfg, steps),
-                   "grad_norm": norm_value if tcfg.grad_clip else None, "tok_s": round(tok_s), "mfu": step_mfu,
-                   "peak_mem_gib": round(peak_memory_gib(device), 3), "step_s": round(dt, 4), "skipped": skipped,
-                   "train_seconds": round(train_seconds, 3)}
-            write_log(row)
-            say_bar(f"step {step:>6} | loss {loss_value:.4f} | lr {row['lr']:.2e} | gnorm {norm_value if tcfg.grad_clip else float('nan'):.3f} | "
-                    f"{tok_s:,.0f} tok/s | MFU {f'{step_mfu:.1%} of {peak_name}' if step_mfu is not None else 'n/a'} | "
-                    f"mem {row['peak_mem_gib']:.2f} GiB")
+            row = timed_step(r, p, session, next_batch, meter, ckpt_path, say)
+            write_log(r, run_dir, row)
+            norm, mfu = row["grad_norm"], row["mfu"]
+            say(f"step {p.step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | gnorm "
+                f"{norm if norm is not None else float('nan'):.3f} | {row['tok_s']:,.0f} tok/s | MFU "
+                f"{'n/a' if mfu is None else f'{mfu:.1%} of {meter.peak_name}'} | mem {row['peak_mem_gib']:.2f} GiB")
             bar.update(1)
     finally:
         bar.close()
         try:  # still under the Stopper: a second signal while plotting quits in one line
-            if master and log_path.exists() and log_path.stat().st_size:  # a plot even for a stopped run
-                plot_losses(log_path, run_dir / "loss.png", title)
+            log_path = run_dir / "log.jsonl"
+            if r.rank == 0 and log_path.exists() and log_path.stat().st_size:  # a plot even for a stopped run
+                plot_losses(log_path, run_dir / "loss.png", meter.title)
         finally:
             stopper.restore()
+    return session
 
-    elapsed = time.perf_counter() - start_time
-    mean_rate = float(np.mean(rates)) if rates else None
-    summary = {"run": str(run_dir), "steps": step, "tokens": tokens_seen, "session_seconds": round(elapsed, 1),
+
+def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, ckpt_path: Path, say) -> dict:
+    """One optimizer step, timed; stops on a non-finite loss unless it may be skipped. Advances p
+    and returns the step's log row."""
+    tcfg, B, T = r.cfg.train, r.cfg.train.micro_batch, r.cfg.model.context
+    t0 = time.perf_counter()
+    try:
+        loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
+                                     O.lr_at(p.step, tcfg, r.steps))
+        if dist.is_initialized():
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+    except torch.cuda.OutOfMemoryError:
+        raise SystemExit(
+            f"CUDA out of memory at step {p.step} with micro_batch={B} sequences of {T} tokens "
+            f"(peak {peak_memory_gib(r.device):.1f} GiB): try --micro-batch {max(1, B // 2)} (the batch "
+            f"stays {tcfg.batch_tokens:,} tokens through more accumulation), --fused-loss or "
+            f"--activation-checkpointing") from None
+    dt = time.perf_counter() - t0
+    if not math.isfinite(loss_value) or not math.isfinite(norm_value):
+        if not tcfg.skip_nonfinite:
+            raise SystemExit(f"loss is {loss_value} (gradient norm {norm_value}) at step {p.step}: stopping; "
+                             f"{CK.keep_before(ckpt_path, p.step)}. Lower train.lr, or pass "
+                             f"--skip-nonfinite to skip such steps")
+        p.skipped += 1
+        say(f"step {p.step}: non-finite loss {loss_value}, step skipped ({p.skipped} so far)")
+    if p.step == 0:
+        expected = math.log(r.cfg.model.vocab_size)
+        warn = "" if abs(loss_value - expected) < 1.0 else "  WARNING: far from ln(vocab); check the init and the data"
+        say(f"step 0 loss {loss_value:.4f} vs ln(vocab) = {expected:.4f}{warn}")
+    p.step += 1
+    p.tokens += tcfg.batch_tokens
+    tok_s = tcfg.batch_tokens / dt
+    if p.step > session.first_step + 1:  # the first step includes compilation and warm-up
+        session.rates.append(tok_s)
+        p.train_seconds += dt * (2 if p.step == session.first_step + 2 else 1)  # this step and the first one
+    return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": O.lr_at(p.step - 1, tcfg, r.steps),
+            "grad_norm": norm_value if tcfg.grad_clip else None, "tok_s": round(tok_s), "mfu": meter.mfu(tok_s, r.world),
+            "peak_mem_gib": round(peak_memory_gib(r.device), 3), "step_s": round(dt, 4), "skipped": p.skipped,
+            "train_seconds": round(p.train_seconds, 3)}
+
+
+def summarize(r: Run, p: Progress, session: Session, meter: Meter, run_dir: Path, say) -> dict:
+    """summary.json, the closing line and the sample."""
+    elapsed, last_eval = time.perf_counter() - session.start, session.last_eval
+    mean_rate = float(np.mean(session.rates)) if session.rates else None
+    summary = {"run": str(run_dir), "steps": p.step, "tokens": p.tokens, "session_seconds": round(elapsed, 1),
                "mean_tok_s": round(mean_rate) if mean_rate else None,
-               "mfu": M.mfu(mean_rate / world, flops_tok, peak * 1e12) if (peak and mean_rate) else None,
-               "peak_mem_gib": round(peak_memory_gib(device), 3), "skipped": skipped, "device": info["device"],
+               "mfu": meter.mfu(mean_rate, r.world) if mean_rate else None,
+               "peak_mem_gib": round(peak_memory_gib(r.device), 3), "skipped": p.skipped,
+               "device": meter.info["device"], "train_seconds": round(p.train_seconds, 3),
                **{k: round(v, 4) for k, v in last_eval.items()}}
-    if master:
-        summary_path.write_text(json.dumps(summary, indent=2))
-        say(f"done: step {step}, {tokens_seen - first_step * tcfg.batch_tokens:,} tokens in this session's "
-            f"{elapsed:.0f} s, mean {summary['mean_tok_s'] or 0:,} tok/s, "
-            f"MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%') + ' of ' + peak_name}, "
-            + (f"val loss {last_eval['val_loss']:.4f} (ln vocab {math.log(cfg.model.vocab_size):.2f}), "
-               f"val bpb {last_eval['val_bpb']:.4f}" if last_eval else "no validation pass")
-            + f"; plot {run_dir / 'loss.png'}")
-        if tcfg.sample_tokens:
-            say("sample:\n" + sample_text(raw, tk.load_tokenizer(r.tokenizer_path), "def ", tcfg.sample_tokens, device))
+    if r.rank != 0:
+        return summary
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    say(f"done: step {p.step}, {p.tokens - session.first_step * r.cfg.train.batch_tokens:,} tokens in this "
+        f"session's {elapsed:.0f} s, mean {summary['mean_tok_s'] or 0:,} tok/s, "
+        f"MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%') + ' of ' + meter.peak_name}, "
+        + (f"val loss {last_eval['val_loss']:.4f} (ln vocab {math.log(r.cfg.model.vocab_size):.2f}), "
+           f"val bpb {last_eval['val_bpb']:.4f}" if last_eval else "no validation pass")
+        + f"; plot {run_dir / 'loss.png'}")
+    if r.cfg.train.sample_tokens:
+        tok = tk.load_tokenizer(r.tokenizer_path)
+        say("sample:\n" + sample_text(r.raw, tok, r.cfg.train.sample_prompt, r.cfg.train.sample_tokens, r.device))
     return summary
-
-
-def keep_checkpoint_before(ckpt_path: Path, step: int) -> str:
-    """After a NaN at `step`, make ckpt.pt a checkpoint from before it. The latest checkpoint may
-    be this very step's (saved just before the step ran), whose weights already diverge; then
-    the one before it (ckpt.prev.pt, kept by CK.save) takes its place."""
-    if not ckpt_path.exists():
-        return "no checkpoint was written"
-    prev = ckpt_path.with_name("ckpt.prev.pt")
-    latest = CK.load(ckpt_path).step
-    if latest == step and prev.exists():
-        ckpt_path.replace(ckpt_path.with_name("ckpt.diverged.pt"))
-        prev.replace(ckpt_path)
-        latest = CK.load(ckpt_path).step
-    return f"the last good checkpoint {ckpt_path} (step {latest}) is kept"
 
 
 def sample_text(model: M.Llama, tok, prompt: str, n: int, device: torch.device) -> str:

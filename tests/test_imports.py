@@ -41,3 +41,12 @@ def test_a_script_loads_its_own_module_once():
             "print('data' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
+
+
+def test_no_function_is_longer_than_a_screenful_and_a_half():
+    """80 lines at most: train() reads as its stages (check_start, setup, resume_run or start_run,
+    announce, run_loop, summarize), each a function of its own."""
+    long = [f"{m}.{n.name}: {n.end_lineno - n.lineno + 1} lines" for m in LAYERS
+            for n in ast.walk(ast.parse((ROOT / f"{m}.py").read_text()))
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 80]
+    assert long == []
