@@ -82,7 +82,7 @@ def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = N
     """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, the fused
     SwiGLU, the bf16 residual stream, compile tuning (coordinate descent, then max-autotune, which
     includes it), FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes
-    last: it measured slower at every preset (docs/BENCHMARKS.md, third round), so the rungs before
+    last: it measured slower at every preset (docs/LOG.md, "The new rungs on three presets"), so the rungs before
     it stay free of it, and the last rung shows whether it pays on top of the rest."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
                 *KERNEL_SWITCHES.items(), ("+fp8 matmuls", {"model__fp8": True})]

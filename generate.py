@@ -86,7 +86,7 @@ class GraphDecoder:
     the position from a tensor and stops there; the plain path reads all `context` cache positions,
     masked past the current length. One graph per power-of-two window was measured and dropped:
     on an H200 at 88m a replay took 467 us reading 128 positions and 480 us reading 1,024, and
-    generation with per-window graphs was slower (docs/BENCHMARKS.md, "Decode windows"). The step
+    generation with per-window graphs was slower (docs/LOG.md, "Decode windows"). The step
     is bound by its ~80 small kernels (132 without the fused kernel), not by the bytes they read.
     Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by the
     next replay.

@@ -6,7 +6,7 @@ swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one p
 
 Why decode_step: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
 Inductor) and took ~470 µs per token whether attention read 128 cached positions or 1,024
-(docs/BENCHMARKS.md, "Decode windows"): each kernel costs its microseconds of launch and ramp,
+(docs/LOG.md, "Decode windows"): each kernel costs its microseconds of launch and ramp,
 not its bytes. Between the QKV and output projections the plain compiled step runs about six
 kernels per layer (RoPE on q, RoPE on k with its cache write, the v cache write, scores, softmax,
 the weighted sum of values); this is one. It reads the position from a tensor, so a CUDA graph
@@ -14,7 +14,7 @@ replays it at every position, and it stops there instead of reading a masked win
 (`python bench.py --generate`, batch 1): 132 kernels became 88, and with Inductor's max-autotune
 decoding went from 2,861 to 3,342 tok/s.
 
-Why swiglu (off by default until measured on a GPU): see the comment above its kernels.
+Why swiglu (on by default for the SwiGLU MLP since it measured +3.3-3.5% on an H200): see the comment above its kernels.
 
 Triton ships with PyTorch's CUDA builds. Without it (PyTorch's CPU wheels) AVAILABLE is False
 and model.Attention keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors,
@@ -34,7 +34,7 @@ except ImportError:  # PyTorch's CPU wheels come without Triton
 AVAILABLE = triton is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on CPU tensors (tests)
 # decode_step's launch: cache positions per loop step, warps per program, pipelined loads. Timed
-# alone on an H200 (18 settings, positions 16 to 1,000, docs/BENCHMARKS.md "fourth round"), this
+# alone on an H200 (18 settings, positions 16 to 1,000, docs/LOG.md, "The decode kernel's launch settings"), this
 # was fastest at batch 1 over positions 16-512: 4.2 us at position 256, 6.7 at 512 (64 keys: 5.1, 8.7).
 BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
 SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the presets' 2,048
@@ -116,7 +116,7 @@ if AVAILABLE:
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 
     # SwiGLU between the w13 and w2 matmuls. Compiled by Inductor, its backward took 12 ms per 88m
-    # step on an H200 where its reads and writes need 5.6 ms at full bandwidth (docs/BENCHMARKS.md):
+    # step on an H200 where its reads and writes need 5.6 ms at full bandwidth (docs/PERFORMANCE.md, where the time goes):
     # one pointwise kernel over the concatenated (tokens, 2 x hidden) gradient, each half loading its
     # own inputs. Here each program reads a row's gate, up and gradient once and writes both halves.
     @triton.jit

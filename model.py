@@ -57,9 +57,9 @@ class ModelConfig:
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
     fused_decode: bool = True  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
-    # bf16_residual: +2.6% (22m), +4.6% (88m), +3.5% (126m) on an H200, same loss curve (BENCHMARKS, sixth round)
+    # bf16_residual: +2.6% (22m), +4.6% (88m), +3.5% (126m) on an H200, same loss curve (docs/PERFORMANCE.md, training speed)
     bf16_residual: bool = True  # with --bf16, the residual stream in bf16 too, not float32 (training)
-    # fused_swiglu: +3.5% at 88m and +3.3% at 126m on an H200, same peak memory (BENCHMARKS, fifth round)
+    # fused_swiglu: +3.5% at 88m and +3.3% at 126m on an H200, same peak memory (docs/PERFORMANCE.md, training speed)
     fused_swiglu: bool = True  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
 
     def __post_init__(self):
@@ -614,7 +614,7 @@ class Llama(nn.Module):
         if self.cfg.bf16_residual and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
             # The stream every norm reads and every residual add writes, in bf16 instead of float32:
             # half the bytes in those memory-bound kernels (about 11 ms of a 172 ms 88m step on an
-            # H200; the step got 2.6-4.6% faster, docs/BENCHMARKS.md). The norms compute in float32;
+            # H200; the step got 2.6-4.6% faster, docs/PERFORMANCE.md). The norms compute in float32;
             # the gradient flowing back along the stream is rounded to bf16 at every add, and 200
             # steps of 88m learn the same with it. Only in training: evaluation and decoding move one
             # stream vector per token next to whole weight matrices, so they keep float32's

@@ -324,7 +324,7 @@ def test_every_preset_file_loads(name):
         assert TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1) > 0
 
 
-# The fastest settings measured on an H200 (docs/BENCHMARKS.md, sixth and seventh rounds): on by default,
+# The fastest settings measured on an H200 (docs/PERFORMANCE.md, training speed): on by default,
 # and the slower ones (the fused loss, FP8, compile tuning) off. Each flag turns one part off.
 FASTEST = {"train.tf32": True, "train.bf16": True, "train.compile": True, "train.compile_mode": "default",
            "train.optimizer": "fused", "model.fused_swiglu": True, "model.bf16_residual": True,

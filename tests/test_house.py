@@ -1,4 +1,4 @@
-"""The project's modules import one way: each only from modules below it in LAYERS, with no
+"""House rules. The project's modules import one way: each only from modules below it in LAYERS, with no
 circle, so `python data.py prepare` loads every module once (a module run as a script and
 imported again by a module below it would exist twice, with two copies of each exception class)."""
 
@@ -50,3 +50,16 @@ def test_no_function_is_longer_than_a_screenful_and_a_half():
             for n in ast.walk(ast.parse((ROOT / f"{m}.py").read_text()))
             if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 80]
     assert long == []
+
+
+def test_numbers_are_cited_by_topic_and_docs_hold_no_scripts():
+    """Comments and docs cite docs/PERFORMANCE.md's topics or docs/LOG.md's dated entries, never a
+    round or a work session that a later edit would renumber; docs/ holds results, not code."""
+    import re
+    texts = [p for p in ROOT.glob("*.py")] + list((ROOT / "tests").glob("*.py")) + [ROOT / "README.md"] + \
+        list((ROOT / "docs").glob("*.md"))
+    stale = re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh) round\b|BENCHMARKS\.md|docs/h200|session\d")
+    found = [f"{p.name}: {m.group(0)}" for p in texts if p.name != "test_house.py" for m in stale.finditer(p.read_text())
+             if not (p.name == "LOG.md" and m.group(0) == "BENCHMARKS.md")]  # the log says where its entries came from
+    assert found == []
+    assert sorted(p.name for p in (ROOT / "docs").rglob("*") if p.suffix in (".py", ".sh")) == []
