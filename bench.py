@@ -126,6 +126,48 @@ def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Run
             for mode in C.CompileMode.__args__]
 
 
+PLAN_KEYS = {"preset", "steps", "rung"}
+RUNG_KEYS = {"name", "model", "data", "train"}
+
+
+def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) -> list[ME.Rung]:
+    """The rungs of a plan file (`python bench.py --plan FILE`): a preset, timed steps, and named
+    rungs whose [model] / [data] / [train] tables override the preset, e.g.
+
+        preset = "88m"
+        [[rung]]
+        name = "plain compiled"
+        train = { compile = true, micro_batch = 64 }
+        model = { fused_swiglu = false }
+
+    Every rung's config goes through the strict loader here, so a misspelled key fails before any
+    process starts. preset and steps given on the command line win over the file's."""
+    values = C.read_plan(path)
+    unknown = sorted(set(values) - PLAN_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; a plan has {sorted(PLAN_KEYS)}")
+    rungs, names = [], set()
+    for i, table in enumerate(values.get("rung") or []):
+        where = f"{path}: rung {i + 1}"
+        if not isinstance(table, dict) or not isinstance(table.get("name"), str) or table["name"] in names:
+            raise ValueError(f"{where}: each [[rung]] needs a name of its own (name = \"...\")")
+        extra = sorted(set(table) - RUNG_KEYS)
+        if extra:
+            raise ValueError(f"{where} ({table['name']}): unknown key(s) {extra}; a rung has {sorted(RUNG_KEYS)}")
+        names.add(table["name"])
+        overrides = {f"{section}__{k}": v for section in ("model", "data", "train") for k, v in table.get(section, {}).items()}
+        rung = ME.Rung(table["name"], preset or values.get("preset", "88m"), overrides,
+                       timed_steps=steps or values.get("steps", 3))
+        try:
+            rung.config()
+        except ValueError as e:
+            raise ValueError(f"{where} ({table['name']}): {e}") from None
+        rungs.append(rung)
+    if not rungs:
+        raise ValueError(f"{path}: no [[rung]] tables: add one per configuration to measure")
+    return rungs
+
+
 def cpu_skip(rung: ME.Rung) -> str | None:
     """Why a rung is not measured on CPU, or None. CPU numbers are a smoke test of the code
     (setup() turns the CUDA-only settings off on CPU, and says so)."""
@@ -635,6 +677,8 @@ def main(argv=None):
         p.add_argument("--" + study.replace("_", "-"), action="store_true",
                        help=f"run the {study.replace('_', ' ')} study")
     p.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains six models)")
+    p.add_argument("--plan", type=Path, default=None, metavar="FILE", help="measure the rungs a TOML plan "
+                   "names (see configs/plans/), each in its own process")
     p.add_argument("--recipes", action="store_true", help="the time-to-loss ladder: each recipe change trained to "
                    "the same token budget and timed to the article recipe's final loss (recipes.py)")
     p.add_argument("--versus", action="store_true", help="with --recipes: only the article recipe against the "
@@ -670,18 +714,36 @@ def main(argv=None):
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds}: run each compared recipe at least once (--seeds 1 or more)")
     try:
+        if args.plan:
+            plan_study(args, argv)
         if args.recipes:
             recipes_study(args, argv)
         if args.budget:
             rates = args.tok_s or [f"{k}={v}" for k, v in LAPTOP_TOK_S.items()]
             print(budget_table(rates))
         chosen = [s for s in STUDIES if (args.all and s != "loss_curves") or getattr(args, s)]
-        if not chosen and not args.budget and not args.recipes:
+        if not chosen and not args.budget and not args.recipes and not args.plan:
             p.error("choose a study: " + ", ".join("--" + s.replace("_", "-") for s in STUDIES) + ", --all or --budget")
         if chosen:
             run_studies(args, chosen, argv)
     except ValueError as e:
         sys.exit(f"error: {e}")
+
+
+def plan_study(args, argv):
+    """--plan FILE: its rungs, each checked before any runs, measured as the studies' rungs are."""
+    cuda = C.pick_device("auto").type == "cuda"
+    rungs = plan_rungs(args.plan, args.preset, args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    journal = Journal(out / f"plan-{args.plan.stem}.partial.json", {"plan": str(args.plan)}, args.resume)
+    rows = run(rungs, cuda, args.timeout, journal, args.repeats)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    (out / f"plan-{args.plan.stem}.json").write_text(json.dumps(
+        {"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+         "command": "python bench.py " + " ".join(argv or sys.argv[1:]), "rows": rows}, indent=2, default=str))
+    journal.done()
+    print(f"## plan {args.plan} | {device}\n\n{simple_table(rows)}")
 
 
 def recipes_study(args, argv):

@@ -209,6 +209,17 @@ def read_toml(path: str | Path) -> dict:
     return data
 
 
+def read_plan(path: str | Path) -> dict:
+    """A bench plan file: TOML, read with the same errors as a config file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"plan file {path} does not exist (examples live in {PRESETS_DIR / 'plans'})")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid TOML ({e}): fix the file or start from one in configs/plans/") from None
+
+
 def load_config(path: str | Path | None = None, *, values: dict | None = None, source: str | None = None,
                 **overrides) -> Config:
     """Defaults, then the file at `path` (or `values`, a dict shaped like one, e.g. a checkpoint's

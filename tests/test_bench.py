@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import bench as B
+import config as C
 import measure as ME
 import model as M
 
@@ -180,3 +181,37 @@ def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     assert by_name["fp8"]["max_loss_diff"] < 0.1  # FP8 rounding
     assert by_name["defaults"]["max_loss_diff"] < 1e-4  # the fused SwiGLU and bf16 stream, as above
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and not list(tmp_path.rglob("ckpt*.pt"))
+
+
+# --- Plans: a user's rungs from a TOML file ------------------------------------------------
+
+def test_a_plan_names_its_rungs_and_checks_them_before_anything_runs(tmp_path, monkeypatch):
+    plan = tmp_path / "mine.toml"
+    plan.write_text('preset = "tiny"\nsteps = 2\n[[rung]]\nname = "eager"\n'
+                    '[[rung]]\nname = "muon"\ntrain = { muon = true, micro_batch = 4 }\n')
+    rungs = B.plan_rungs(plan)
+    assert [(r.name, r.preset, r.timed_steps) for r in rungs] == [("eager", "tiny", 2), ("muon", "tiny", 2)]
+    assert rungs[1].overrides == {"train__muon": True, "train__micro_batch": 4}
+    assert B.plan_rungs(plan, preset="22m", steps=5)[0].preset == "22m"  # the command line wins
+    plan.write_text('[[rung]]\nname = "ok"\n[[rung]]\nname = "typo"\ntrain = { micro_bach = 4 }\n')
+    monkeypatch.setattr(B.ME, "run_in_subprocess", lambda *a: pytest.fail("a process started"))
+    with pytest.raises(SystemExit, match=r"mine\.toml: rung 2 \(typo\): .*unknown key\(s\) train\.micro_bach"):
+        B.main(["--plan", str(plan), "--out", str(tmp_path)])
+    plan.write_text('preset = "tiny"\nrungs = []\n')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['rungs'\]; a plan has \['preset', 'rung', 'steps'\]"):
+        B.plan_rungs(plan)
+
+
+def test_the_shipped_plans_load():
+    for path in (C.PRESETS_DIR / "plans").glob("*.toml"):
+        assert B.plan_rungs(path)
+
+
+@pytest.mark.slow
+def test_a_plan_runs_end_to_end_on_cpu(tmp_path, capsys):
+    plan = tmp_path / "two.toml"
+    plan.write_text('preset = "tiny"\nsteps = 1\n[[rung]]\nname = "adamw"\n[[rung]]\nname = "muon"\ntrain = { muon = true }\n')
+    B.main(["--plan", str(plan), "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "plan-two.json").read_text())["rows"]
+    assert [r["rung"] for r in rows] == ["adamw", "muon"] and all(r.get("tok_s") for r in rows)
+    assert "| adamw |" in capsys.readouterr().out
