@@ -22,6 +22,7 @@ CUDA to say anything; on CPU they run the tiny preset as a smoke test of the cod
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 import json
 import statistics
 import subprocess
@@ -648,13 +649,7 @@ def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, 
     plt.close(fig)
 
 
-PLOTTED = {"ladder": ("tok_s", "tokens / s"), "kernels": ("tok_s", "tokens / s"),
-           "attention": ("tok_s", "tokens / s"), "compile_modes": ("tok_s", "tokens / s"),
-           "micro_batch_sweep": ("tok_s", "tokens / s"),
-           "activation_checkpointing": ("tok_s", "tokens / s"), "optimizer": ("update_ms", "ms per update"),
-           "profile": ("ms", "ms per 2 micro-batches"), "generate": ("decode_tok_s", "decoded tokens / s"),
-           "loss_curves": (None, "training loss")}
-STUDIES = tuple(PLOTTED)
+
 
 
 def budget_table(rates: list[str]) -> str:
@@ -775,80 +770,104 @@ def recipes_study(args, argv):
 LAPTOP_TOK_S = {"22m": 103_618, "47m": 49_459, "88m": 29_508, "126m": 19_096}
 
 
+@dataclass
+class Study:
+    """What every study reads: the command line and the setting it resolves to."""
+    args: argparse.Namespace
+    preset: str
+    cuda: bool
+    batch_tokens: int
+    steps: int
+    mb: int
+    out: Path
+    device_name: str
+    results: dict  # the JSON written beside each study's table
+    journal: Journal | None = None
+
+
+def curves(s: Study) -> list[dict]:
+    rows, found = loss_curves_study(s.preset, s.args.curve_steps or (200 if s.cuda else 4),
+                                    s.args.micro_batch_size or (64 if s.cuda else 4), s.out, s.args.timeout,
+                                    s.args.batch_tokens or (None if s.cuda else s.batch_tokens))
+    plot_curves(found, f"loss curves | {s.preset} | stdlib corpus | {s.device_name} | {s.results['date']}",
+                s.out / "loss_curves.png")
+    s.results["curves"] = found  # the losses step by step, to compare runs on other days
+    return rows
+
+
+# The studies: name -> (how its rows are measured, the row value its plot shows, the plot's axis label).
+STUDY_TABLE = {
+    "ladder": (lambda s: ladder(s.preset, s.batch_tokens, s.steps, s.cuda, s.args.timeout, s.journal),
+               "tok_s", "tokens / s"),
+    "kernels": (lambda s: run(kernel_rungs(s.preset, s.mb, s.steps, {"train__batch_tokens": s.batch_tokens}), s.cuda,
+                              s.args.timeout, s.journal, s.args.repeats), "tok_s", "tokens / s"),
+    "attention": (lambda s: run(attention_rungs(s.preset, s.mb, s.steps, s.args.only), s.cuda, s.args.timeout,
+                                s.journal, s.args.repeats), "tok_s", "tokens / s"),
+    "compile_modes": (lambda s: run(compile_mode_rungs(s.preset, s.mb, s.steps), s.cuda, s.args.timeout, s.journal,
+                                    s.args.repeats), "tok_s", "tokens / s"),
+    "micro_batch_sweep": (lambda s: micro_batch_study(s.preset, s.batch_tokens, s.steps, s.cuda, s.args.timeout,
+                                                      journal=s.journal), "tok_s", "tokens / s"),
+    "activation_checkpointing": (lambda s: activation_checkpointing_study(s.preset, s.batch_tokens, s.mb, s.steps,
+                                                                          s.cuda, s.args.timeout, s.journal),
+                                 "tok_s", "tokens / s"),
+    "optimizer": (lambda s: optimizer_study(s.preset, s.cuda), "update_ms", "ms per update"),
+    "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in MODEL_SWITCHES
+                                                                 if getattr(s.args, m)}),
+                "ms", "ms per 2 micro-batches"),
+    "generate": (lambda s: generate_study(s.preset, s.cuda, s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),
+                                          vs_transformers=not s.args.no_transformers),
+                 "decode_tok_s", "decoded tokens / s"),
+    "loss_curves": (curves, None, "training loss"),
+}
+STUDIES = tuple(STUDY_TABLE)
+PLOTTED = {name: (value, label) for name, (_, value, label) in STUDY_TABLE.items()}
+
+
 def run_studies(args, chosen: list[str], argv):
     cuda = C.pick_device("auto").type == "cuda"
     preset = args.preset or ("88m" if cuda else "tiny")
     mcfg = C.preset(preset).model
-    batch_tokens = args.batch_tokens or (524_288 if cuda else 4 * mcfg.context * 2)
-    steps = args.steps or (3 if cuda else 2)
-    mb = args.micro_batch_size or (16 if cuda else 4)
     flops_tok = M.flops_per_token(mcfg)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    s = Study(args, preset, cuda, args.batch_tokens or (524_288 if cuda else 4 * mcfg.context * 2),
+              args.steps or (3 if cuda else 2), args.micro_batch_size or (16 if cuda else 4), Path(args.out),
+              device_name, {})
+    s.out.mkdir(parents=True, exist_ok=True)
     print(f"device: {device_name} | torch {torch.__version__} | preset {preset} ({M.param_count(mcfg):,} params, "
-          f"{flops_tok:,} FLOPs/token) | {batch_tokens:,} tokens per step")
+          f"{flops_tok:,} FLOPs/token) | {s.batch_tokens:,} tokens per step")
     if not cuda:
         print("no CUDA device: a smoke test of the code paths on the tiny model; CPU numbers say nothing about a GPU")
-    roof = ME.measure_roof(mcfg, mb) if cuda else {}
+    roof = ME.measure_roof(mcfg, s.mb) if cuda else {}
     spec_peak = TR.peak_tflops(device_name) if cuda else None
     if cuda:
         print(f"roof: {roof['roof_tflops']:.0f} TFLOP/s (bf16 8192^3, measured); model's matmul shapes "
               f"{roof['model_matmul_tflops']:.0f} TFLOP/s {roof['model_shapes_tflops']}; spec sheet "
               f"{spec_peak or 'unknown'}; ceiling {roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s")
-    results = {"device": device_name, "torch": torch.__version__, "preset": preset, "flops_per_token": flops_tok,
-               "date": time.strftime("%Y-%m-%d"), "command": "python bench.py " + " ".join(argv or sys.argv[1:]),
-               "spec_peak_tflops": spec_peak, **roof}
+    s.results.update({"device": device_name, "torch": torch.__version__, "preset": preset,
+                      "flops_per_token": flops_tok, "date": time.strftime("%Y-%m-%d"),
+                      "command": "python bench.py " + " ".join(argv or sys.argv[1:]), "spec_peak_tflops": spec_peak,
+                      **roof})
     tables = []
     for study in chosen:
-        journal = Journal(out / f"{study}.partial.json", {"preset": preset, "device": device_name,
-                                                           "batch_tokens": batch_tokens}, args.resume)
-        if study == "ladder":
-            rows = ladder(preset, batch_tokens, steps, cuda, args.timeout, journal)
-        elif study == "attention":
-            rows = run(attention_rungs(preset, mb, steps, args.only), cuda, args.timeout, journal, args.repeats)
-        elif study == "kernels":
-            rows = run(kernel_rungs(preset, mb, steps, {"train__batch_tokens": batch_tokens}), cuda, args.timeout,
-                       journal, args.repeats)
-        elif study == "compile_modes":
-            rows = run(compile_mode_rungs(preset, mb, steps), cuda, args.timeout, journal, args.repeats)
-        elif study == "micro_batch_sweep":
-            rows = micro_batch_study(preset, batch_tokens, steps, cuda, args.timeout, journal=journal)
-        elif study == "activation_checkpointing":
-            rows = activation_checkpointing_study(preset, batch_tokens, mb, steps, cuda, args.timeout, journal)
-        elif study == "optimizer":
-            rows = optimizer_study(preset, cuda)
-        elif study == "profile":
-            rows = profile_study(preset, mb, cuda, {f"model__{s}": True for s in MODEL_SWITCHES if getattr(args, s)})
-        elif study == "generate":
-            rows = generate_study(preset, cuda, args.new_tokens if cuda else min(args.new_tokens, 40),
-                                  vs_transformers=not args.no_transformers)
-        else:
-            rows, curves = loss_curves_study(preset, args.curve_steps or (200 if cuda else 4),
-                                             args.micro_batch_size or (64 if cuda else 4), out, args.timeout,
-                                             args.batch_tokens or (None if cuda else batch_tokens))
-            plot_curves(curves, f"loss curves | {preset} | stdlib corpus | {device_name} | {results['date']}",
-                        out / f"{study}.png")
-            results["curves"] = curves  # the losses step by step, to compare runs on other days
+        s.journal = Journal(s.out / f"{study}.partial.json", {"preset": preset, "device": device_name,
+                                                               "batch_tokens": s.batch_tokens}, args.resume)
+        measure, value, label = STUDY_TABLE[study]
+        rows = measure(s)
+        table, mfu_of = simple_table(rows), None
         if study == "ladder":
             table = ladder_table(rows, flops_tok, roof.get("roof_tflops"), spec_peak)
             if roof:
                 table += (f"\n\nMFU (roof) is also the share of the ceiling, "
                           f"{roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s")
-        else:
-            table = simple_table(rows)
-        value, label = PLOTTED[study]
-        mfu_of = None
-        if study == "ladder" and roof:
-            mfu_of = lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
+                mfu_of = lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
         if value is not None:
-            plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | {results['date']}",
-                      out / f"{study}.png", mfu_of)
-        results[study] = rows
+            plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | "
+                      f"{s.results['date']}", s.out / f"{study}.png", mfu_of)
+        s.results[study] = rows
         sources = sorted({r["data"] for r in rows if r.get("data")})
         tables.append(f"## {study.replace('_', ' ')}\n\n{table}" + (f"\n\ndata: {', '.join(sources)}" if sources else ""))
-        (out / f"{study}.json").write_text(json.dumps({**results, "rows": rows}, indent=2, default=str))
-        journal.done()
+        (s.out / f"{study}.json").write_text(json.dumps({**s.results, "rows": rows}, indent=2, default=str))
+        s.journal.done()
     print("\n\n".join(tables))
 
 
