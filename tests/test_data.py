@@ -209,8 +209,7 @@ def test_shard_from_other_tokenizer_or_vocab_is_refused(shards):
 
 
 def test_truncated_or_foreign_file_is_refused(shards, tmp_path):
-    raw = files = shards[0]
-    raw = files[0].read_bytes()
+    raw = shards[0][0].read_bytes()
     cut = tmp_path / "cut.bin"
     cut.write_bytes(raw[:-10])
     with pytest.raises(D.ShardError, match=r"cut\.bin: file is .* bytes but its header .* needs .*truncated"):

@@ -1,0 +1,113 @@
+"""Checks of kernels.py's Triton kernels that run under Triton's CPU interpreter. TRITON_INTERPRET=1
+must be set before Triton is imported, so tests/test_kernels.py runs each function in a fresh
+process with it set; the file is not named test_*.py, so pytest does not collect it itself.
+float16 throughout: the interpreter computes with NumPy, which has no bfloat16."""
+
+import torch
+
+import generate as G
+import kernels as K
+import model as M
+
+
+def decode_check():
+    """The fused decode step against RoPE, the cache write and two matmuls, float16."""
+    g = torch.Generator().manual_seed(0)
+    for B, H, Hkv, S, pos in [(1, 12, 4, 1024, 17), (2, 2, 1, 512, 300), (1, 6, 2, 256, 255), (1, 1, 1, 128, 0)]:
+        qkv = torch.randn(B, 1, H + 2 * Hkv, 64, generator=g).half()
+        cos, sin = (t[pos:pos + 1].half() for t in M.rope_tables(64, S, 10000.0))
+        k_cache, v_cache = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
+        # The plain path: RoPE, the cache write, then two matmuls and a softmax over positions 0..pos.
+        q, k, v = qkv.float().split([H, Hkv, Hkv], dim=2)
+        q, k = M.apply_rope(q, cos.float(), sin.float()).half(), M.apply_rope(k, cos.float(), sin.float()).half()
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0].half()
+        mask = (torch.arange(S) <= pos)[None, :]
+        reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask)
+        k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
+        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]))
+        err = (out.float().reshape(reference.shape) - reference).abs().max().item()
+        assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, err)
+        assert torch.equal(k_cache[:, :, pos], k_ref[:, :, pos]) and torch.equal(v_cache[:, :, pos], v_ref[:, :, pos])
+        assert torch.equal(k_cache[:, :, :pos], k_ref[:, :, :pos])  # the rest of the cache is left alone
+
+    # Traced as one opaque op (its fake implementation gives the shapes), as in the compiled decode step.
+    step = torch.compile(K.decode_step, backend="aot_eager", fullgraph=True)
+    qkv, caches = torch.randn(2, 1, 4, 64, generator=g).half(), torch.randn(2, 2, 1, 256, 64, generator=g).half()
+    caches = torch.cat([caches, caches.clone()])  # two copies of the same k and v caches
+    cos, sin = torch.randn(64, generator=g).half(), torch.randn(64, generator=g).half()
+    out = step(qkv, cos, sin, caches[0], caches[1], torch.tensor([150]))
+    assert torch.equal(out, K.decode_step(qkv, cos, sin, caches[2], caches[3], torch.tensor([150])))
+    assert torch.equal(caches[0][:, :, 150], caches[2][:, :, 150])  # the cache write survives tracing
+
+    # Inside the model (fused_decode): the same logits as the plain path, prefill then 20 decode steps.
+    cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64)
+    plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
+    fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True)).eval().half()
+    fused.load_state_dict(plain.state_dict())
+    calls, kernel = [], K.decode_step
+    K.decode_step = lambda *a: calls.append(1) or kernel(*a)
+    idx = torch.randint(0, 512, (2, 30), generator=g)
+    logits = []
+    with torch.no_grad():
+        for m in (plain, fused):
+            m.setup_cache(2)
+            steps = [m(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
+            steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 30)]
+            logits.append(torch.stack(steps).float())
+    assert len(calls) == 2 * 20 and (logits[0] - logits[1]).abs().max() < 1e-2, len(calls)
+
+    # The decode step compiled whole, as GraphDecoder compiles it: the graph calls the fused op (the
+    # model's checks, the cache's `fusable` flag among them, trace as constants) and gives the same logits.
+    K.decode_step, traced = kernel, []
+    def record(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+    step = torch.compile(G.decode_one, backend=record, fullgraph=True)
+    with torch.no_grad():
+        fused.setup_cache(2)
+        again = [fused(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
+        again += [step(fused, idx[:, t:t + 1], torch.tensor([t]), cfg["context"]) for t in range(10, 30)]
+    assert any("decode_step" in target for target in traced), traced
+    assert (torch.stack(again).float() - logits[1]).abs().max() < 1e-3
+
+
+def swiglu_check():
+    """The fused SwiGLU against the plain line, forward and backward, eager and compiled."""
+    g = torch.Generator().manual_seed(0)
+    # Against silu(gate) * up in float64, forward and backward: a hidden size of two full programs
+    # (2,048) and one that leaves most of a program masked (96).
+    for shape, dtype, tol in [((3, 5, 2 * 2048), torch.float32, 1e-5), ((2, 7, 2 * 96), torch.float16, 3e-3)]:
+        h13 = torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+        grad = torch.randn(*shape[:-1], shape[-1] // 2, generator=g).to(dtype)
+        exact = h13.detach().double().requires_grad_()
+        gate, up = exact.chunk(2, dim=-1)
+        reference = torch.nn.functional.silu(gate) * up
+        reference.backward(grad.double())
+        out = K.swiglu(h13)
+        out.backward(grad)
+        assert out.shape == reference.shape and out.dtype == dtype
+        assert (out.double() - reference).abs().max() < tol * reference.abs().max(), shape
+        assert (h13.grad.double() - exact.grad).abs().max() < tol * exact.grad.abs().max(), shape
+
+    # Inside the model (fused_swiglu): the loss and every gradient of the plain model, eagerly (one
+    # call per layer) and traced by torch.compile, which keeps the op and its backward.
+    cfg = dict(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=128, context=32)
+    idx, targets = torch.randint(0, 128, (2, 2, 32), generator=g)
+    calls, kernel = [], K.swiglu
+    runs = []
+    for fused, compiled in ((False, False), (True, False), (True, True)):
+        torch.manual_seed(0)
+        model = M.Llama(M.ModelConfig(**cfg, fused_swiglu=fused))
+        K.swiglu = (lambda h: calls.append(1) or kernel(h)) if not compiled else kernel
+        loss = (torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model)(idx, targets)
+        loss.backward()
+        runs.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    K.swiglu = lambda h: calls.append(1) or kernel(h)
+    with torch.no_grad():  # evaluation and decoding keep the plain activation (Inductor fuses it there)
+        model(idx)
+    assert len(calls) == 2, len(calls)
+    for loss, grads in runs[1:]:
+        assert abs(loss - runs[0][0]) < 1e-5
+        for name, grad in grads.items():
+            assert (grad - runs[0][1][name]).abs().max() <= 1e-4 * runs[0][1][name].abs().max() + 1e-7, name
