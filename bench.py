@@ -652,6 +652,36 @@ def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, 
 
 
 
+# --- The budget: hours to train each preset, Chinchilla-style ------------------------------------
+
+@dataclass
+class Budget:
+    name: str
+    params: int
+    tokens: int  # D = 20 N (Chinchilla, Hoffmann et al. 2022, Table 3)
+    flops: float  # C = 6 N D
+    hours: float
+    tokens_per_param_8h: float
+    tokens_per_param_48h: float
+
+
+def budget(name: str, params: int, tokens_per_s: float) -> Budget:
+    D = 20 * params
+    return Budget(name, params, D, 6.0 * params * D, D / tokens_per_s / 3600,
+                  tokens_per_s * 8 * 3600 / params, tokens_per_s * 48 * 3600 / params)
+
+
+def budget_rows(rates: dict[str, tuple[M.ModelConfig, float]]) -> str:
+    """rates: preset name -> (its ModelConfig, measured tokens/s)."""
+    lines = ["| preset | params | tok/s | D = 20N | C = 6ND | hours | tok/param in 8 h | in 48 h |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, (cfg, tok_s) in rates.items():
+        b = budget(name, M.param_count(cfg), tok_s)
+        lines.append(f"| {name} | {b.params:,} | {tok_s:,.0f} | {b.tokens / 1e9:.2f}B | {b.flops:.1e} "
+                     f"| {b.hours:.1f} | {b.tokens_per_param_8h:.0f} | {b.tokens_per_param_48h:.0f} |")
+    return "\n".join(lines)
+
+
 def budget_table(rates: list[str]) -> str:
     parsed = {}
     for item in rates:
@@ -663,7 +693,7 @@ def budget_table(rates: list[str]) -> str:
                              f"e.g. 88m=29408") from None
         if not sep:
             raise ValueError(f"--tok-s {item!r}: expected PRESET=TOKENS_PER_S, e.g. 88m=29408")
-    return M.budget_table(parsed)
+    return budget_rows(parsed)
 
 
 def main(argv=None):

@@ -1,8 +1,12 @@
-"""A Llama-style decoder and the arithmetic around it: parameters, FLOPs, memory, budget.
+"""A Llama-style decoder and the arithmetic around it: parameters, FLOPs, MFU.
 
-Read top to bottom: ModelConfig; the layers (RMSNorm, RoPE, attention, FP8 matmuls, SwiGLU,
-block); the fused loss; the model with its KV cache; then the closed-form arithmetic. Generation, which
-drives the KV cache, is generate.py.
+Read top to bottom: ModelConfig; the layers (RMSNorm, RoPE, attention with its optional QK-norm,
+FP8 matmuls, SwiGLU or ReLU², block); the fused loss; the model with its KV cache and optional
+soft-cap; then the closed-form arithmetic. Generation, which drives the KV cache, is generate.py.
+
+The recipe's options (mlp, qk_norm, zero_init, tie_embeddings, logit_softcap) default to the
+article's Llama, so a checkpoint from before them computes what it trained with; the presets in
+configs/ choose what the recipe ladder measured fastest (docs/PERFORMANCE.md, time to a good model).
 
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
 `attention` picks the attention kernel (this file is the one place that choice is made),
@@ -667,40 +671,3 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
     """Model FLOPs utilization: useful FLOP/s over the peak (a fraction, not a percent)."""
     return tokens_per_s * flops_per_tok / peak_flops
-
-
-def memory_estimate_gib(cfg: ModelConfig, micro_batch: int, act_gib_per_seq: float) -> float:
-    """GiB of GPU memory for training: 16 bytes per parameter (FP32 weights, gradients and the two
-    AdamW moments) plus activations, which grow linearly with the sequences in a micro-batch.
-    act_gib_per_seq is a measured slope (bench.py --micro-batch prints it; the article "What a
-    Laptop Can Train" measured about 0.33 GiB per 1,024-token sequence for 88m with BF16 and
-    torch.compile)."""
-    return 16 * param_count(cfg) / 2**30 + micro_batch * act_gib_per_seq
-
-
-@dataclass
-class Budget:
-    name: str
-    params: int
-    tokens: int  # D = 20 N (Chinchilla, Hoffmann et al. 2022, Table 3)
-    flops: float  # C = 6 N D
-    hours: float
-    tokens_per_param_8h: float
-    tokens_per_param_48h: float
-
-
-def budget(name: str, params: int, tokens_per_s: float) -> Budget:
-    D = 20 * params
-    return Budget(name, params, D, 6.0 * params * D, D / tokens_per_s / 3600,
-                  tokens_per_s * 8 * 3600 / params, tokens_per_s * 48 * 3600 / params)
-
-
-def budget_table(rates: dict[str, tuple[ModelConfig, float]]) -> str:
-    """rates: preset name -> (its ModelConfig, measured tokens/s)."""
-    lines = ["| preset | params | tok/s | D = 20N | C = 6ND | hours | tok/param in 8 h | in 48 h |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, (cfg, tok_s) in rates.items():
-        b = budget(name, param_count(cfg), tok_s)
-        lines.append(f"| {name} | {b.params:,} | {tok_s:,.0f} | {b.tokens / 1e9:.2f}B | {b.flops:.1e} "
-                     f"| {b.hours:.1f} | {b.tokens_per_param_8h:.0f} | {b.tokens_per_param_48h:.0f} |")
-    return "\n".join(lines)

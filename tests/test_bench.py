@@ -217,3 +217,9 @@ def test_a_plan_runs_end_to_end_on_cpu(tmp_path, capsys):
     rows = json.loads((tmp_path / "plan-two.json").read_text())["rows"]
     assert [r["rung"] for r in rows] == ["adamw", "muon"] and all(r.get("tok_s") for r in rows)
     assert "| adamw |" in capsys.readouterr().out
+
+
+def test_budget_matches_the_laptop_article():
+    b = B.budget("88m", 88_096_512, 29_508)  # "What a Laptop Can Train": 88m at 29,508 tok/s
+    assert b.tokens == 1_761_930_240 and f"{b.flops:.1e}" == "9.3e+17"
+    assert round(b.hours, 1) == 16.6 and round(b.tokens_per_param_8h) == 10 and round(b.tokens_per_param_48h) == 58

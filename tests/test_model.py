@@ -50,17 +50,6 @@ def test_flops_per_token_88m():
     assert M.mfu(29_408, 622_950_912, 25.3e12) == pytest.approx(0.724, abs=1e-3)  # that article's 72.4%
 
 
-def test_budget_matches_the_laptop_article():
-    b = M.budget("88m", 88_096_512, 29_508)
-    assert b.tokens == 1_761_930_240 and f"{b.flops:.1e}" == "9.3e+17"
-    assert round(b.hours, 1) == 16.6 and round(b.tokens_per_param_8h) == 10 and round(b.tokens_per_param_48h) == 58
-
-
-def test_memory_estimate():
-    # 16 bytes per parameter for 88m is 1.31 GiB; plus 16 sequences at 0.33 GiB each.
-    assert M.memory_estimate_gib(C.preset("88m").model, 16, 0.33) == pytest.approx(1.3127 + 5.28, abs=1e-3)
-
-
 # --- One block against an independent NumPy float64 reference --------------------------------
 
 def numpy_block(x, w, n_heads, n_kv_heads, theta, eps):
