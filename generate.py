@@ -84,18 +84,14 @@ class GraphDecoder:
 
     A graph's shapes are fixed. The fused decode kernel (kernels.decode_step, the default) reads
     the position from a tensor and stops there; the plain path reads all `context` cache positions,
-    masked past the current length. One graph per power-of-two window was measured and dropped:
-    on an H200 at 88m a replay took 467 us reading 128 positions and 480 us reading 1,024, and
-    generation with per-window graphs was slower (docs/LOG.md, "Decode windows"). The step
-    is bound by its ~80 small kernels (132 without the fused kernel), not by the bytes they read.
-    Inputs are copied into the graph's fixed buffers; the logits it returns are overwritten by the
-    next replay.
+    masked past the current length. Graphs per window of positions were measured and dropped: the
+    step is bound by its ~80 small kernels, not by the bytes they read (docs/LOG.md, "Decode
+    windows"). Inputs are copied into the graph's fixed buffers; the logits it returns are
+    overwritten by the next replay.
 
     mode is Inductor's compile mode; None picks by batch size what measured fastest on an H200
-    (88m, fused decode, `python bench.py --generate`): max-autotune at batch 1 (3,342 tok/s against
-    2,770 with the default mode), the default mode above it (22,295 tok/s at batch 8 against 20,321,
-    after 6 s of warm-up instead of 22). max-autotune lets Inductor time its own Triton kernels for
-    the one-row matmuls and fuse RMSNorm and SiLU into them; at batch 8 cuBLAS does better."""
+    (docs/PERFORMANCE.md, generation): max-autotune at batch 1, where Inductor's own kernels for the
+    one-row matmuls can fuse RMSNorm and SiLU in, and the default mode above it, where cuBLAS wins."""
 
     def __init__(self, model: M.Llama, mode: str | None = None):
         self.model, self.mode = model, mode

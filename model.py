@@ -617,10 +617,9 @@ class Llama(nn.Module):
             cache_mask = torch.arange(window or self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
         if self.cfg.bf16_residual and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
             # The stream every norm reads and every residual add writes, in bf16 instead of float32:
-            # half the bytes in those memory-bound kernels (about 11 ms of a 172 ms 88m step on an
-            # H200; the step got 2.6-4.6% faster, docs/PERFORMANCE.md). The norms compute in float32;
-            # the gradient flowing back along the stream is rounded to bf16 at every add, and 200
-            # steps of 88m learn the same with it. Only in training: evaluation and decoding move one
+            # half the bytes in those memory-bound kernels (docs/PERFORMANCE.md, training speed). The
+            # norms compute in float32; the gradient along the stream is rounded to bf16 at every
+            # add, and the loss curves match. Only in training: evaluation and decoding move one
             # stream vector per token next to whole weight matrices, so they keep float32's
             # precision for free. (The RoPE tables above keep x's float32.)
             x = x.to(torch.get_autocast_dtype(x.device.type))
