@@ -206,3 +206,18 @@ def test_export_refuses_a_soft_cap_in_one_line(loaded, tmp_path):
     with pytest.raises(ValueError, match=r"^model\.logit_softcap=15\.0: no transformers class .* --logit-softcap 0"):
         E.export(capped, tok_path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()  # refused before anything was written
+
+
+def test_todays_recipe_decodes_the_same_with_and_without_the_cache():
+    """ReLU², QK-norm (its norms run before the cache write) and an untied, soft-capped head: the KV
+    cache's greedy tokens equal the full recomputation's, as for the article's model."""
+    cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=300, context=64, mlp="relu2",
+                        qk_norm=True, tie_embeddings=False, logit_softcap=15.0)
+    torch.manual_seed(0)
+    model = M.Llama(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    ids = [5, 6, 7]
+    assert greedy(model, ids, 30) == greedy(model, ids, 30, use_cache=False)
