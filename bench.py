@@ -45,12 +45,17 @@ import recipes as RE
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
-# ModelConfig's fast-path switches. The studies' base has them all off: each study and each ladder
-# rung switches on what it measures, so every number compares with the same plain model.
+# ModelConfig's training fast-path switches. The studies' base has them all off: each study and each
+# ladder rung switches on what it measures, so every number compares with the same plain model.
 MODEL_SWITCHES = ("fused_loss", "fused_swiglu", "bf16_residual", "fp8")
 PLAIN_KERNELS = {f"model__{s}": False for s in MODEL_SWITCHES}
-# The fast paths train.py uses when no flag says otherwise (ModelConfig's defaults)
-DEFAULT_KERNELS = {f"model__{s}": getattr(M.ModelConfig(), s) for s in MODEL_SWITCHES}
+
+
+def preset_kernels(preset: str) -> dict:
+    """The fast paths the preset's file turns on: what train.py runs with it."""
+    return {f"model__{s}": getattr(C.preset(preset).model, s) for s in MODEL_SWITCHES}
+
+
 FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True, **PLAIN_KERNELS}
 
 
@@ -112,13 +117,13 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
 def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """Compiled BF16 with fused AdamW, then each fast path, and Inductor's own kernel tuning,
     switched on alone against it: which of them pays at this preset, apart from the order of the
-    ladder's rungs; then the model's defaults together, what `train.py` gains over plain
+    ladder's rungs; then the preset's fast paths together, what `train.py` gains over plain
     torch.compile; then the compile tuning, last because max-autotune autotunes for about five
     minutes at 88m."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
     alone = lambda switches: [ME.Rung(name, preset, {**o, **s}, steps) for name, s in switches.items()]  # noqa: E731
     return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *alone(FAST_PATHS),
-            ME.Rung("the model's defaults", preset, {**o, **DEFAULT_KERNELS}, steps), *alone(COMPILE_TUNING)]
+            ME.Rung("the preset's defaults", preset, {**o, **preset_kernels(preset)}, steps), *alone(COMPILE_TUNING)]
 
 
 def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Rung]:

@@ -33,13 +33,6 @@ import model as M
 import tokenizer as tk
 
 FORMAT = 2  # bump when the layout below changes; load() refuses other versions with advice
-# ModelConfig fast paths that became defaults after checkpoints of this format were first written,
-# with the value those checkpoints trained with (the plain path): a checkpoint that predates one
-# resumes computing what it computed, not today's default. Switches whose default is the plain
-# path need no entry.
-PREDATING = {"fused_swiglu": False, "bf16_residual": False}
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: the message names the file, what is wrong and what to do."""
 
@@ -174,8 +167,6 @@ def load(path: str | Path, device="cpu", **overrides) -> Checkpoint:
                               f"load it with the onegpu version that wrote it, or retrain")
     try:
         saved = state["config"]
-        if isinstance(saved, dict) and isinstance(saved.get("model"), dict):  # else load_config says what is wrong
-            saved = {**saved, "model": {**PREDATING, **saved["model"]}}
         config = C.load_config(values=saved, source=f"{path} (saved config)", **overrides)
         return Checkpoint(path=path, config=config, model=state["model"], optimizer=state["optimizer"],
                           step=int(state["step"]), tokens=int(state["tokens"]), skipped=int(state["skipped"]),

@@ -6,7 +6,10 @@ The one place settings are read. A config file has three sections a person edits
     [data]    DataConfig (here): corpus, tokenizer and shard cache
     [train]   TrainConfig (here): batch, schedule, speed flags
 
-Defaults come from the dataclasses, the file overrides them, flags override the file. A typo
+Defaults come from the dataclasses, the file overrides them, flags override the file. One rule for
+every default: the dataclass holds the plain path (the article's recipe, FP32, no compile, no fused
+kernel), so a config or a checkpoint that does not name a setting runs it plainly, and the presets
+in configs/ turn on what was measured to pay. A typo
 must never pass silently: unknown keys and wrong types are errors naming the key, the file and
 what is allowed, and every number has its range checked in the dataclass it belongs to.
 Every field is also a flag (`--micro-batch 32`, `--no-compile`) whose help is the field's comment.

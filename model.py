@@ -58,13 +58,14 @@ class ModelConfig:
     zero_init: bool = False  # attention and MLP output projections start at zero (each block starts as identity)
     logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (Gemma 2, modded-nanogpt); 0 turns it off
     attention: AttentionKind = "sdpa"  # attention kernel in training
+    # Fast paths: each computes what its plain path does (within rounding) and is off here, so that a
+    # config that does not name it, and a checkpoint from before it existed, runs the plain path; the
+    # presets in configs/ turn on the ones measured to pay (docs/PERFORMANCE.md, training speed).
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
-    fused_decode: bool = True  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
-    # bf16_residual: +2.6% (22m), +4.6% (88m), +3.5% (126m) on an H200, same loss curve (docs/PERFORMANCE.md, training speed)
-    bf16_residual: bool = True  # with --bf16, the residual stream in bf16 too, not float32 (training)
-    # fused_swiglu: +3.5% at 88m and +3.3% at 126m on an H200, same peak memory (docs/PERFORMANCE.md, training speed)
-    fused_swiglu: bool = True  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
+    fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
+    bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
+    fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):

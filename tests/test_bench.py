@@ -40,9 +40,9 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
                                  (False, False, True, "default"), (False, True, True, "default"),
                                  (False, False, False, "coordinate-descent"),
                                  (False, False, False, "max-autotune-no-cudagraphs")]
-    defaults = others[3]  # what train.py runs: the model's own defaults, whatever they are
-    assert (defaults.model.fused_swiglu, defaults.model.bf16_residual) == (M.ModelConfig().fused_swiglu,
-                                                                           M.ModelConfig().bf16_residual)
+    defaults = others[3]  # what train.py runs with the preset: its file's fast paths, whatever they are
+    preset = B.C.preset("88m").model
+    assert (defaults.model.fused_swiglu, defaults.model.bf16_residual) == (preset.fused_swiglu, preset.bf16_residual)
 
 
 def test_repeats_measure_the_whole_plan_in_turn_and_report_each_rungs_median(monkeypatch):
@@ -161,7 +161,7 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
     assert [r["micro_batch"] for r in rows("micro_batch_sweep") if "micro_batch" in r] == [1, 2, 4]
     assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", *B.FAST_PATHS,
-                                                    "the model's defaults", *B.COMPILE_TUNING]
+                                                    "the preset's defaults", *B.COMPILE_TUNING]
     assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
     assert rows("generate")[0]["decode_tok_s"] > 0
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)

@@ -87,14 +87,16 @@ def test_misspelled_key_in_a_checkpoints_config_is_named(trained, tmp_path):
         CK.load(tmp_path)
 
 
-def test_a_checkpoint_from_before_a_fast_path_default_resumes_on_the_plain_path(trained, tmp_path):
+def test_a_checkpoint_from_before_a_switch_existed_runs_the_plain_path(trained, tmp_path):
+    """Every ModelConfig switch defaults to its plain path, so a checkpoint whose saved config
+    lacks a switch (written before it existed) computes what it trained with."""
     state = torch.load(trained / "ckpt.pt", weights_only=True)
-    assert CK.load(trained).config.model.bf16_residual  # written today: today's defaults, kept
-    for switch in CK.PREDATING:
-        del state["config"]["model"][switch]  # as a checkpoint written before the switch existed
+    for switch in ("fused_swiglu", "bf16_residual", "fused_decode", "mlp", "qk_norm", "zero_init", "logit_softcap"):
+        del state["config"]["model"][switch]
     torch.save(state, tmp_path / "ckpt.pt")
     model = CK.load(tmp_path).config.model
-    assert not model.fused_swiglu and not model.bf16_residual
+    assert (model.fused_swiglu, model.bf16_residual, model.fused_decode) == (False, False, False)
+    assert (model.mlp, model.qk_norm, model.zero_init, model.logit_softcap) == ("swiglu", False, False, 0.0)
 
 
 def test_full_disk_keeps_the_old_checkpoint_and_leaves_no_temp_file(trained, tmp_path, monkeypatch):

@@ -389,6 +389,7 @@ def test_a_bad_flag_value_is_blamed_on_the_flag_not_the_file(tmp_path):
 def test_the_cpu_run_header_reports_what_runs(finished, tmp_path):
     said = []
     cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=1))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fused_swiglu=True, bf16_residual=True))
     assert cfg.model.fused_swiglu  # asked for, but a CUDA kernel
     TR.train(cfg, tmp_path / "r", log=said.append)
     header = next(line for line in said if line.startswith("model: "))

@@ -53,7 +53,7 @@ def test_attention_kinds_agree_in_bf16():
 
 def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     torch.manual_seed(0)
-    model = M.Llama(M.ModelConfig(**CFG)).cuda().eval()
+    model = M.Llama(M.ModelConfig(**CFG, fused_decode=True)).cuda().eval()  # as sample.py runs it
     ids = torch.randint(0, 32768, (120,), generator=torch.Generator().manual_seed(2)).tolist()  # crosses 128
     torch.backends.cuda.matmul.allow_tf32 = False
     plain = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, use_cache=False)[0]
@@ -83,12 +83,14 @@ def test_fused_decode_step_matches_the_plain_path_in_bf16():
         assert rel(k_cache[:, :, pos], k_ref[:, :, pos]) < 1e-2 and torch.equal(v_cache[:, :, pos].float(), v_ref[:, :, pos])
 
 
-def test_fused_decode_matches_the_plain_step_eager_and_captured():
+@pytest.mark.parametrize("recipe", [{}, {"mlp": "relu2", "qk_norm": True}], ids=["article", "today"])
+def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe):
     """Teacher-forced: the same tokens go through the plain model, the fused model eagerly and the
-    fused model's CUDA graph; their logits agree at every position (bf16 rounding apart)."""
+    fused model's CUDA graph; their logits agree at every position (bf16 rounding apart). Today's
+    recipe norms q and k before the kernel applies RoPE."""
     torch.manual_seed(0)
-    plain = M.Llama(M.ModelConfig(**CFG, fused_decode=False)).cuda().eval().to(torch.bfloat16)
-    fused = M.Llama(M.ModelConfig(**CFG, fused_decode=True)).cuda().eval().to(torch.bfloat16)
+    plain = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=False)).cuda().eval().to(torch.bfloat16)
+    fused = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=True)).cuda().eval().to(torch.bfloat16)
     fused.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 32768, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     graph = G.decoder(fused, torch.device("cuda"), mode="default")

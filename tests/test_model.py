@@ -289,7 +289,7 @@ def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
 def test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float32():
     torch.manual_seed(0)
     plain = M.Llama(M.ModelConfig(**SMALL, bf16_residual=False))
-    low = M.Llama(M.ModelConfig(**SMALL))  # bf16_residual is the default
+    low = M.Llama(M.ModelConfig(**SMALL, bf16_residual=True))
     low.load_state_dict(plain.state_dict())
     idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(3))
     stream = []
