@@ -139,8 +139,11 @@ def test_prepare_notices_a_changed_corpus(tmp_path):
     corpus = tmp_path / "corpus"
     D.prepare(cfg, 300, log=lambda *a: None)
     (corpus / "new.txt").write_text("a new document " * 50)
+    folder = D.data_dir(cfg, 300)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
     with pytest.raises(ValueError, match=r"changed since .* was prepared .*data\.py prepare --corpus '.*\*\.txt' --vocab-size \d+ --rebuild"):
         D.prepare(cfg, 300, log=lambda *a: None)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the refusal wrote nothing
     D.prepare(cfg, 300, log=lambda *a: None, rebuild=True)
     assert json.loads((D.data_dir(cfg, 300) / "manifest.json").read_text())["documents"] == 31
 

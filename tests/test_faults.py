@@ -353,9 +353,13 @@ def test_the_same_command_or_file_plus_resume_is_accepted(finished, tmp_path):
 def test_a_differing_model_or_data_value_is_refused_naming_both_values(finished, tmp_path):
     cfg, run = finished
     args, _ = resume_args(finished, tmp_path, "--d-model", "128", "--corpus", "stdlib")
+    before = snapshot(run)
     with pytest.raises(ValueError, match=r"data\.corpus \(checkpoint '.*\*\.txt', asked 'stdlib'\); model\.d_model "
                                          r"\(checkpoint 64, asked 128\): drop those flags"):
         TR.resolve_config(args, run)
+    with pytest.raises(SystemExit):  # the same refusal through the command: the run folder is untouched
+        TR.main(["--runs-dir", str(run.parent), "--name", "run", "--resume", "--d-model", "128"])
+    assert snapshot(run) == before
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=3))
     args, _ = resume_args(finished, tmp_path, "--config", str(toml_config(other, tmp_path / "other.toml")))
     with pytest.raises(ValueError, match=r"model\.n_layers \(checkpoint 2, asked 3\)"):
@@ -395,3 +399,25 @@ def test_the_cpu_run_header_reports_what_runs(finished, tmp_path):
     header = next(line for line in said if line.startswith("model: "))
     assert "fused SwiGLU False" in header and "bf16 residual False" in header and "swiglu 256 wide" in header
     assert any(line.startswith("optimizer: AdamW (lr 0.003), cosine schedule, clipping 1.0") for line in said)
+
+
+def test_ctrl_c_while_train_prepares_its_data_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(TR.D, "prepare", lambda *a, **k: ctrl_c())
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--config", str(toml_config(finished[0], tmp_path / "c.toml")), "--runs-dir", str(tmp_path),
+                 "--name", "r"])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err and "SIGINT: stopped at once" in err
+
+
+def test_the_config_is_printed_one_short_line_per_section(finished, tmp_path, capsys):
+    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=1))
+    TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[:3]] == ["[model]", "[data]", "[train]"]
+    assert max(len(line) for line in lines[:3]) < 1000
+
+
+def test_exported_models_stay_out_of_git():
+    root = Path(__file__).resolve().parents[1]
+    assert "/exported/" in (root / ".gitignore").read_text().splitlines()
