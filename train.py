@@ -456,13 +456,11 @@ def resume_run(r: Run, ckpt: CK.Checkpoint, run_dir: Path, say) -> Progress:
     r.optimizer.load_state_dict(ckpt.optimizer)
     r.train_loader.load_state_dict(ckpt.loaders[r.rank])
     CK.set_rng_state(ckpt.rngs[r.rank])
-    progress = Progress(ckpt.step, ckpt.tokens, ckpt.skipped)
+    progress = Progress(ckpt.step, ckpt.tokens, ckpt.skipped, ckpt.train_seconds)
     log_path = run_dir / "log.jsonl"
     if r.rank == 0 and log_path.exists():
         rows = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= ckpt.step]
         log_path.write_text("".join(line + "\n" for line in rows))
-        progress.train_seconds = next((row["train_seconds"] for row in reversed(read_log(log_path))
-                                       if "train_seconds" in row), 0.0)
     say(f"resumed {ckpt.path} at step {ckpt.step} ({ckpt.tokens:,} tokens)")
     return progress
 
@@ -507,7 +505,8 @@ def save_checkpoint(r: Run, p: Progress, path: Path):
         dist.all_gather_object(rngs, CK.rng_state())
     if r.rank == 0:
         CK.save(path, model=r.raw.state_dict(), optimizer=r.optimizer.state_dict(), step=p.step, tokens=p.tokens,
-                skipped=p.skipped, loaders=loaders, rngs=rngs, config=r.cfg, tokenizer_hash=r.tokenizer_hash)
+                skipped=p.skipped, loaders=loaders, rngs=rngs, config=r.cfg, tokenizer_hash=r.tokenizer_hash,
+                train_seconds=p.train_seconds)
 
 
 def write_log(r: Run, run_dir: Path, row: dict):
@@ -686,14 +685,11 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     if fixed:
         raise ValueError(f"--resume continues {run_dir / 'ckpt.pt'}, whose model and data cannot change, but "
                          f"{'; '.join(fixed)}: drop those flags or settings, or start a new run with --name NAME")
-    changes = {k: b for k, (a, b) in differ.items()}
     for key, (then, now) in differ.items():
         note = " (the learning-rate schedule stretches to the new length)" if key in ("train__steps",
                                                                                        "train__tokens") else ""
         log(f"resume: {key.replace('__', '.')} {then!r} -> {now!r}{note}")
-    if changes:
-        ckpt = CK.load(run_dir / "ckpt.pt", **changes)
-    return ckpt.config, ckpt
+    return asked, dataclasses.replace(ckpt, config=asked)  # only [train] values differ from the saved config
 
 
 def main(argv=None):

@@ -52,7 +52,10 @@ def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop):
     with pytest.raises(TR.Interrupted, match=f"--stop-after: saved .* at step {stop} of 6; continue with --resume"):
         TR.train(train_config, split, stop_after=stop, **QUIET)
     assert CK.load(split).step == stop
+    carried = CK.load(split).train_seconds  # the time-to-loss clock goes on from where it stopped
+    assert carried > 0
     TR.train(train_config, split, resume=True, **QUIET)
+    assert json.loads((split / "summary.json").read_text())["train_seconds"] > carried
     assert losses(straight) == losses(split) and len(losses(split)) == 6
     a, b = weights(straight), weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
