@@ -259,7 +259,7 @@ def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[st
     each through CUDA_VISIBLE_DEVICES). Returns {folder: run} with each run's curve and speed."""
     todo, results = [], {}
     for r in recipes:
-        cfg, overrides = resolved(r, fixed)  # every config is checked before the first run starts
+        _, overrides = resolved(r, fixed)  # every config is checked before the first run starts
         done = runs_dir / r.folder / "summary.json"
         if not (resume and done.exists()) and r.folder not in {t[0].folder for t in todo}:
             todo.append((r, command(r, overrides, runs_dir, resume)))
