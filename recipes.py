@@ -73,7 +73,7 @@ TIME_GAIN = 0.02  # "in less time": at least 2% fewer training seconds
 SAME_LOSS = 0.005  # nats: final losses this close count as equal (one seed of a bf16 run moves by about this)
 # The python corpus' BPE trains on its first 10,000 documents (in content-hash order, so a sample of
 # every package): about 90 MB, a minute of a 16-core machine, where all 500 MB take several.
-PYTHON_TOKENIZER_DOCUMENTS = 10_000  # "in less time": at least 2% fewer training seconds
+PYTHON_TOKENIZER_DOCUMENTS = 10_000
 
 
 @dataclass
@@ -106,14 +106,21 @@ def fixed_settings(base: C.Config, tokens: int, corpus: str, micro_batch: int | 
     return fixed
 
 
-def run_settings(cfg: C.Config) -> dict:
-    """Per rung, from its batch: warm-up over 10% of the steps (the presets' 200 steps are a
-    fraction of a full run, but would be all of a short one), EVALS_PER_RUN validation passes at
-    the same token counts whatever the batch, and four checkpoints, so a cut run resumes."""
+def run_settings(cfg: C.Config, own: C.Config) -> dict:
+    """Per rung, from its batch: the warm-up, EVALS_PER_RUN validation passes at the same token
+    counts whatever the batch, and four checkpoints, so a cut run resumes.
+
+    cfg is the rung as it runs; own is the same rung at its preset's budget. The warm-up is the
+    preset's own share of the run, so a full-budget rung warms up exactly as `train.py --config`
+    does, but never under 10% of the steps (a shortened run would otherwise start at full lr
+    after a handful of steps: one article seed spiked to loss 11 that way) and never longer
+    than the preset's own warm-up."""
     steps = max(1, cfg.train.tokens // cfg.train.batch_tokens)
+    own_steps = max(1, own.train.tokens // own.train.batch_tokens) if own.train.tokens else own.train.steps
+    share = round(own.train.warmup_steps * steps / own_steps)
     every = max(1, steps // EVALS_PER_RUN)
-    return {"train__warmup_steps": max(1, steps // 10), "train__eval_every": every,
-            "train__ckpt_every": max(every, steps // 4)}
+    return {"train__warmup_steps": max(1, min(own.train.warmup_steps, max(share, steps // 10))),
+            "train__eval_every": every, "train__ckpt_every": max(every, steps // 4)}
 
 
 def ladder_plan(preset: str, seeds: int) -> list[Recipe]:
@@ -130,9 +137,15 @@ def ladder_plan(preset: str, seeds: int) -> list[Recipe]:
     return plan
 
 
-def versus_plan(preset: str, seeds: int) -> list[Recipe]:
-    return [r for i in range(seeds) for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
+def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = ()) -> list[Recipe]:
+    """The article against the default recipe, once per seed; then the default on each fraction
+    of the budget. A warm-down recipe reaches its lowest loss only at the end of its own schedule,
+    so where its full-budget curve crosses the target is not the fastest it gets there: the
+    shortest schedule whose final loss reaches the target is."""
+    plan = [r for i in range(seeds) for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
                                               Recipe("default recipe", preset, "default", seed=SEED + i))]
+    return plan + [Recipe(f"default recipe, {f:.0%} of the tokens", preset, "default",
+                          {"train__tokens": int(tokens * f)}, SEED + i) for f in fractions for i in range(seeds)]
 
 
 def helped(rows: list[dict]) -> list[str]:
@@ -242,7 +255,8 @@ def resolved(recipe: Recipe, fixed: dict) -> tuple[C.Config, dict]:
     """The rung's config through the strict loader, and all of its overrides."""
     overrides = {**fixed, **recipe.overrides, "train__seed": recipe.seed}
     cfg = C.preset(recipe.config, **overrides)
-    overrides.update(run_settings(cfg))
+    own = C.preset(recipe.config, **{k: v for k, v in recipe.overrides.items() if k != "train__tokens"})
+    overrides.update(run_settings(cfg, own))
     return C.preset(recipe.config, **overrides), overrides
 
 
@@ -305,7 +319,7 @@ def read_run(folder: Path) -> dict:
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
-          timeout: int, resume: bool, versus: bool, devices: list[str | None]) -> dict:
+          timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...] = ()) -> dict:
     """Run the ladder (or --versus) and return its rows, curves, target and kept changes."""
     for name in (preset, f"{preset}-gpt3"):
         if not (C.PRESETS_DIR / f"{name}.toml").is_file():
@@ -314,8 +328,8 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
     base = C.preset(f"{preset}-gpt3")
     tokens = tokens or base.train.tokens or base.train.steps * base.train.batch_tokens
     fixed = fixed_settings(base, tokens, corpus, micro_batch)
-    runs_dir = out / "recipes" / preset
-    plan = versus_plan(preset, seeds) if versus else ladder_plan(preset, seeds)
+    runs_dir = out / "recipes" / f"{preset}_{corpus}_{tokens}"  # --resume never mixes budgets or corpora
+    plan = versus_plan(preset, seeds, tokens, fractions) if versus else ladder_plan(preset, seeds)
     for r in plan:
         resolved(r, fixed)  # every config is checked before anything runs, the data included
     cfg = resolved(plan[0], fixed)[0]

@@ -35,9 +35,40 @@ def test_every_rung_config_passes_the_strict_loader_with_its_run_settings():
         cfg, overrides = RE.resolved(recipe, fixed)
         steps = cfg.train.tokens // cfg.train.batch_tokens
         assert cfg.data.corpus == "python" and cfg.data.max_documents == 0 and cfg.train.sample_tokens == 0
-        assert cfg.train.warmup_steps == steps // 10 and cfg.train.eval_every == max(1, steps // RE.EVALS_PER_RUN)
+        assert cfg.train.warmup_steps >= steps // 10 and cfg.train.eval_every == max(1, steps // RE.EVALS_PER_RUN)
     assert RE.to_flags({"train__lr": 0.003, "train__muon": True, "model__qk_norm": False}) == [
         "--lr", "0.003", "--muon", "--no-qk-norm"]
+
+
+def test_a_full_budget_rung_warms_up_as_its_preset_and_a_short_one_for_the_same_share():
+    article, default = RE.versus_plan("22m", 1)
+    full = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
+    assert RE.resolved(article, full)[0].train.warmup_steps == 200  # 200 of 840 steps, as configs/22m-gpt3.toml
+    assert RE.resolved(default, full)[0].train.warmup_steps == 200  # 200 of 1,680
+    short = RE.fixed_settings(C.preset("22m-gpt3"), tokens=83_886_080, corpus="python", micro_batch=64)
+    assert RE.resolved(article, short)[0].train.warmup_steps == 38  # 24% of 160 steps, as at full budget
+    assert RE.resolved(default, short)[0].train.warmup_steps == 38  # 12% of 320 steps, as at full budget
+    tiny = RE.fixed_settings(C.preset("22m-gpt3"), tokens=5_242_880, corpus="python", micro_batch=64)
+    assert RE.resolved(default, tiny)[0].train.warmup_steps == 2  # 10% of 20 steps: a share of 1 would be too short
+
+
+def test_versus_runs_the_default_again_on_shorter_schedules():
+    plan = RE.versus_plan("22m", 2, tokens=440_401_920, fractions=(0.4,))
+    assert [(r.name, r.seed) for r in plan[4:]] == [("default recipe, 40% of the tokens", 1337),
+                                                    ("default recipe, 40% of the tokens", 1338)]
+    fixed = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
+    short = RE.resolved(plan[4], fixed)[0].train
+    assert short.tokens == 176_160_768 and short.schedule == "wsd"  # the whole warm-down, on 40% of the tokens
+    assert short.warmup_steps == 80 and short.eval_every == 33  # 200 x 672 / 1,680 steps; 20 passes
+    assert len({r.folder for r in plan}) == len(plan)
+
+
+def test_fractions_need_the_versus_study_and_a_share_of_the_budget():
+    import bench as B
+    with pytest.raises(SystemExit):
+        B.main(["--recipes", "--fractions", "0.4"])
+    with pytest.raises(SystemExit):
+        B.main(["--recipes", "--versus", "--fractions", "1.5"])
 
 
 def test_misspelled_recipe_setting_fails_before_anything_runs(tmp_path):
