@@ -8,7 +8,7 @@
     python bench.py --ladder --preset 22m    # any preset in configs/
     python bench.py --ladder --resume        # go on from where an interrupted ladder stopped
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
-    python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile
+    python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile --loader
     python bench.py --generate               # decode speed: onegpu vs transformers' generate
     python bench.py --loss-curves            # 200 steps without, with each fast path, with the defaults
     python bench.py --budget --tok-s 88m=676284   # hours to train each preset at measured rates
@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import checkpoint as CK
 import config as C
+import data as D
 import generate as G
 import kernels as K
 import measure as ME
@@ -340,7 +339,7 @@ def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cud
 
 
 def optimizer_study(preset: str, cuda: bool) -> list[dict]:
-    """Device time of clip + AdamW update for each implementation (median of 20)."""
+    """Device time of clip + update for each AdamW implementation (median of 20)."""
     device = torch.device("cuda" if cuda else "cpu")
     model = M.Llama(C.preset(preset).model).to(device)
     for p in model.parameters():
@@ -351,25 +350,19 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
             rows.append({"rung": impl, "skipped": "fused AdamW is measured on CUDA only"})
             continue
         opt = O.configure_optimizer(model, C.TrainConfig(steps=1, optimizer=impl))
-        times = []
-        for i in range(25):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= 5:
-                times.append(time.perf_counter() - t0)
-        rows.append({"rung": impl, "update_ms": round(statistics.median(times) * 1000, 3)})
+        rows.append({"rung": impl, "update_ms": round(ME.update_ms(model, opt, device), 3)})
     return rows
 
 
-KERNEL_CLASSES = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-                  ("loss", ("nll", "log_softmax", "cross_entropy", "_loss_chunk", "logsumexp")),
-                  ("optimizer", ("adam", "multi_tensor", "foreach", "norm", "clamp", "clip")),
-                  ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "::mm", "bmm", "addmm", "cublas", "mm_"))]
+def loader_study(preset: str, micro_batch: int) -> list[dict]:
+    """CPU microseconds per micro-batch of the shard loader, without and with document ids, on a
+    shard of random tokens (the loader's cost does not depend on what the tokens say)."""
+    mcfg = C.preset(preset).model
+    with tempfile.TemporaryDirectory() as tmp:
+        files = D.random_shards(Path(tmp), mcfg.vocab_size, 4 * micro_batch * mcfg.context + 1)
+        return [{"rung": f"micro-batch {micro_batch} x {mcfg.context}" + (", document ids" if doc_ids else ""),
+                 "cpu_us": round(ME.loader_us(D.ShardLoader(files, micro_batch, mcfg.context, doc_ids=doc_ids)), 1)}
+                for doc_ids in (False, True)]
 
 
 def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None) -> list[dict]:
@@ -389,8 +382,7 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
         names = ME.kernel_times(step, r.device)
     classes, top = {}, {}
     for name, ms in sorted(names.items(), key=lambda kv: -kv[1]):
-        lower = name.lower()
-        label = next((c for c, signs in KERNEL_CLASSES if any(s in lower for s in signs)), "elementwise/other")
+        label = ME.kernel_class(name)
         classes[label] = classes.get(label, 0.0) + ms
         top.setdefault(label, []).append(f"{ms:.2f} ms {name[:100]}")
     total = sum(classes.values())
@@ -411,16 +403,14 @@ DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", False),
                    ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs", False),
                    ("CUDA graph, Inductor default, fused decode", "default", True),
                    ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", True)]
-GENERATE_REPEATS = 3  # timed generations per variant, after one untimed: the median is reported
 
 
 def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
                    vs_transformers: bool = True) -> list[dict]:
     """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
-    weights (written by export.py), same prompt, same number of new tokens. Random weights:
-    speed does not depend on what the model learned. Each variant generates once untimed (a
-    decode step is so light that the GPU's clock is still rising during the first run: single
-    runs moved by up to 17% on an H200), then the median of GENERATE_REPEATS runs is reported."""
+    weights (written by export.py), same prompt, same number of new tokens, each timed by
+    measure.py (one untimed generation, then the median of three). Random weights: speed does
+    not depend on what the model learned."""
     device = torch.device("cuda" if cuda else "cpu")
     cfg = C.preset(preset).model
     torch.manual_seed(0)
@@ -437,95 +427,16 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     for batch in batches:
         for label, mode, fused_decode in variants:
             net = fused if fused_decode else model
-            decode = G.decoder(net, device, mode is not None, mode or "default")
-            t0 = time.perf_counter()
-            if decode is not G.decode_one:
-                decode.capture_all(batch)  # compile and capture
-            G.generate_batch(net, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)  # untimed
-            warm = time.perf_counter() - t0
-            runs = []
-            for _ in range(GENERATE_REPEATS):
-                tokens, timer = G.generate_batch(net, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
-                start, first, end = timer.marks
-                runs.append((batch * (new_tokens - 1) / (end - first), first - start))
-            runs.sort()
-            rate, first = runs[len(runs) // 2]
-            name = f"onegpu {label} batch {batch}"
-            rows.append({"rung": name, "batch": batch, "first_token_ms": round(first * 1000, 2),
-                         "prefill_tok_s": batch * prompt_len / first, "decode_tok_s": rate,
-                         "spread": round((runs[-1][0] - runs[0][0]) / rate, 3), "warmup_s": round(warm, 1)})
-            if decode is not G.decode_one:
-                rows[-1]["step_us"] = round(batch * 1e6 / rate, 1)
-                rows[-1]["replay_us"] = round(replay_us(decode, batch), 1)
+            row, tokens = ME.decode_speed(net, prompt, batch, new_tokens, G.decoder(net, device, mode is not None,
+                                                                                    mode or "default"))
+            rows.append({"rung": f"onegpu {label} batch {batch}", **row})
             ours.setdefault(batch, tokens)  # the plain (eager) path's tokens: every other decoder is compared with them
             if label != "eager":
                 same = sum(a == b for a, b in zip(tokens[0], ours[batch][0]))
                 rows[-1]["same_greedy_tokens"] = f"{same}/{new_tokens}"
-            print(f"{name}: {rate:,.0f} tok/s", flush=True)
+            print(f"{rows[-1]['rung']}: {row['decode_tok_s']:,.0f} tok/s", flush=True)
     if vs_transformers:
-        rows += transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours)
-    return rows
-
-
-def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
-    """GPU time of one decode step: the batch's graph replayed n times back to back, timed with
-    CUDA events. Beside the step time of a real generation (step_us) it shows how much of each
-    token is the GPU's work and how much the host's loop around it."""
-    graph = next(g for (b, _), (g, *_) in decode.graphs.items() if b == batch)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / n
-
-
-def transformers_generate(model, cfg, prompt, new_tokens, batches, device, dtype, ours) -> list[dict]:
-    try:
-        import transformers
-    except ImportError:
-        return [{"rung": "transformers", "skipped": "transformers is not installed (pip install -e '.[dev]')"}]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        CK.write_hf_model(model.state_dict(), cfg, Path(tmp), eot_id=0)  # written as float32, as export.py does
-        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{key: dtype}).to(device).eval()
-    caches = ["dynamic"] + (["static"] if device.type == "cuda" else [])
-    for batch in batches:
-        for cache in caches:
-            idx = torch.tensor([prompt] * batch, device=device)
-            kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(idx))
-            if cache == "static":
-                kwargs["cache_implementation"] = "static"  # transformers compiles decoding with a static cache
-
-            def gen(n):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = hf.generate(idx, max_new_tokens=n, min_new_tokens=n, **kwargs)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                return out, time.perf_counter() - t0
-            try:
-                t0 = time.perf_counter()
-                gen(new_tokens)  # warm-up: compilation for the static cache
-                warm = time.perf_counter() - t0
-                _, first = gen(1)
-                timed = sorted((gen(new_tokens) for _ in range(GENERATE_REPEATS)), key=lambda run: run[1])
-                out, total = timed[len(timed) // 2]  # the median run, as for onegpu
-            except Exception as e:  # an option this transformers version lacks
-                rows.append({"rung": f"transformers {cache} cache batch {batch}", "skipped": ME.failure_reason(e)})
-                continue
-            theirs = out[:, len(prompt):].tolist()
-            same = sum(a == b for a, b in zip(theirs[0], ours[batch][0]))
-            rows.append({"rung": f"transformers {cache} cache batch {batch}", "batch": batch,
-                         "first_token_ms": round(first * 1000, 2),
-                         "decode_tok_s": batch * (new_tokens - 1) / (total - first), "warmup_s": round(warm, 1),
-                         "same_greedy_tokens": f"{same}/{new_tokens}",
-                         "transformers": transformers.__version__})
-            print(f"{rows[-1]['rung']}: {rows[-1]['decode_tok_s']:,.0f} tok/s", flush=True)
+        rows += ME.transformers_speed(model, prompt, new_tokens, batches, ours)
     return rows
 
 
@@ -615,7 +526,7 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 def simple_table(rows: list[dict]) -> str:
     keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib",
-                        "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "ms", "share", "tflops",
+                        "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "cpu_us", "ms", "share", "tflops",
                         "fixed_gib", "gib_per_seq", "largest_fitting", "first_token_ms", "prefill_tok_s",
                         "decode_tok_s", "same_greedy_tokens", "skipped")
             if any(k in r for r in rows)]
@@ -855,6 +766,7 @@ STUDY_TABLE = {
                                                                           s.cuda, s.args.timeout, s.journal),
                                  "tok_s", "tokens / s"),
     "optimizer": (lambda s: optimizer_study(s.preset, s.cuda), "update_ms", "ms per update"),
+    "loader": (lambda s: loader_study(s.preset, s.mb), "cpu_us", "CPU microseconds per micro-batch"),
     "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in MODEL_SWITCHES
                                                                  if getattr(s.args, m)}),
                 "ms", "ms per 2 micro-batches"),

@@ -429,8 +429,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Tokenize a corpus into uint16 shards; inspect the tokenizer.")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"prepare": "train (or reuse) the tokenizer and write train/val shards",
-                "stats": "bytes per token of the prepared tokenizer on held-out documents",
-                "bench-loader": "CPU cost of one micro-batch from prepared shards"}
+                "stats": "bytes per token of the prepared tokenizer on held-out documents"}
     for name, help_ in commands.items():
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", default=str(C.PRESETS_DIR / "tiny.toml"),
@@ -439,11 +438,9 @@ def main(argv=None):
                                                                     "model.vocab_size)")
         if name == "prepare":
             p.add_argument("--rebuild", action="store_true", help="retrain the tokenizer and rewrite the shards")
-        elif name == "stats":
+        else:
             p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json to measure (default: the "
                                                                         "prepared one for --config and --corpus)")
-        else:
-            p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch (default 16)")
         C.add_config_flags(p, ("data",))
     args = parser.parse_args(argv)
     try:
@@ -454,13 +451,11 @@ def main(argv=None):
         folder = data_dir(cfg.data, cfg.model.vocab_size)
         if args.command == "prepare":
             prepare(cfg.data, cfg.model.vocab_size, rebuild=args.rebuild)
-        elif args.command == "stats":
+        else:
             path = args.tokenizer or folder / "tokenizer.json"
             tok, docs = tk.load_tokenizer(path), tk.held_out(cfg.data.corpus, cfg.data.text_field, cfg.data.val_fraction)
             print(json.dumps({"tokenizer": str(path), "vocab": tok.get_vocab_size(), "documents": len(docs),
                               "bytes_per_token": round(tk.bytes_per_token(tok, docs), 3)}))
-        else:
-            print(json.dumps(bench_loader(shard_files(folder, "train"), args.micro_batch, cfg.model.context)))
     except (tk.CorpusError, ShardError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     except OSError as e:
@@ -469,22 +464,6 @@ def main(argv=None):
         print("SIGINT: stopped; a finished tokenizer.json is kept, and the next prepare redoes the rest",
               file=sys.stderr)
         sys.exit(130)
-
-
-def bench_loader(files: list[Path], batch: int, seq_len: int, n: int = 2000) -> dict:
-    """Median CPU microseconds per micro-batch, with and without document ids."""
-    result = {"batch": batch, "seq_len": seq_len}
-    for doc_ids in (False, True):
-        loader = ShardLoader(files, batch, seq_len, doc_ids=doc_ids)
-        for _ in range(10):
-            loader.next_batch()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            loader.next_batch()
-            times.append(time.perf_counter() - t0)
-        result["us_doc_ids" if doc_ids else "us"] = round(float(np.median(times)) * 1e6, 1)
-    return result
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""Measuring one rung: a configuration set up by train.py's own setup(), timed over full
-optimizer steps of train.py's own train_step(), with the GPU's clock and the kernels that ran.
+"""Measuring: every number bench.py reports is timed here. Mostly one rung: a configuration set
+up by train.py's own setup(), timed over full optimizer steps of train.py's own train_step(),
+with the GPU's clock and the kernels that ran; also an optimizer update, a matmul, a decode step
+and a generation (onegpu's and transformers').
 
 bench.py decides which rungs a study compares; this module measures one. Each rung runs in a
 fresh process (so one rung's compilation, allocator state or crash cannot touch the next):
@@ -29,7 +31,9 @@ from pathlib import Path
 
 import torch
 
+import checkpoint as CK
 import config as C
+import generate as G
 import model as M
 import train as TR
 
@@ -72,6 +76,41 @@ class Result:
 
     def row(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+# --- Timing: the clocks every measurement below reads ----------------------------------------
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device):
+    """fn()'s result and the wall seconds it took, the device synchronised before and after: the
+    time a user waits, the host's work included."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def gpu_seconds(fn, n: int = 1) -> float:
+    """Seconds of GPU work for fn() run n times back to back, from CUDA events: the kernels
+    alone, without the host's wait around them."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float]:
+    """The median, and the spread: (max - min) over the median."""
+    mid = statistics.median(values)
+    return mid, (max(values) - min(values)) / mid
 
 
 class ClockSampler(threading.Thread):
@@ -139,9 +178,22 @@ def kernel_times(fn, device) -> dict[str, float]:
     return totals
 
 
-# cuDNN's kernel names contain "flash" too (cudnn_generated_..._flash_fprop): test for cudnn first.
+# What a kernel's name says it does: one table for the profile's classes and for naming the attention
+# kernel that ran. (backend, sign): cuDNN's names contain "flash" too (cudnn_generated_..._flash_fprop),
+# so cudnn is tested first; the math backend shows only as softmax kernels, which the profile counts
+# as elementwise.
 ATTENTION_SIGNS = [("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "fmha"), ("efficient", "efficient_attention"),
                    ("flex", "flex_attention"), ("math", "softmax")]
+FUSED_ATTENTION = tuple(sign for backend, sign in ATTENTION_SIGNS if backend != "math")
+KERNEL_CLASSES = [("attention", FUSED_ATTENTION + ("attention", "sdpa")),
+                  ("loss", ("nll", "log_softmax", "cross_entropy", "_loss_chunk", "logsumexp")),
+                  ("optimizer", ("adam", "multi_tensor", "foreach", "norm", "clamp", "clip")),
+                  ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "::mm", "bmm", "addmm", "cublas", "mm_"))]
+
+
+def kernel_class(name: str) -> str:
+    lower = name.lower()
+    return next((c for c, signs in KERNEL_CLASSES if any(s in lower for s in signs)), "elementwise/other")
 
 
 def attention_kernels(run: TR.Run) -> str:
@@ -166,34 +218,20 @@ def time_run(run: TR.Run, rung: Rung) -> Result:
     device, tcfg = run.device, run.cfg.train
     cuda = device.type == "cuda"
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     def step(accum):
         loss, _ = TR.train_step(run.model, run.optimizer, run.train_loader.next_batch, accum, tcfg, device, 1e-4)
         return loss.item()  # one read-back per step, as a logger would
 
-    sync()
-    t0 = time.perf_counter()
-    step(min(4, run.accum))  # compilation happens here
-    sync()
-    warmup_s = time.perf_counter() - t0
+    _, warmup_s = timed(lambda: step(min(4, run.accum)), device)  # compilation happens here
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     sampler = ClockSampler(device.index or 0) if cuda else None
     if sampler:
         sampler.start()
-    times, loss = [], None
-    for _ in range(rung.timed_steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = step(run.accum)
-        sync()
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    steps = [timed(lambda: step(run.accum), device) for _ in range(rung.timed_steps)]
+    step_s, spread = median_and_spread([seconds for _, seconds in steps])
     result = Result(rung=rung.name, micro_batch=tcfg.micro_batch, tok_s=tcfg.batch_tokens / step_s, step_s=step_s,
-                    spread=(max(times) - min(times)) / step_s, warmup_s=warmup_s, loss=loss, accum=run.accum,
+                    spread=spread, warmup_s=warmup_s, loss=steps[-1][0], accum=run.accum,
                     peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                     reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
                     device=torch.cuda.get_device_name() if cuda else "cpu", data=run.data_source,
@@ -236,15 +274,7 @@ def matmul_tflops(m: int, k: int, n: int, device, repeats: int = 20) -> float:
     b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return 2 * m * k * n / statistics.median(times) / 1e12
+    return 2 * m * k * n / statistics.median([gpu_seconds(lambda: a @ b) for _ in range(repeats)]) / 1e12
 
 
 def measure_roof(mcfg: M.ModelConfig, micro_batch: int) -> dict:
@@ -260,6 +290,99 @@ def measure_roof(mcfg: M.ModelConfig, micro_batch: int) -> dict:
     blended = sum(flops.values()) / sum(flops[n] / rates[n] for n in rates)
     return {"roof_tflops": roof, "model_shapes_tflops": {k: round(r, 1) for k, r in rates.items()},
             "model_matmul_tflops": blended}
+
+
+# --- What the other studies time -------------------------------------------------------------
+
+def update_ms(model: M.Llama, optimizer, device: torch.device, repeats: int = 20, warmup: int = 5) -> float:
+    """Median milliseconds of one gradient clip and optimizer update, the gradients already set."""
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return statistics.median([timed(update, device)[1] for _ in range(warmup + repeats)][warmup:]) * 1000
+
+
+def loader_us(loader, repeats: int = 2000, warmup: int = 10) -> float:
+    """Median CPU microseconds of one micro-batch from a ShardLoader (on the CPU: no copy)."""
+    cpu = torch.device("cpu")
+    return statistics.median([timed(loader.next_batch, cpu)[1] for _ in range(warmup + repeats)][warmup:]) * 1e6
+
+
+GENERATE_REPEATS = 3  # timed generations per decoder, after one untimed: the median is reported
+
+
+def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, decode) -> tuple[dict, list]:
+    """Greedy decoding of `batch` continuations of prompt with one decoder: once untimed
+    (compilation and graph capture; and a decode step is so light that the GPU's clock is still
+    rising during the first run: single runs moved by up to 17% on an H200), then the median of
+    GENERATE_REPEATS runs. The rate comes from generate's own marks (the device synchronised at
+    the first token and at the end), the ones sample.py prints. Returns the row and the tokens."""
+    def generate():
+        return G.generate_batch(net, prompt, batch, new_tokens, 0.0, 0, 1.0, None, decode=decode)
+
+    def warm_up():
+        if decode is not G.decode_one:
+            decode.capture_all(batch)
+        generate()
+    _, warm = timed(warm_up, net.embed.weight.device)
+    runs = []
+    for _ in range(GENERATE_REPEATS):
+        tokens, timer = generate()
+        start, first, end = timer.marks
+        runs.append((batch * (new_tokens - 1) / (end - first), first - start))
+    runs.sort()
+    rate, first = runs[len(runs) // 2]
+    row = {"batch": batch, "first_token_ms": round(first * 1000, 2), "prefill_tok_s": batch * len(prompt) / first,
+           "decode_tok_s": rate, "spread": round((runs[-1][0] - runs[0][0]) / rate, 3), "warmup_s": round(warm, 1)}
+    if decode is not G.decode_one:
+        row.update(step_us=round(batch * 1e6 / rate, 1), replay_us=round(replay_us(decode, batch), 1))
+    return row, tokens
+
+
+def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
+    """GPU time of one decode step: the batch's graph replayed n times back to back. Beside the
+    step time of a real generation (step_us) it shows how much of each token is the GPU's work
+    and how much the host's loop around it."""
+    graph = next(g for (b, _), (g, *_) in decode.graphs.items() if b == batch)
+    return gpu_seconds(graph.replay, n) * 1e6 / n
+
+
+def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batches, ours: dict) -> list[dict]:
+    """transformers' generate on the same weights (written as export.py writes them), the same
+    prompt and number of new tokens: its dynamic cache, and on CUDA its compiled static cache.
+    ours: {batch: onegpu's tokens}, to count the greedy tokens both agree on."""
+    try:
+        import transformers
+    except ImportError:
+        return [{"rung": "transformers", "skipped": "transformers is not installed (pip install -e '.[dev]')"}]
+    device, dtype = model.embed.weight.device, model.embed.weight.dtype
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        CK.write_hf_model(model.state_dict(), model.cfg, Path(tmp), eot_id=0)  # float32, as export.py writes
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{key: dtype}).to(device).eval()
+    for batch in batches:
+        for cache in ["dynamic"] + (["static"] if device.type == "cuda" else []):
+            name = f"transformers {cache} cache batch {batch}"
+            idx = torch.tensor([prompt] * batch, device=device)
+            kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(idx),
+                          **({"cache_implementation": "static"} if cache == "static" else {}))  # static: compiled
+
+            def gen(n):
+                return timed(lambda: hf.generate(idx, max_new_tokens=n, min_new_tokens=n, **kwargs), device)
+            try:
+                _, warm = gen(new_tokens)  # warm-up: compilation for the static cache
+                _, first = gen(1)
+                out, total = sorted((gen(new_tokens) for _ in range(GENERATE_REPEATS)), key=lambda r: r[1])[
+                    GENERATE_REPEATS // 2]  # the median run, as for onegpu
+            except Exception as e:  # an option this transformers version lacks
+                rows.append({"rung": name, "skipped": failure_reason(e)})
+                continue
+            same = sum(a == b for a, b in zip(out[0, len(prompt):].tolist(), ours[batch][0]))
+            rows.append({"rung": name, "batch": batch, "first_token_ms": round(first * 1000, 2),
+                         "decode_tok_s": batch * (new_tokens - 1) / (total - first), "warmup_s": round(warm, 1),
+                         "same_greedy_tokens": f"{same}/{new_tokens}", "transformers": transformers.__version__})
+    return rows
 
 
 def main(argv=None):

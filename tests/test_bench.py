@@ -9,7 +9,6 @@ import pytest
 import bench as B
 import config as C
 import measure as ME
-import model as M
 
 
 # --- Plans ---------------------------------------------------------------------------------
@@ -134,6 +133,29 @@ def test_one_rung_through_a_subprocess_returns_a_typed_result():
     # On CPU, SDPA runs PyTorch's CPU flash-attention op (aten::_scaled_dot_product_flash_attention_for_cpu),
     # and the rung names it from the profiler's op names, as it names cuDNN's or FlashAttention's kernels on a GPU
     assert result.attention_kernels == "flash", result.attention_kernels
+
+
+def test_one_table_names_kernels_for_the_profile_and_the_attention_check():
+    names = {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention", "flash_fwd_kernel": "attention",
+             "fmha_cutlassF_bf16_aligned_64x64": "attention", "nvjet_tst_128x256_64x4": "matmul",
+             "triton_red_fused__softmax_3": "elementwise/other", "multi_tensor_apply_kernel": "optimizer"}
+    assert {n: ME.kernel_class(n) for n in names} == names
+    backend = lambda n: next(b for b, sign in ME.ATTENTION_SIGNS if sign in n.lower())  # noqa: E731
+    assert [backend(n) for n in list(names)[:3]] == ["cudnn", "flash", "efficient"]  # cuDNN's "flash" is cuDNN's
+
+
+def test_timing_reports_the_median_and_the_spread_of_what_it_times(monkeypatch):
+    clock = iter([0.0, 2.0, 2.0, 2.5, 3.0, 4.5])  # perf_counter before and after each call
+    monkeypatch.setattr(ME.time, "perf_counter", lambda: next(clock))
+    assert ME.timed(lambda: "out", ME.torch.device("cpu")) == ("out", 2.0)
+    assert [ME.timed(lambda: None, ME.torch.device("cpu"))[1] for _ in range(2)] == [0.5, 1.5]
+    assert ME.median_and_spread([1.0, 2.0, 4.0]) == (2.0, 1.5)
+
+
+def test_the_loader_study_times_both_kinds_of_micro_batch():
+    rows = B.loader_study("tiny", 2)
+    assert [r["rung"] for r in rows] == ["micro-batch 2 x 512", "micro-batch 2 x 512, document ids"]
+    assert all(r["cpu_us"] > 0 for r in rows)
 
 
 def test_a_failing_rung_comes_back_as_skipped_with_the_reason():

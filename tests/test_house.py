@@ -63,3 +63,11 @@ def test_numbers_are_cited_by_topic_and_docs_hold_no_scripts():
              if not (p.name == "LOG.md" and m.group(0) == "BENCHMARKS.md")]  # the log says where its entries came from
     assert found == []
     assert sorted(p.name for p in (ROOT / "docs").rglob("*") if p.suffix in (".py", ".sh")) == []
+
+
+def test_what_bench_reports_is_timed_in_measure_only():
+    """One owner of the clocks bench's numbers come from (measure.py's timed, gpu_seconds and
+    median_and_spread): bench.py and recipes.py decide what to run and read results."""
+    clocks = ("perf_counter", "synchronize(", "Event(")
+    found = [f"{m}.py: {c}" for m in ("bench", "recipes") for c in clocks if c in (ROOT / f"{m}.py").read_text()]
+    assert found == []
