@@ -48,8 +48,9 @@ def test_a_full_budget_rung_warms_up_as_its_preset_and_a_short_one_for_the_same_
     short = RE.fixed_settings(C.preset("22m-gpt3"), tokens=83_886_080, corpus="python", micro_batch=64)
     assert RE.resolved(article, short)[0].train.warmup_steps == 38  # 24% of 160 steps, as at full budget
     assert RE.resolved(default, short)[0].train.warmup_steps == 38  # 12% of 320 steps, as at full budget
-    tiny = RE.fixed_settings(C.preset("22m-gpt3"), tokens=5_242_880, corpus="python", micro_batch=64)
-    assert RE.resolved(default, tiny)[0].train.warmup_steps == 2  # 10% of 20 steps: a share of 1 would be too short
+    article, _ = RE.versus_plan("88m", 1)  # 88m warms up over 200 of 3,357 steps: 6%, 24 of a 400-step run
+    short = RE.fixed_settings(C.preset("88m-gpt3"), tokens=209_715_200, corpus="python", micro_batch=32)
+    assert RE.resolved(article, short)[0].train.warmup_steps == 40  # the 10% floor
 
 
 def test_versus_runs_the_default_again_on_shorter_schedules():
