@@ -23,7 +23,8 @@ The rungs, in the order they run:
            differences are claims; the final recipe against the article, once per seed each, is.
 
 --versus skips the search: it runs the article and configs/<preset>.toml (the default
-recipe), each once per seed. That is how a result is confirmed on a larger preset.
+recipe), each once per seed. That is how a result is confirmed on a larger preset. With
+--fractions it also runs the default on shorter schedules (see versus_plan).
 """
 
 import json
