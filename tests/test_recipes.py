@@ -126,3 +126,16 @@ def test_the_recipe_ladder_runs_end_to_end_on_cpu(tmp_path):
     assert names[0] == "article (GPT-3 2020)" and chain == names[1 + len(RE.SWEEP_LR) + len(RE.SWEEP_WD):-1]
     assert names[-1].startswith("final: ") and all("val_loss" in r for r in found["rows"])
     assert (tmp_path / "recipes-tiny.png").exists() and "| rung | seeds | final val loss" in done.stdout
+
+
+@pytest.mark.slow
+def test_versus_with_a_fraction_runs_end_to_end_on_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--recipes", "--versus", "--preset", "tiny",
+                           "--tokens", "32768", "--fractions", "0.5", "--seeds", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "recipes-tiny-versus.json").read_text())["rows"]
+    assert [(r["rung"], r["tokens"]) for r in rows] == [("article (GPT-3 2020)", 32768), ("default recipe", 32768),
+                                                         ("default recipe, 50% of the tokens", 16384)]
+    assert sorted(p.name for p in (tmp_path / "recipes" / "tiny_stdlib_32768").iterdir()) == [
+        "article-gpt-3-2020-s1337", "default-recipe-50-of-the-tokens-s1337", "default-recipe-s1337"]
