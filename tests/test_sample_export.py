@@ -128,7 +128,7 @@ def test_sample_command_runs(run_dir, capsys):
 
 def test_cached_decoding_feeds_one_token_per_step(loaded):
     """What makes the cache fast: after the prompt, each forward pass reads one token, not the
-    whole sequence (README has the measured speed-up)."""
+    whole sequence (docs/PERFORMANCE.md, Generation, has the measured speed-up)."""
     ckpt, tok, _, model = loaded
     lengths = []
     hook = model.embed.register_forward_hook(lambda mod, args, out: lengths.append(args[0].shape[1]))
