@@ -345,19 +345,19 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
     model = M.Llama(C.preset(preset).model).to(device)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    rows, n = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
+    rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     for impl in ("fused", "foreach", "for-loop"):
         if impl == "fused" and not cuda:
             rows.append({"rung": f"AdamW {impl}", "skipped": "fused AdamW is measured on CUDA only"})
             continue
         opt = O.configure_optimizer(model, C.TrainConfig(steps=1, optimizer=impl))
-        rows.append({"rung": f"AdamW {impl}", "update_ms": round(ME.update_ms(model, opt, device, **n), 3)})
+        rows.append({"rung": f"AdamW {impl}", "update_ms": round(ME.update_ms(model, opt, device, **timing), 3)})
     matrices = O.param_groups(model)["matrices"]
     ours = O.Muon([{"params": [p for _, p in matrices], "splits": [O.stacked_rows(n, p, model.cfg) for n, p in matrices]}])
     theirs = torch.optim.Muon([p for _, p in matrices], lr=0.02, adjust_lr_fn="original")
     for name, opt in (("Muon: optim.Muon (parts split, equal shapes batched)", ours),
                       ("Muon: torch.optim.Muon (one matrix at a time)", theirs)):
-        rows.append({"rung": name, "update_ms": round(ME.update_ms(model, opt, device, **n), 3)})
+        rows.append({"rung": name, "update_ms": round(ME.update_ms(model, opt, device, **timing), 3)})
     return rows
 
 

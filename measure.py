@@ -113,6 +113,11 @@ def median_and_spread(values: list[float]) -> tuple[float, float]:
     return mid, (max(values) - min(values)) / mid
 
 
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    """The median of `repeats` timed calls of fn(), after `warmup` calls that are not counted."""
+    return statistics.median([timed(fn, device)[1] for _ in range(warmup + repeats)][warmup:])
+
+
 class ClockSampler(threading.Thread):
     """SM clock (MHz) and board power (W) sampled while a rung runs: through NVML (nvidia-ml-py)
     every 100 ms, or by polling nvidia-smi when that is not installed."""
@@ -299,16 +304,15 @@ def update_ms(model: M.Llama, optimizer, device: torch.device, repeats: int = 20
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return statistics.median([timed(update, device)[1] for _ in range(warmup + repeats)][warmup:]) * 1000
+    return median_seconds(update, device, repeats, warmup) * 1000
 
 
 def loader_us(loader, repeats: int = 2000, warmup: int = 10) -> float:
     """Median CPU microseconds of one micro-batch from a ShardLoader (on the CPU: no copy)."""
-    cpu = torch.device("cpu")
-    return statistics.median([timed(loader.next_batch, cpu)[1] for _ in range(warmup + repeats)][warmup:]) * 1e6
+    return median_seconds(loader.next_batch, torch.device("cpu"), repeats, warmup) * 1e6
 
 
-GENERATE_REPEATS = 3  # timed generations per decoder, after one untimed: the median is reported
+GENERATE_REPEATS = 3  # timed generations per decoder, after one untimed; odd, so the median is one of the runs
 
 
 def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, decode) -> tuple[dict, list]:
@@ -330,10 +334,10 @@ def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, d
         tokens, timer = generate()
         start, first, end = timer.marks
         runs.append((batch * (new_tokens - 1) / (end - first), first - start))
-    runs.sort()
-    rate, first = runs[len(runs) // 2]
+    rate, spread = median_and_spread([r for r, _ in runs])
+    first = next(f for r, f in runs if r == rate)  # the first-token time of the median run
     row = {"batch": batch, "first_token_ms": round(first * 1000, 2), "prefill_tok_s": batch * len(prompt) / first,
-           "decode_tok_s": rate, "spread": round((runs[-1][0] - runs[0][0]) / rate, 3), "warmup_s": round(warm, 1)}
+           "decode_tok_s": rate, "spread": round(spread, 3), "warmup_s": round(warm, 1)}
     if decode is not G.decode_one:
         row.update(step_us=round(batch * 1e6 / rate, 1), replay_us=round(replay_us(decode, batch), 1))
     return row, tokens

@@ -64,12 +64,14 @@ def test_versus_runs_the_default_again_on_shorter_schedules():
     assert len({r.folder for r in plan}) == len(plan)
 
 
-def test_fractions_need_the_versus_study_and_a_share_of_the_budget():
+def test_fractions_need_the_versus_study_and_a_share_of_the_budget(capsys):
     import bench as B
     with pytest.raises(SystemExit):
         B.main(["--recipes", "--fractions", "0.4"])
+    assert "--fractions: they shorten the default recipe of --recipes --versus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         B.main(["--recipes", "--versus", "--fractions", "1.5"])
+    assert "--fractions 1.5: each is a share of the token budget, between 0 and 1" in capsys.readouterr().err
 
 
 def test_misspelled_recipe_setting_fails_before_anything_runs(tmp_path):
