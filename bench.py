@@ -631,10 +631,10 @@ def main(argv=None):
                    "the same token budget and timed to the article recipe's final loss (recipes.py)")
     p.add_argument("--versus", action="store_true", help="with --recipes: only the article recipe against the "
                    "preset's default recipe")
-    p.add_argument("--fractions", type=float, nargs="+", default=[], metavar="F", help="with --recipes --versus: "
-                   "also train the default recipe on these fractions of the tokens (e.g. 0.4): a warm-down reaches "
-                   "its lowest loss at the end of its own schedule, so the shortest schedule that reaches the "
-                   "article's loss is the recipe's time to it")
+    p.add_argument("--fractions", type=float, nargs="+", default=None, metavar="F", help="with --recipes --versus: "
+                   "train the default recipe on these fractions of the tokens (default 1; e.g. 1 0.4): a warm-down "
+                   "reaches its lowest loss at the end of its own schedule, so the shortest schedule that reaches "
+                   "the article's loss is the recipe's time to it")
     p.add_argument("--seeds", type=int, default=2, help="--recipes: seeds for the article and the final recipe (default 2)")
     p.add_argument("--tokens", type=int, default=None, help="--recipes: training tokens per rung (default: the "
                    "preset's full budget)")
@@ -666,10 +666,10 @@ def main(argv=None):
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds}: run each compared recipe at least once (--seeds 1 or more)")
     if args.fractions and not (args.recipes and args.versus):
-        p.error("--fractions: they shorten the default recipe of --recipes --versus; add both flags")
-    if any(not 0 < f < 1 for f in args.fractions):
+        p.error("--fractions: they size the default recipe's schedules in --recipes --versus; add both flags")
+    if any(not 0 < f <= 1 for f in args.fractions or ()):
         p.error(f"--fractions {' '.join(map(str, args.fractions))}: each is a share of the token budget, "
-                "between 0 and 1 (e.g. --fractions 0.4 0.5)")
+                "more than 0 and at most 1 (e.g. --fractions 1 0.4)")
     try:
         if args.plan:
             plan_study(args, argv)
@@ -711,7 +711,8 @@ def recipes_study(args, argv):
     out = Path(args.out)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
-                     args.micro_batch_size, out, args.timeout, args.resume, args.versus, devices, tuple(args.fractions))
+                     args.micro_batch_size, out, args.timeout, args.resume, args.versus, devices,
+                     tuple(args.fractions or [1.0]))
     date = time.strftime("%Y-%m-%d")
     name = f"recipes-{preset}{'-versus' if args.versus else ''}"
     RE.plot(found["curves"], f"validation loss | {preset} | {found['corpus']} | {found['tokens'] / 1e6:,.0f}M tokens "

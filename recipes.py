@@ -24,7 +24,7 @@ The rungs, in the order they run:
 
 --versus skips the search: it runs the article and configs/<preset>.toml (the default
 recipe), each once per seed. That is how a result is confirmed on a larger preset. With
---fractions it also runs the default on shorter schedules (see versus_plan).
+--fractions it runs the default on shorter schedules instead, or as well (see versus_plan).
 """
 
 import json
@@ -138,15 +138,17 @@ def ladder_plan(preset: str, seeds: int) -> list[Recipe]:
     return plan
 
 
-def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = ()) -> list[Recipe]:
-    """The article against the default recipe, once per seed; then the default on each fraction
-    of the budget. A warm-down recipe reaches its lowest loss only at the end of its own schedule,
-    so where its full-budget curve crosses the target is not the fastest it gets there: the
-    shortest schedule whose final loss reaches the target is."""
-    plan = [r for i in range(seeds) for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
-                                              Recipe("default recipe", preset, "default", seed=SEED + i))]
-    return plan + [Recipe(f"default recipe, {f:.0%} of the tokens", preset, "default",
-                          {"train__tokens": int(tokens * f)}, SEED + i) for f in fractions for i in range(seeds)]
+def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = (1.0,)) -> list[Recipe]:
+    """Per seed, the article against the default recipe on each fraction of the budget (1: all of it).
+    A warm-down recipe reaches its lowest loss only at the end of its own schedule, so where its
+    full-budget curve crosses the target is not the fastest it gets there: the shortest schedule
+    whose final loss reaches the target is. Leaving 1 out saves the longest run of the default."""
+    def default(f, seed):
+        if f == 1:
+            return Recipe("default recipe", preset, "default", seed=seed)
+        return Recipe(f"default recipe, {f:.0%} of the tokens", preset, "default", {"train__tokens": int(tokens * f)}, seed)
+    return [r for i in range(seeds) for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
+                                              *(default(f, SEED + i) for f in fractions))]
 
 
 def helped(rows: list[dict]) -> list[str]:
@@ -320,7 +322,7 @@ def read_run(folder: Path) -> dict:
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
-          timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...] = ()) -> dict:
+          timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...] = (1.0,)) -> dict:
     """Run the ladder (or --versus) and return its rows, curves, target and kept changes."""
     for name in (preset, f"{preset}-gpt3"):
         if not (C.PRESETS_DIR / f"{name}.toml").is_file():

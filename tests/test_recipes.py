@@ -53,25 +53,28 @@ def test_a_full_budget_rung_warms_up_as_its_preset_and_a_short_one_for_the_same_
     assert RE.resolved(article, short)[0].train.warmup_steps == 40  # the 10% floor
 
 
-def test_versus_runs_the_default_again_on_shorter_schedules():
-    plan = RE.versus_plan("22m", 2, tokens=440_401_920, fractions=(0.4,))
-    assert [(r.name, r.seed) for r in plan[4:]] == [("default recipe, 40% of the tokens", 1337),
-                                                    ("default recipe, 40% of the tokens", 1338)]
+def test_versus_runs_the_default_on_each_fraction_of_the_budget_seed_by_seed():
+    plan = RE.versus_plan("22m", 2, tokens=440_401_920, fractions=(1, 0.4))
+    assert [(r.name, r.seed) for r in plan] == [
+        ("article (GPT-3 2020)", 1337), ("default recipe", 1337), ("default recipe, 40% of the tokens", 1337),
+        ("article (GPT-3 2020)", 1338), ("default recipe", 1338), ("default recipe, 40% of the tokens", 1338)]
     fixed = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
-    short = RE.resolved(plan[4], fixed)[0].train
+    short = RE.resolved(plan[2], fixed)[0].train
     assert short.tokens == 176_160_768 and short.schedule == "wsd"  # the whole warm-down, on 40% of the tokens
     assert short.warmup_steps == 80 and short.eval_every == 33  # 200 x 672 / 1,680 steps; 20 passes
     assert len({r.folder for r in plan}) == len(plan)
+    only_short = RE.versus_plan("22m", 1, tokens=440_401_920, fractions=(0.4,))  # the full-length default left out
+    assert [r.name for r in only_short] == ["article (GPT-3 2020)", "default recipe, 40% of the tokens"]
 
 
 def test_fractions_need_the_versus_study_and_a_share_of_the_budget(capsys):
     import bench as B
     with pytest.raises(SystemExit):
         B.main(["--recipes", "--fractions", "0.4"])
-    assert "--fractions: they shorten the default recipe of --recipes --versus" in capsys.readouterr().err
+    assert "--fractions: they size the default recipe's schedules in --recipes --versus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         B.main(["--recipes", "--versus", "--fractions", "1.5"])
-    assert "--fractions 1.5: each is a share of the token budget, between 0 and 1" in capsys.readouterr().err
+    assert "--fractions 1.5: each is a share of the token budget, more than 0 and at most 1" in capsys.readouterr().err
 
 
 def test_misspelled_recipe_setting_fails_before_anything_runs(tmp_path):
@@ -133,7 +136,7 @@ def test_the_recipe_ladder_runs_end_to_end_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_versus_with_a_fraction_runs_end_to_end_on_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--recipes", "--versus", "--preset", "tiny",
-                           "--tokens", "32768", "--fractions", "0.5", "--seeds", "1", "--out", str(tmp_path)],
+                           "--tokens", "32768", "--fractions", "1", "0.5", "--seeds", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads((tmp_path / "recipes-tiny-versus.json").read_text())["rows"]
