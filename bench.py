@@ -712,7 +712,7 @@ def recipes_study(args, argv):
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
                      args.micro_batch_size, out, args.timeout, args.resume, args.versus, devices,
-                     tuple(args.fractions or [1.0]))
+                     tuple(args.fractions or RE.WHOLE_BUDGET))
     date = time.strftime("%Y-%m-%d")
     name = f"recipes-{preset}{'-versus' if args.versus else ''}"
     RE.plot(found["curves"], f"validation loss | {preset} | {found['corpus']} | {found['tokens'] / 1e6:,.0f}M tokens "

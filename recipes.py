@@ -138,7 +138,10 @@ def ladder_plan(preset: str, seeds: int) -> list[Recipe]:
     return plan
 
 
-def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = (1.0,)) -> list[Recipe]:
+WHOLE_BUDGET = (1.0,)  # --fractions' default: the default recipe on all of the tokens
+
+
+def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = WHOLE_BUDGET) -> list[Recipe]:
     """Per seed, the article against the default recipe on each fraction of the budget (1: all of it).
     A warm-down recipe reaches its lowest loss only at the end of its own schedule, so where its
     full-budget curve crosses the target is not the fastest it gets there: the shortest schedule
@@ -146,9 +149,11 @@ def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float
     def default(f, seed):
         if f == 1:
             return Recipe("default recipe", preset, "default", seed=seed)
-        return Recipe(f"default recipe, {f:.0%} of the tokens", preset, "default", {"train__tokens": int(tokens * f)}, seed)
-    return [r for i in range(seeds) for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
-                                              *(default(f, SEED + i) for f in fractions))]
+        return Recipe(f"default recipe, {f:.0%} of the tokens", preset, "default",
+                      {"train__tokens": int(tokens * f)}, seed)
+    return [r for i in range(seeds)
+            for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
+                      *(default(f, SEED + i) for f in fractions))]
 
 
 def helped(rows: list[dict]) -> list[str]:
@@ -322,7 +327,7 @@ def read_run(folder: Path) -> dict:
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
-          timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...] = (1.0,)) -> dict:
+          timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...]) -> dict:
     """Run the ladder (or --versus) and return its rows, curves, target and kept changes."""
     for name in (preset, f"{preset}-gpt3"):
         if not (C.PRESETS_DIR / f"{name}.toml").is_file():
