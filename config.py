@@ -75,6 +75,7 @@ class TrainConfig:
     warmup_steps: int = 200  # linear warm-up steps
     steps: int = 0  # optimizer steps; 0 means tokens // batch_tokens
     tokens: int = 0  # training tokens, used when steps is 0
+    seconds: float = 0.0  # or a budget of training seconds: the steps are sized from the first steps' speed (wsd)
     weight_decay: float = 0.1  # AdamW's, on block matrices only (see optim.param_groups)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay
@@ -82,6 +83,12 @@ class TrainConfig:
     muon_lr: float = 0.02  # Muon's peak learning rate (modded-nanogpt, nanochat: 0.02-0.05)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0  # Muon's decoupled weight decay
+    muon_momentum_warmup: int = 0  # steps over which Muon's momentum rises from muon_momentum_start (modded-nanogpt: 300)
+    muon_momentum_start: float = 0.85  # Muon's momentum at step 0 when muon_momentum_warmup > 0 (modded-nanogpt's)
+    embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
+    head_lr: float = 0.0  # AdamW lr of an untied head; 0: lr (modded-nanogpt: 0.008)
+    scalar_lr: float = 0.0  # AdamW lr of the norm gains and mixing scalars; 0: lr (modded-nanogpt: 0.04)
+    adam_eps: float = 1e-8  # AdamW's epsilon (torch's default; modded-nanogpt: 1e-10)
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping (and the norm's cost) off
     eval_every: int = 250  # steps between validation passes (and at the end)
     eval_tokens: int = 1_048_576  # validation tokens per pass
@@ -97,6 +104,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
     recompute_mlp: bool = False  # recompute each block's norm + SwiGLU in backward: its wide activations, ~10% more compute
     doc_mask: bool = False  # attend only within each packed document
+    window_start: int = 0  # sliding window at step 0, grown linearly to model.attn_window by the end (0: no schedule)
     overfit_batch: bool = False  # train on one fixed micro-batch: the loss must go to ~0
     skip_nonfinite: bool = False  # skip (and count) steps with a NaN/inf loss instead of stopping
     peak_tflops: float = 0.0  # dense BF16 peak for MFU; 0 looks the GPU up by name
@@ -107,15 +115,21 @@ class TrainConfig:
         check_ranges(self, "train", TRAIN_RANGES)
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"train.device={self.device!r}: use auto, cpu, cuda or cuda:N")
-        if self.steps <= 0 and self.tokens <= 0:
-            raise ValueError("set train.steps or train.tokens (how long to train)")
+        if self.steps <= 0 and self.tokens <= 0 and self.seconds <= 0:
+            raise ValueError("set train.steps, train.tokens or train.seconds (how long to train)")
+        if self.seconds and self.tokens and not self.steps:
+            raise ValueError(f"train.seconds={self.seconds:g} and train.tokens={self.tokens:,} both say how long to "
+                             f"train: set one of them to 0")
+        if self.seconds and self.schedule != "wsd":
+            raise ValueError("train.seconds sizes the run after its first steps, which a cosine schedule cannot "
+                             "allow (its rate depends on the length from step 0): use schedule = \"wsd\"")
 
 
 AT_LEAST_ONE, NOT_NEGATIVE = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
 TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     **dict.fromkeys(("batch_tokens", "micro_batch", "eval_every", "eval_tokens", "ckpt_every"), AT_LEAST_ONE),
-    **dict.fromkeys(("warmup_steps", "steps", "tokens", "seed", "sample_tokens", "weight_decay", "peak_tflops"),
-                    NOT_NEGATIVE),
+    **dict.fromkeys(("warmup_steps", "steps", "tokens", "seconds", "seed", "sample_tokens", "weight_decay",
+                     "peak_tflops", "window_start"), NOT_NEGATIVE),
     "lr": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -125,6 +139,10 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "muon_lr": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "muon_weight_decay": NOT_NEGATIVE,
+    "muon_momentum_warmup": NOT_NEGATIVE,
+    "muon_momentum_start": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    **dict.fromkeys(("embed_lr", "head_lr", "scalar_lr"), (lambda v: 0 <= v <= 10, "in [0, 10] (0: train.lr)")),
+    "adam_eps": (lambda v: 0 < v <= 1e-3, "in (0, 1e-3]"),
 }
 
 
@@ -141,6 +159,12 @@ class Config:
     model: M.ModelConfig
     data: DataConfig
     train: TrainConfig
+
+    def __post_init__(self):
+        start, end = self.train.window_start, self.model.attn_window
+        if start and not 0 < start <= end:
+            raise ValueError(f"train.window_start={start} grows the window to model.attn_window={end}, so it must "
+                             f"be in (0, attn_window]: set model.attn_window, or train.window_start 0 for no schedule")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

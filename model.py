@@ -37,7 +37,9 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 # The fields that fix the weights' shapes and meaning; the rest choose kernels and may change
 # between runs of the same checkpoint.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
-                "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap")
+                "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
+                "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window")
+GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
 @dataclass
@@ -57,6 +59,15 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (as Qwen3 and modded-nanogpt)
     zero_init: bool = False  # attention and MLP output projections start at zero (each block starts as identity)
     logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (Gemma 2, modded-nanogpt); 0 turns it off
+    # modded-nanogpt's architecture (its train_gpt.py at the record-#28 commit 9d9dc969 and its records/
+    # READMEs); each is off by default and on in the presets that measured it to pay:
+    embed_norm: bool = False  # RMSNorm without gain on the token embedding (modded record #8)
+    value_embeds: int = 0  # k token tables mixed into the values of the first k and the last k layers (record #14)
+    unet_skips: bool = False  # block L-1-i adds a learned multiple of block i's output, i < L/2 (record #9)
+    x0_mix: bool = False  # each block's input is a*x + b*x0, x0 the (normed) embedding, a=1 b=0 learned (record #11)
+    rope_truncate: bool = False  # RoPE on the first quarter of frequencies only (1 to 1/1024); the rest unrotated
+    attn_gate: bool = False  # each head's output times sigmoid(a gate of the block input's first 12 channels)
+    attn_window: int = 0  # sliding-window attention: a query sees itself and the attn_window - 1 keys before it (0: all)
     attention: AttentionKind = "sdpa"  # attention kernel in training
     # Fast paths: each computes what its plain path does (within rounding) and is off here, so that a
     # config that does not name it, and a checkpoint from before it existed, runs the plain path; the
@@ -96,6 +107,16 @@ class ModelConfig:
         if self.logit_softcap and self.fused_loss:
             raise ValueError("model.logit_softcap is not implemented in the fused loss: use --no-fused-loss "
                              "or --logit-softcap 0")
+        if not 0 <= self.value_embeds <= self.n_layers // 2:
+            raise ValueError(f"model.value_embeds={self.value_embeds} is out of range: the first and the last "
+                             f"value_embeds layers each take one table, so it must be in [0, n_layers/2 = "
+                             f"{self.n_layers // 2}]")
+        if self.attn_gate and self.d_model < GATE_CHANNELS:
+            raise ValueError(f"model.attn_gate reads {GATE_CHANNELS} channels, more than d_model={self.d_model}: "
+                             f"use --no-attn-gate or a wider model")
+        if self.attn_window < 0:
+            raise ValueError(f"model.attn_window must be >= 0 (0: attend over the whole context), got "
+                             f"{self.attn_window}")
         if self.mlp not in ("swiglu", "relu2"):
             raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
@@ -105,6 +126,21 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the sliding window ever hides a key the causal mask would show."""
+        return 0 < self.attn_window < self.context
+
+    def value_table(self, layer: int) -> int | None:
+        """The value-embedding table layer `layer` mixes in, or None: tables 0..k-1 serve the first k
+        layers and again the last k (modded-nanogpt's "012 ... 012" layout)."""
+        k = self.value_embeds
+        if layer < k:
+            return layer
+        if layer >= self.n_layers - k:
+            return layer - (self.n_layers - k)
+        return None
 
 
 def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
@@ -138,11 +174,19 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, length: int, theta: float):
+def rope_tables(head_dim: int, length: int, theta: float, truncate: bool = False):
     """cos and sin, each (length, head_dim), in the "rotate half" layout HuggingFace Llama uses,
-    so exported q/k weights need no permutation. Frequencies from Su et al. (2021)."""
+    so exported q/k weights need no permutation. Frequencies from Su et al. (2021).
+
+    truncate: modded-nanogpt's half-truncated RoPE. The first head_dim/4 frequencies run from 1 down to
+    1/1024 radians per token (a base tuned there in place of theta), the other head_dim/4 are zero:
+    those dimensions are not rotated at all and can match keys by content at any distance."""
     # Computed on the CPU in float64 whatever the default device: exact, and cheap on "meta".
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    if truncate:
+        rotated = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
+        inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - head_dim // 4, dtype=torch.float64)])
+    else:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float64, device="cpu"), inv_freq)  # (length, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -172,17 +216,18 @@ def textbook_attention(q, k, v, mask=None):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None):
+def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None, window: int = 0):
     """Causal attention in training and evaluation (Tq == Tk): the one place the kernel is chosen.
 
     q: (B, H, T, hd); k, v: (B, Hkv, T, hd) with H a multiple of Hkv (grouped-query heads are
     passed natively: no copies of K/V). doc_ids: (B, T) document index per token, to keep packed
-    documents from attending into each other. block_mask: FlexAttention's mask for doc_ids,
-    built once per micro-batch on CUDA (see doc_mask_inputs)."""
+    documents from attending into each other. window: a query sees at most this many keys, itself
+    included (0: all before it). block_mask: FlexAttention's mask for doc_ids and window, built
+    once per micro-batch on CUDA (see mask_inputs); without it they become a boolean mask."""
     if block_mask is not None:
         return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True)
-    if doc_ids is not None:
-        mask = doc_mask(doc_ids)[:, None]  # (B, 1, T, T): same document and not in the future
+    if doc_ids is not None or window:
+        mask = doc_mask(doc_ids, window, q.shape[2], q.device)[:, None]  # (B or 1, 1, T, T)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if kind == "textbook":
         return textbook_attention(q, k, v)
@@ -229,19 +274,31 @@ def decode_attention_matmuls(q, k, v, mask):
     return torch.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
-def doc_mask(doc_ids):
-    """(B, T) document ids -> (B, T, T) boolean: query i may see key j iff j <= i, same document."""
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    return (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+def doc_mask(doc_ids, window: int = 0, T: int | None = None, device=None):
+    """(B, T) document ids (or None) -> (B, T, T) boolean, (1, T, T) without ids: query i may see
+    key j iff j <= i, both in the same document, and i - j < window (when window > 0)."""
+    T = doc_ids.shape[1] if doc_ids is not None else T
+    i = torch.arange(T, device=doc_ids.device if doc_ids is not None else device)
+    allowed = i[:, None] >= i[None, :]
+    if window:
+        allowed = allowed & (i[:, None] - i[None, :] < window)
+    if doc_ids is None:
+        return allowed[None]
+    return (doc_ids[:, :, None] == doc_ids[:, None, :]) & allowed
 
 
-def doc_mask_inputs(doc_ids) -> dict:
-    """The model's keyword arguments for attention within documents: FlexAttention's block mask
-    on CUDA (built once per micro-batch, outside any compiled model), the boolean mask on CPU."""
-    if doc_ids.is_cuda:
-        return {"block_mask": flex_block_mask(doc_ids)}
-    return {"doc_ids": doc_ids}
+def mask_inputs(seq_len: int, device: torch.device, doc_ids=None, window: int = 0) -> dict:
+    """The model's keyword arguments for attention within documents (doc_ids (B, T), or None) and
+    within a sliding window of `window` keys (model.attn_window, or train.window_start's schedule):
+    FlexAttention's block mask on CUDA, built once per micro-batch outside any compiled model, so
+    blocks wholly outside the documents and the window cost nothing; the boolean mask elsewhere.
+    {} when neither applies: plain causal attention, the fastest kernel."""
+    window = window if 0 < window < seq_len else 0  # a window as long as the sequence hides nothing
+    if doc_ids is None and not window:
+        return {}
+    if device.type == "cuda":
+        return {"block_mask": flex_block_mask(doc_ids, window, seq_len, device)}
+    return {"doc_ids": doc_ids, "attn_window": window}
 
 
 _flex = None
@@ -256,15 +313,25 @@ def flex_attention_compiled():
     return _flex
 
 
-def flex_block_mask(doc_ids):
-    """FlexAttention block mask for causal attention within documents. doc_ids: (B, T) on CUDA."""
+def flex_block_mask(doc_ids, window: int, T: int, device):
+    """FlexAttention block mask for causal attention within documents (doc_ids: (B, T) on CUDA, or
+    None) and within `window` keys (0: no window)."""
     from torch.nn.attention.flex_attention import create_block_mask
-    B, T = doc_ids.shape
+    # The window is a tensor, not a Python int, so that the compiled kernel reads it instead of
+    # specialising on it: the window schedule then changes it without a recompile.
+    reach = torch.tensor(window or T, device=device)
+
+    def causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < reach)
 
     def same_doc_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        return causal(b, h, q_idx, kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
-    return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+    # _compile: the mask is evaluated block by block in one compiled kernel, where the eager path
+    # materialises all B x T x T booleans (268M for 4 sequences of 8,192 tokens) every micro-batch.
+    if doc_ids is None:
+        return create_block_mask(causal, None, None, T, T, device=device, _compile=True)
+    return create_block_mask(same_doc_causal, doc_ids.shape[0], None, T, T, device=device, _compile=True)
 
 
 # --- FP8 matmuls --------------------------------------------------------------------------
@@ -359,7 +426,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.kind = cfg.attention
-        self.fused_decode = cfg.fused_decode
+        self.fused_decode = cfg.fused_decode and not cfg.windowed  # the decode kernel reads the whole cache
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
@@ -369,16 +436,31 @@ class Attention(nn.Module):
         # q_norm and k_norm). It bounds the attention logits, which is what lets Muon's larger steps stay stable.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # Value embeddings: v = a * v + b * ve, with (a, b) learned from (0.5, 0.5) as in modded-nanogpt.
+        self.v_mix = nn.Parameter(torch.empty(2)) if cfg.value_table(layer) is not None else None
+        # The gate: (B, T, 12) -> (B, T, H), zero-initialised, so every head starts at half its output
+        # and can learn to switch itself off per token ("sparse attention gate", modded-nanogpt).
+        self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
 
-    def split_heads(self, qkv):
-        """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd), q and k normed with qk_norm."""
+    def split_heads(self, qkv, ve=None):
+        """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd): q and k normed with qk_norm,
+        the value embedding ve (B, T, Hkv * hd) mixed into v."""
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if ve is not None:
+            v = self.v_mix[0] * v + self.v_mix[1] * ve.view_as(v)
         return q, k, v
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None):
+    def gated(self, y, x):
+        """y: (B, T, H, hd) head outputs; x: (B, T, d) the attention's input."""
+        if self.gate is None:
+            return y
+        return y * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS]))[..., None]
+
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, *, ve=None,
+                attn_window: int = 0):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         if (pos is not None and self.fused_decode and self.cache.fusable and not torch.is_grad_enabled()
@@ -386,11 +468,11 @@ class Attention(nn.Module):
             # One new token: RoPE, the cache write and attention over positions 0..pos in one
             # Triton kernel (kernels.decode_step), tested against the plain path below. It has no
             # backward pass: with gradients on, the plain path runs.
-            if self.q_norm is not None:  # the kernel applies RoPE to what it is given: norm q and k first
-                qkv = torch.cat(self.split_heads(qkv), dim=2)
+            if self.q_norm is not None or ve is not None:  # the kernel takes q, k, v as they go into RoPE
+                qkv = torch.cat(self.split_heads(qkv, ve), dim=2)
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos)  # (B, 1, H, hd)
-            return self.wo(y.reshape(B, T, -1))
-        q, k, v = self.split_heads(qkv)  # (B, T, heads, hd)
+            return self.wo(self.gated(y, x).reshape(B, T, -1))
+        q, k, v = self.split_heads(qkv, ve)  # (B, T, heads, hd)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
@@ -398,8 +480,8 @@ class Attention(nn.Module):
             window = cache_mask.shape[1]
             y = cached_attention(q, k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype), cache_mask)
         else:
-            y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+            y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask, window=attn_window)
+        return self.wo(self.gated(y.transpose(1, 2), x).reshape(B, T, -1))
 
 
 class SwiGLU(nn.Module):
@@ -444,9 +526,15 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = ReLU2(cfg) if cfg.mlp == "relu2" else SwiGLU(cfg)
+        self.x0_mix = nn.Parameter(torch.empty(2)) if cfg.x0_mix else None  # (a, b), from (1, 0)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, recompute_mlp=False):
-        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos)
+    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, recompute_mlp=False,
+                *, x0=None, ve=None, attn_window: int = 0):
+        """x0: the embedding the stream started from (x0_mix); ve: this layer's value embedding (or None)."""
+        if self.x0_mix is not None:
+            x = self.x0_mix[0] * x + self.x0_mix[1] * x0
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos, ve=ve,
+                          attn_window=attn_window)
         if recompute_mlp:  # keep only x for the backward pass: the norm, w13 (2 x ffn_hidden wide) and
             # SwiGLU outputs are recomputed there, one extra w13 matmul (Llama.recompute_mlp)
             return x + torch.utils.checkpoint.checkpoint(self.mlp_branch, x, use_reentrant=False)
@@ -548,10 +636,16 @@ class Llama(nn.Module):
         # An empty weight skips nn.Embedding's own init (reset_parameters below sets it), which on
         # the meta device would import torch.compile's machinery and cost a second.
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, kv_dim, _weight=torch.empty(cfg.vocab_size, kv_dim))
+                                          for _ in range(cfg.value_embeds))
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        # U-net: the last L/2 blocks each add a learned multiple (from 1) of a first-half block's output,
+        # the last block's from the first block's, and so on inwards.
+        self.skip_weights = nn.Parameter(torch.empty(cfg.n_layers // 2)) if cfg.unet_skips else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, cfg.rope_truncate)
         # Buffers, not parameters; not saved in checkpoints (they follow from the config). Kept in
         # float64 and cast to the activations' dtype when used, so a float64 model is exact.
         device = self.embed.weight.device
@@ -566,12 +660,26 @@ class Llama(nn.Module):
         two projections that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * layers),
         so the stream's variance does not grow with depth. Norm gains start at one. With zero_init
         those two start at zero instead (modded-nanogpt): each block starts as the identity, and the
-        first steps' gradients choose the projections' directions."""
+        first steps' gradients choose the projections' directions; an untied head starts at zero too
+        (modded-nanogpt), so the first logits are uniform.
+
+        The modded-nanogpt parts start where that code starts them: the mixing scalars as the plain
+        model (x0_mix (1, 0), skip weights 1) or halfway (v_mix (0.5, 0.5)), the gate at zero, and the
+        value embeddings, and the embedding behind embed_norm when untied, at nn.Embedding's N(0, 1):
+        a norm follows them, so only their scale against the Adam step matters."""
+        scalars = {"x0_mix": (1.0, 0.0), "v_mix": (0.5, 0.5)}
+        unit_embedding = self.cfg.embed_norm and not self.cfg.tie_embeddings
         for name, p in self.named_parameters():
             if p.is_meta:  # shapes only (counting a 7B model): there are no values to set
                 continue
             output_projection = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
-            if p.dim() == 2 and output_projection and self.cfg.zero_init:
+            last = name.rsplit(".", 1)[-1]
+            if last in scalars:
+                with torch.no_grad():
+                    p.copy_(torch.tensor(scalars[last]))
+            elif name.startswith("value_embeds.") or (name == "embed.weight" and unit_embedding):
+                nn.init.normal_(p, mean=0.0, std=1.0)
+            elif (output_projection or name == "head.weight") and self.cfg.zero_init or name.endswith("attn.gate.weight"):
                 nn.init.zeros_(p)
             elif p.dim() == 2:
                 std = 0.02
@@ -594,9 +702,11 @@ class Llama(nn.Module):
                 block.attn.cache = KVCache(batch, self.cfg.n_kv_heads, self.cfg.context, self.cfg.head_dim,
                                            device, dtype)
 
-    def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None, window: int | None = None):
+    def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None, window: int | None = None,
+                attn_window: int = 0):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
-        cross-entropy. doc_ids (B, T) restrict attention to each packed document.
+        cross-entropy. doc_ids (B, T) restrict attention to each packed document and attn_window to
+        a sliding window, or block_mask does both on CUDA (mask_inputs builds these).
         pos: (T,) positions of idx's tokens when generating with the cache (setup_cache): their
         keys and values are stored there and attention reads the cache up to them. window: how
         many cache positions attention reads, through a mask (default: all of them). Eager
@@ -608,6 +718,8 @@ class Llama(nn.Module):
                 f"sequence of {T} tokens is longer than model.context={self.cfg.context}: "
                 f"cut the input to the last {self.cfg.context} tokens or train with a longer context")
         x = self.embed(idx)
+        if self.cfg.embed_norm:
+            x = rms_norm(x, self.cfg.norm_eps)
         cache_mask = None
         if pos is None:
             cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
@@ -615,7 +727,10 @@ class Llama(nn.Module):
             cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)
             # (T, window): a query at position p sees cached keys at positions <= p; positions past
             # the current length hold zeros or stale keys and are masked out.
-            cache_mask = torch.arange(window or self.cfg.context, device=idx.device)[None, :] <= pos[:, None]
+            keys = torch.arange(window or self.cfg.context, device=idx.device)[None, :]
+            cache_mask = keys <= pos[:, None]
+            if self.cfg.windowed:  # and no further back than the sliding window
+                cache_mask = cache_mask & (pos[:, None] - keys < self.cfg.attn_window)
         if self.cfg.bf16_residual and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
             # The stream every norm reads and every residual add writes, in bf16 instead of float32:
             # half the bytes in those memory-bound kernels (docs/PERFORMANCE.md, training speed). The
@@ -624,12 +739,21 @@ class Llama(nn.Module):
             # stream vector per token next to whole weight matrices, so they keep float32's
             # precision for free. (The RoPE tables above keep x's float32.)
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        for block in self.blocks:
+        x0, ve, skips = x, [table(idx) for table in self.value_embeds], []
+        n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
+        for i, block in enumerate(self.blocks):
+            if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output
+                x = x + self.skip_weights[i - (len(self.blocks) - n_skips)] * skips.pop()
+            table = self.cfg.value_table(i)
+            parts = dict(x0=x0, ve=ve[table] if table is not None else None, attn_window=attn_window)
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask, use_reentrant=False,
+                                                      **parts)
             else:
-                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos, self.recompute_mlp and self.training)
+                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos, self.recompute_mlp and self.training,
+                          **parts)
+            if i < n_skips:
+                skips.append(x)
         x = self.norm(x)
         if targets is not None and self.cfg.fused_loss:
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten())
@@ -641,9 +765,17 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def rms_norm(x, eps: float):
+    """x / rms(x) without a gain, in at least float32 (embed_norm: modded-nanogpt's norm(x))."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 def softcap(logits, cap: float):
     """cap * tanh(logits / cap): logits stay within (-cap, cap), smoothly (Gemma 2's final-logit
-    soft-cap). Near zero it is the identity, so it only bites on confident tokens. cap 0: off."""
+    soft-cap). Near zero it is the identity, so it only bites on confident tokens. cap 0: off.
+    modded-nanogpt's 30 * sigmoid(logits / 7.5) is 15 + 15 * tanh(logits / 15), and a softmax does not
+    see a constant added to every logit: it is this function with cap 15, to the loss and its gradient."""
     return cap * torch.tanh(logits / cap) if cap else logits
 
 
@@ -654,10 +786,13 @@ def param_count(cfg: ModelConfig) -> int:
     d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
     attn = d * (d + 2 * kv) + d * d + (2 * cfg.head_dim if cfg.qk_norm else 0)  # wqkv, wo, q/k norm gains
     mlp = (2 if cfg.mlp == "relu2" else 3) * d * cfg.ffn_hidden  # w1, (w3,) w2
-    block = attn + mlp + 2 * d  # two RMSNorm gains
+    attn += cfg.n_heads * GATE_CHANNELS if cfg.attn_gate else 0
+    block = attn + mlp + 2 * d + (2 if cfg.x0_mix else 0)  # two RMSNorm gains (and the x0 mix)
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    return embed + cfg.n_layers * block + d + head
+    value = cfg.value_embeds * (cfg.vocab_size * kv + 2 * 2)  # a table and two layers' (a, b) each
+    skips = cfg.n_layers // 2 if cfg.unet_skips else 0
+    return embed + cfg.n_layers * block + d + head + value + skips
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:

@@ -4,6 +4,13 @@
     Muon (train.muon): the block matrices, whose update is orthogonalised; AdamW keeps the
         embedding, the head and the norm gains, which are not matrices acting on the stream.
 
+AdamW's other parameters fall in three groups with a learning rate each (train.embed_lr, head_lr,
+scalar_lr; 0 means train.lr): the token and value embeddings, an untied head, and the norm gains
+and mixing scalars. modded-nanogpt trains them at 0.6, 0.008 and 0.04 (its Adam lr 0.008 with
+multipliers 75, 1 and 5): an embedding row moves only when its token occurs, and a row read through
+a norm only changes by direction, so it wants a far larger step than a matrix every token uses.
+Every group's rate follows the one schedule (lr_at) as its `lr_ratio` to train.lr.
+
 Muon ("MomentUm Orthogonalized by Newton-schulz", Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/)
 keeps SGD momentum and replaces each matrix's update by the nearest semi-orthogonal matrix, found
 with five steps of a quintic Newton-Schulz iteration. modded-nanogpt's controlled optimizer
@@ -55,6 +62,16 @@ def lr_at(step: int, cfg: C.TrainConfig, steps: int) -> float:
 
 
 # --- Muon ----------------------------------------------------------------------------------
+
+def muon_momentum_at(step: int, cfg: C.TrainConfig) -> float:
+    """Muon's momentum at `step`: from muon_momentum_start up to muon_momentum, linearly over the first
+    muon_momentum_warmup steps (modded-nanogpt: 0.85 to 0.95 over 300 steps), then constant. A lower
+    momentum early averages over fewer of the first, fast-changing gradients."""
+    if step >= cfg.muon_momentum_warmup:
+        return cfg.muon_momentum
+    frac = step / cfg.muon_momentum_warmup
+    return (1 - frac) * cfg.muon_momentum_start + frac * cfg.muon_momentum
+
 
 def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7) -> torch.Tensor:
     """The Newton-Schulz iteration on a stack of matrices g (n, rows, cols): about U V^T of each
@@ -149,6 +166,29 @@ class Optimizers:
             opt.load_state_dict(s)
 
 
+def load_state(optimizer, state: dict):
+    """Put a checkpoint's optimizer state (moments, momentum buffers, step counts) into `optimizer`,
+    keeping the hyperparameters it was built with from the config. torch's load_state_dict puts the
+    saved ones back too (momentum, betas, eps, weight decay, lr_ratio), so a resume that changed
+    them would report the change and not make it."""
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    muon_run = "optimizers" in state
+    if muon_run != isinstance(optimizer, Optimizers):
+        raise ValueError(f"the checkpoint's optimizer is {'Muon + AdamW' if muon_run else 'AdamW alone'}, this run's "
+                         f"is {'Muon + AdamW' if not muon_run else 'AdamW alone'}: resume with "
+                         f"{'--muon' if muon_run else '--no-muon'}, as the run was started")
+    try:
+        optimizer.load_state_dict(state)
+    except ValueError as e:
+        if "parameter group" not in str(e):
+            raise
+        raise ValueError("the checkpoint's optimizer groups its parameters differently from this version of "
+                         "onegpu (embedding, head and scalars each have a group of their own since per-group "
+                         "learning rates): finish the run with the version that started it") from None
+    for group, values in zip(optimizer.param_groups, configured):
+        group.update(values)
+
+
 def stacked_rows(name: str, p: torch.Tensor, cfg: M.ModelConfig) -> list[int] | None:
     """The row counts of the matrices stacked in parameter `name`: wqkv is [Wq; Wk; Wv] and a
     SwiGLU w13 is [W1; W3]. None for a matrix that is one part."""
@@ -162,25 +202,39 @@ def stacked_rows(name: str, p: torch.Tensor, cfg: M.ModelConfig) -> list[int] | 
 
 def param_groups(model: M.Llama) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """(name, parameter) pairs by role: "matrices" are the block matrices (weight decay with AdamW,
-    Muon's with muon), "other" the embedding, an untied head and the norm gains. The embedding is
-    not decayed: when tied it is also the head, and a rare token's row would shrink between the
-    few steps that update it; decay would pull norm gains toward zero, not toward one."""
-    groups = {"matrices": [], "other": []}
+    Muon's with muon); "embed" the token and value embeddings, "head" an untied head, "scalars" the
+    norm gains and mixing scalars. None of the last three is decayed: a tied embedding is also the
+    head, and a rare token's row would shrink between the few steps that update it; decay would pull
+    norm gains toward zero, not toward one."""
+    groups = {"matrices": [], "embed": [], "head": [], "scalars": []}
     for name, p in model.named_parameters():
-        groups["matrices" if p.dim() == 2 and name.startswith("blocks.") else "other"].append((name, p))
+        if p.dim() == 2 and name.startswith("blocks."):
+            role = "matrices"
+        elif name == "embed.weight" or name.startswith("value_embeds."):
+            role = "embed"
+        else:
+            role = "head" if name == "head.weight" else "scalars"
+        groups[role].append((name, p))
     return groups
+
+
+def adamw_groups(groups: dict, cfg: C.TrainConfig) -> list[dict]:
+    """The undecayed AdamW groups, one per role that has parameters, each at its own learning rate."""
+    rates = {"embed": cfg.embed_lr, "head": cfg.head_lr, "scalars": cfg.scalar_lr}
+    return [{"params": [p for _, p in groups[role]], "weight_decay": 0.0, "lr_ratio": (rate or cfg.lr) / cfg.lr,
+             "role": role} for role, rate in rates.items() if groups[role]]
 
 
 def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
     """AdamW on everything, or Muon on the block matrices and AdamW on the rest (cfg.muon)."""
     groups = param_groups(model)
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[cfg.optimizer]
-    other = {"params": [p for _, p in groups["other"]], "weight_decay": 0.0, "lr_ratio": 1.0}
+    adam = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **impl)
+    matrices = [p for _, p in groups["matrices"]]
     if not cfg.muon:
-        return torch.optim.AdamW([{"params": [p for _, p in groups["matrices"]], "weight_decay": cfg.weight_decay,
-                                   "lr_ratio": 1.0}, other], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
-    muon = Muon([{"params": [p for _, p in groups["matrices"]], "lr_ratio": cfg.muon_lr / cfg.lr,
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay, "lr_ratio": 1.0,
+                                   "role": "matrices"}, *adamw_groups(groups, cfg)], **adam)
+    muon = Muon([{"params": matrices, "lr_ratio": cfg.muon_lr / cfg.lr, "role": "matrices",
                   "splits": [stacked_rows(n, p, model.cfg) for n, p in groups["matrices"]]}],
-                lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
-    adamw = torch.optim.AdamW([other], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
-    return Optimizers(muon, adamw)
+                lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay)
+    return Optimizers(muon, torch.optim.AdamW(adamw_groups(groups, cfg), **adam))

@@ -71,8 +71,40 @@ def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world:
     return batch_tokens // per_pass
 
 
+# train.seconds: the steps stay unsized (the schedule at its stable rate) for this many steps, whose
+# times, the first two (compiling) left out, then size the run (size_steps). With a window schedule the
+# second half of them runs at the last window, so that both ends of the schedule's cost are timed.
+UNSIZED = 10**9
+PROBE_STEPS = 12
+WINDOW_BLOCK = 128  # FlexAttention's block size: a scheduled window grows by whole blocks
+PLAIN_CONTEXT = 1024  # every run's loss is also reported on plain causal windows of this many tokens
+
+
 def total_steps(cfg: C.TrainConfig) -> int:
-    return cfg.steps if cfg.steps > 0 else max(1, cfg.tokens // cfg.batch_tokens)
+    """The run's optimizer steps; UNSIZED until a train.seconds run has measured its speed."""
+    if cfg.steps > 0:
+        return cfg.steps
+    return max(1, cfg.tokens // cfg.batch_tokens) if cfg.tokens else UNSIZED
+
+
+def probing_end(r: "Run", p: "Progress", session: "Session") -> bool:
+    """Whether this step is one of the unsized run's probe steps timed at the window schedule's end."""
+    return (r.steps == UNSIZED and bool(r.cfg.train.window_start)
+            and p.step >= session.first_step + 2 + (PROBE_STEPS - 2) // 2)
+
+
+def window_at(step: int, steps: int, cfg: C.Config) -> int:
+    """The sliding window at `step`: model.attn_window, or with train.window_start a window grown
+    linearly from window_start to attn_window over the run, rounded up to whole blocks of 128 tokens
+    (FlexAttention's block), or of window_start where that is smaller. modded-nanogpt grows 128 to
+    1,792 this way: short windows cost less while the model learns local statistics, and the long
+    ones come when it can use them."""
+    start, end = cfg.train.window_start, cfg.model.attn_window
+    if not start:
+        return end
+    block = min(WINDOW_BLOCK, start)
+    width = start + min(1.0, step / steps) * (end - start)
+    return min(end, block * math.ceil(width / block))
 
 
 # --- Setting up a run ----------------------------------------------------------------------
@@ -144,6 +176,9 @@ class Run:
     tokenizer_path: Path | None
     tokenizer_hash: str
     data_source: str  # "<corpus> shards" or "random tokens"
+    # Plain causal windows of PLAIN_CONTEXT tokens from the same validation split, where the run trains on
+    # something else (a longer context or document masks): the loss every recipe can be compared by.
+    plain_val_loader: D.ShardLoader | None = None
 
 
 def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens_dir: Path | None = None) -> Run:
@@ -186,27 +221,42 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         files, source = D.shard_files(folder, "train"), f"{cfg.data.corpus} shards"
         val_loader = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
                                    **loader_args)
+        plain_val = None
+        if T > PLAIN_CONTEXT or (tcfg.doc_mask and T == PLAIN_CONTEXT):
+            plain_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
+                                      **{**loader_args, "seq_len": PLAIN_CONTEXT, "doc_ids": False})
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
     raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
     return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
-               accum, steps, tok_path, tok_hash, source)
+               accum, steps, tok_path, tok_hash, source, plain_val if random_tokens_dir is None else None)
 
 
 # --- The step ------------------------------------------------------------------------------
 
-def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device):
+def masks_for(batch, device: torch.device, window: int = 0) -> dict:
+    """The model's attention-mask arguments for a micro-batch (x, y[, doc_ids]): its documents when
+    the loader gives their ids (train.doc_mask), and a sliding window of `window` keys (0: none)."""
+    return M.mask_inputs(batch[0].shape[1], device, batch[2] if len(batch) > 2 else None, window)
+
+
+def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, window: int = 0):
     """Mean loss of one micro-batch (x, y[, doc_ids])."""
-    masks = M.doc_mask_inputs(batch[2]) if cfg.doc_mask else {}
+    masks = masks_for(batch, device, window)
     with autocast(cfg, device):
         return model(batch[0], batch[1], **masks)
 
 
-def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float):
+def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
+               momentum: float | None = None, window: int = 0):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
-    a step whose loss or gradient is NaN/inf changes nothing and returns them as they were."""
+    a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
+    lr: the scheduled AdamW rate (each group runs at its lr_ratio of it); momentum: Muon's at this
+    step (None: as configured); window: the sliding window at this step (window_at)."""
     for group in optimizer.param_groups:  # Muon's groups run at their own multiple of the AdamW rate
         group["lr"] = lr * group.get("lr_ratio", 1.0)
+        if momentum is not None and "splits" in group:  # a Muon group
+            group["momentum"] = momentum
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
     # would be overwritten by the next micro-batch: under those modes gradients accumulate into
@@ -222,7 +272,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
         # Under DDP, only the last micro-batch all-reduces the accumulated gradients.
         sync = i == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with contextlib.nullcontext() if sync else model.no_sync():
-            loss = forward_loss(model, batch, cfg, device) / accum  # mean over the whole step
+            loss = forward_loss(model, batch, cfg, device, window) / accum  # mean over the whole step
             loss.backward()
         loss_sum += loss.detach()
     if cfg.grad_clip:
@@ -239,10 +289,11 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
 
 @torch.no_grad()
 def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
-             device: torch.device) -> dict:
-    """Mean validation loss and bits per byte over the first n_batches of the val split.
-    Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets decode to,
-    so runs with different tokenizers compare."""
+             device: torch.device, window: int = 0) -> dict:
+    """Mean validation loss and bits per byte over the first n_batches of the val split, with the
+    masks the run trains with (documents, the sliding window at this step) where the loader has
+    document ids. Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets
+    decode to, so runs with different tokenizers compare."""
     model.eval()
     loader.rewind()
     nats, n_tokens, n_bytes = torch.zeros((), device=device, dtype=torch.float64), 0, torch.zeros((), device=device)
@@ -250,7 +301,7 @@ def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Te
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
-            logits = model(x, **(M.doc_mask_inputs(batch[2]) if cfg.doc_mask else {}))
+            logits = model(x, **masks_for(batch, device, window))
         nats += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
         n_tokens += y.numel()
         n_bytes += token_bytes[y].sum()
@@ -385,6 +436,7 @@ class Session:
     first_step: int
     start: float = field(default_factory=time.perf_counter)
     rates: list = field(default_factory=list)  # tok/s of each step after the first
+    step_seconds: list = field(default_factory=list)  # and their times (train.seconds sizes the run by them)
     last_eval: dict = field(default_factory=dict)
 
 
@@ -418,6 +470,9 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
             f"--steps or --tokens to train further)")
         return json.loads((run_dir / "summary.json").read_text())
+    if ckpt is not None and ckpt.step > total_steps(cfg.train):
+        raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {total_steps(cfg.train)} steps asked for: "
+                         f"pass --steps {ckpt.step} or more (or the matching --tokens) to resume it")
     r = setup(cfg, rank, world, log=say)
     progress = resume_run(r, ckpt, run_dir, say) if ckpt is not None else start_run(r, run_dir)
     meter = announce(r, run_dir, say)
@@ -453,7 +508,7 @@ def resume_run(r: Run, ckpt: CK.Checkpoint, run_dir: Path, say) -> Progress:
         raise ValueError(f"{ckpt.path} was written by {len(ckpt.loaders)} rank(s), this run has {r.world}: "
                          f"resume with the same number of processes")
     r.raw.load_state_dict(ckpt.model, strict=True)
-    r.optimizer.load_state_dict(ckpt.optimizer)
+    O.load_state(r.optimizer, ckpt.optimizer)  # the moments from the checkpoint, the hyperparameters from the config
     r.train_loader.load_state_dict(ckpt.loaders[r.rank])
     CK.set_rng_state(ckpt.rngs[r.rank])
     progress = Progress(ckpt.step, ckpt.tokens, ckpt.skipped, ckpt.train_seconds)
@@ -480,10 +535,20 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
         f"{meter.flops_tok / 1e6:,.1f} MFLOPs/token, attention {m.attention}, fused loss {m.fused_loss}, fused SwiGLU "
         f"{m.fused_swiglu and m.mlp == 'swiglu' and device.type == 'cuda'}, bf16 residual "
         f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}")
-    say(f"optimizer: {'Muon (lr ' + format(tcfg.muon_lr, 'g') + ') + ' if tcfg.muon else ''}AdamW (lr {tcfg.lr:g}), "
+    parts = [name for name, on in (("embed-norm", m.embed_norm), (f"{m.value_embeds} value embeddings", m.value_embeds),
+                                    ("U-net skips", m.unet_skips), ("x0 mix", m.x0_mix), ("truncated RoPE", m.rope_truncate),
+                                    ("attention gate", m.attn_gate), (f"window {m.attn_window}", m.attn_window)) if on]
+    if parts:
+        say(f"model parts: {', '.join(parts)}")
+    groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)
+    momentum = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
+                f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
+    say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{momentum}), "
         f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
+    length = (f"steps sized after {PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == UNSIZED
+              else f"{r.steps} steps = {r.steps * tcfg.batch_tokens:,} tokens")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {tcfg.micro_batch} seq x {m.context} tokens x {r.accum} accumulation "
-        f"x {r.world} rank(s); {r.steps} steps = {r.steps * tcfg.batch_tokens:,} tokens")
+        f"x {r.world} rank(s); {length}")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"
         f"{'(' + tcfg.compile_mode + ')' if tcfg.compile else ''} adamw={tcfg.optimizer} pin={tcfg.pin} "
         f"activation_checkpointing={tcfg.activation_checkpointing} recompute_mlp={tcfg.recompute_mlp} "
@@ -518,23 +583,29 @@ def write_log(r: Run, run_dir: Path, row: dict):
 def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int | None, resumed: bool) -> Session:
     """Evaluate and save first (so the state on disk always matches the step counter), then stop,
     then step and log, until the last step or a stop (Ctrl-C, SIGTERM, stop_after)."""
-    tcfg, steps, ckpt_path = r.cfg.train, r.steps, run_dir / "ckpt.pt"
+    tcfg, ckpt_path = r.cfg.train, run_dir / "ckpt.pt"  # r.steps, not a copy: train.seconds sizes it on the way
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
     eval_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * r.cfg.model.context * r.world))
+    plain_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * PLAIN_CONTEXT * r.world))
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
-    bar = tqdm(total=steps, initial=p.step, desc="train", unit="step", disable=r.rank != 0, dynamic_ncols=True)
+    bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step", disable=r.rank != 0, dynamic_ncols=True)
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     stopper, session = Stopper(say), Session(first_step=p.step)
     last_saved = p.step if resumed else None
     try:
         while True:
-            last_step, fresh = p.step == steps, p.step > session.first_step  # a resumed step was evaluated and saved
+            last_step, fresh = p.step == r.steps, p.step > session.first_step  # a resumed step was evaluated and saved
             if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
-                session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device)
+                window = window_at(p.step, r.steps, r.cfg)
+                session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device, window)
+                if r.plain_val_loader is not None:
+                    plain = evaluate(r.model, r.plain_val_loader, plain_batches, token_bytes, tcfg, r.device, window)
+                    session.last_eval |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
                 say(f"step {p.step:>6} | val loss {session.last_eval['val_loss']:.4f} | "
-                    f"val bpb {session.last_eval['val_bpb']:.4f}")
+                    f"val bpb {session.last_eval['val_bpb']:.4f}"
+                    + (f" | on plain 1,024-token windows {plain['val_loss']:.4f}" if r.plain_val_loader else ""))
                 write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
                                        **session.last_eval})
             if fresh and (p.step % tcfg.ckpt_every == 0 or last_step):
@@ -546,9 +617,13 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                 if last_saved != p.step:
                     save_checkpoint(r, p, ckpt_path)
                 raise Interrupted(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {p.step} of "
-                                  f"{steps}; continue with --resume", planned=not stopper.signal)
+                                  f"{'unsized' if r.steps == UNSIZED else r.steps}; continue with --resume",
+                                  planned=not stopper.signal)
             row = timed_step(r, p, session, next_batch, meter, ckpt_path, say)
             write_log(r, run_dir, row)
+            if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
+                size_steps(r, p, session, run_dir, say)
+                bar.total = r.steps
             norm, mfu = row["grad_norm"], row["mfu"]
             say(f"step {p.step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | gnorm "
                 f"{norm if norm is not None else float('nan'):.3f} | {row['tok_s']:,.0f} tok/s | MFU "
@@ -571,8 +646,9 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
     tcfg, B, T = r.cfg.train, r.cfg.train.micro_batch, r.cfg.model.context
     t0 = time.perf_counter()
     try:
+        window = r.cfg.model.attn_window if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
-                                     O.lr_at(p.step, tcfg, r.steps))
+                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg), window)
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
@@ -599,11 +675,44 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
     tok_s = tcfg.batch_tokens / dt
     if p.step > session.first_step + 1:  # the first step includes compilation and warm-up
         session.rates.append(tok_s)
+        session.step_seconds.append(dt)
         p.train_seconds += dt * (2 if p.step == session.first_step + 2 else 1)  # this step and the first one
     return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": O.lr_at(p.step - 1, tcfg, r.steps),
-            "grad_norm": norm_value if tcfg.grad_clip else None, "tok_s": round(tok_s), "mfu": meter.mfu(tok_s, r.world),
+            "grad_norm": norm_value if tcfg.grad_clip else None, "window": window, "tok_s": round(tok_s), "mfu": meter.mfu(tok_s, r.world),
             "peak_mem_gib": round(peak_memory_gib(r.device), 3), "step_s": round(dt, 4), "skipped": p.skipped,
             "train_seconds": round(p.train_seconds, 3)}
+
+
+def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say):
+    """train.seconds: fix the run's length from the times of the steps so far, leaving out the first
+    two (compilation; a second compile when gradients first exist). Until now the schedule ran at its
+    stable rate, which a wsd schedule with the probe inside its stable share has anyway. A window
+    schedule's step costs grow with the window, linearly as attention's share does: its mean step is
+    the mean of the medians at its two ends (probing_end). The steps go into the run's config, so a
+    checkpoint resumes with the same length."""
+    times = session.step_seconds[1:]
+    if r.cfg.train.window_start:
+        half = (PROBE_STEPS - 2) // 2
+        median = (float(np.median(times[:half])) + float(np.median(times[half:]))) / 2
+    else:
+        median = float(np.median(times))
+    if dist.is_initialized():  # every rank must take the same number of steps: the slowest rank's pace
+        t = torch.tensor(median, device=r.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        median = t.item()
+    tcfg = r.cfg.train
+    steps = max(p.step + 1, p.step + int((tcfg.seconds - p.train_seconds) / median))
+    r.steps = steps
+    r.cfg = dataclasses.replace(r.cfg, train=dataclasses.replace(tcfg, steps=steps))
+    stable = round((1 - tcfg.warmdown_fraction) * steps)
+    note = "" if p.step <= stable else (f"; WARNING: the warm-down should have begun at step {stable}: "
+                                        f"give train.seconds more time")
+    say(f"train.seconds={tcfg.seconds:g}: steps take a median {median * 1e3:.1f} ms, so the run takes {steps} steps "
+        f"({steps * tcfg.batch_tokens:,} tokens){note}")
+    if r.rank == 0:
+        saved = json.loads((run_dir / "config.json").read_text())
+        saved["config"] = r.cfg.to_dict()
+        (run_dir / "config.json").write_text(json.dumps(saved, indent=2))
 
 
 def summarize(r: Run, p: Progress, session: Session, meter: Meter, run_dir: Path, say) -> dict:

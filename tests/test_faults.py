@@ -398,7 +398,8 @@ def test_the_cpu_run_header_reports_what_runs(finished, tmp_path):
     TR.train(cfg, tmp_path / "r", log=said.append)
     header = next(line for line in said if line.startswith("model: "))
     assert "fused SwiGLU False" in header and "bf16 residual False" in header and "swiglu 256 wide" in header
-    assert any(line.startswith("optimizer: AdamW (lr 0.003), cosine schedule, clipping 1.0") for line in said)
+    assert any(line.startswith("optimizer: AdamW (peak lr by group: matrices 0.003, embed 0.003, scalars 0.003), "
+                               "cosine schedule, clipping 1.0") for line in said)
 
 
 def test_ctrl_c_while_train_prepares_its_data_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys):

@@ -17,26 +17,66 @@ def names_in(opt, model) -> list[set[str]]:
     return [{by_id[id(p)] for p in g["params"]} for g in opt.param_groups]
 
 
-def test_muon_takes_the_block_matrices_and_adamw_the_rest():
+def test_muon_takes_the_block_matrices_and_adamw_the_rest_by_role():
     model = M.Llama(tiny_model_cfg(n_layers=1, mlp="relu2", qk_norm=True, tie_embeddings=False))
     opt = O.configure_optimizer(model, C.TrainConfig(steps=1, muon=True, muon_lr=0.02, lr=0.004))
-    muon, adamw = names_in(opt, model)
+    muon, embed, head, scalars = names_in(opt, model)
     assert muon == {"blocks.0.attn.wqkv.weight", "blocks.0.attn.wo.weight", "blocks.0.mlp.w1.weight",
                     "blocks.0.mlp.w2.weight"}
-    assert adamw == {"embed.weight", "head.weight", "norm.weight", "blocks.0.attn_norm.weight",
-                     "blocks.0.mlp_norm.weight", "blocks.0.attn.q_norm.weight", "blocks.0.attn.k_norm.weight"}
-    muon_group, adamw_group = opt.param_groups
-    assert muon_group["lr_ratio"] == pytest.approx(5.0) and adamw_group["lr_ratio"] == 1.0
-    assert muon_group["splits"][0] == [64, 64, 64]  # wqkv: q, k, v orthogonalised apart
+    assert embed == {"embed.weight"} and head == {"head.weight"}
+    assert scalars == {"norm.weight", "blocks.0.attn_norm.weight", "blocks.0.mlp_norm.weight",
+                       "blocks.0.attn.q_norm.weight", "blocks.0.attn.k_norm.weight"}
+    assert [g["lr_ratio"] for g in opt.param_groups] == pytest.approx([5.0, 1.0, 1.0, 1.0])
+    assert opt.param_groups[0]["splits"][0] == [64, 64, 64]  # wqkv: q, k, v orthogonalised apart
+
+
+def test_each_adamw_group_runs_at_its_own_rate_and_the_record_parts_find_theirs():
+    """embed_lr, head_lr and scalar_lr become each group's ratio to train.lr, so the schedule scales
+    them together; value embeddings train with the embedding, the mixing scalars with the gains and
+    the gate with Muon (it is a block matrix)."""
+    cfg = tiny_model_cfg(n_layers=2, tie_embeddings=False, value_embeds=1, unet_skips=True, x0_mix=True, attn_gate=True)
+    model = M.Llama(cfg)
+    opt = O.configure_optimizer(model, C.TrainConfig(steps=1, muon=True, lr=0.008, embed_lr=0.6, head_lr=0.004,
+                                                     scalar_lr=0.04))
+    muon, embed, head, scalars = names_in(opt, model)
+    assert "blocks.0.attn.gate.weight" in muon and embed == {"embed.weight", "value_embeds.0.weight"}
+    assert {"skip_weights", "blocks.1.x0_mix", "blocks.0.attn.v_mix", "blocks.1.attn.v_mix"} <= scalars
+    ratios = {g["role"]: g["lr_ratio"] for g in opt.param_groups}
+    assert ratios["embed"] == pytest.approx(75) and ratios["head"] == pytest.approx(0.5)
+    assert ratios["scalars"] == pytest.approx(5)
 
 
 def test_adamw_decays_only_the_block_matrices():
     model = M.Llama(tiny_model_cfg(n_layers=1))
     opt = O.configure_optimizer(model, C.TrainConfig(steps=1))
-    decayed, plain = names_in(opt, model)
+    decayed, embed, scalars = names_in(opt, model)
     assert decayed == {"blocks.0.attn.wqkv.weight", "blocks.0.attn.wo.weight", "blocks.0.mlp.w13.weight",
                        "blocks.0.mlp.w2.weight"}
-    assert "embed.weight" in plain and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert embed == {"embed.weight"} and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.0]
+
+
+def test_muon_momentum_warms_up_linearly_then_holds():
+    cfg = C.TrainConfig(steps=1, muon=True, muon_momentum=0.95, muon_momentum_start=0.85, muon_momentum_warmup=300)
+    assert [O.muon_momentum_at(s, cfg) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    assert O.muon_momentum_at(0, C.TrainConfig(steps=1, muon_momentum=0.9)) == 0.9  # no warm-up: as configured
+
+
+def test_a_loaded_state_keeps_the_configured_hyperparameters():
+    """The moments come from the checkpoint, every hyperparameter from the config: torch's own
+    load_state_dict would put the saved momentum, betas and ratios back."""
+    model = M.Llama(tiny_model_cfg(n_layers=1))
+    old = O.configure_optimizer(model, C.TrainConfig(steps=1, muon=True, muon_momentum=0.95, muon_lr=0.02, beta1=0.9))
+    model(torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))).backward()
+    old.step()
+    new = O.configure_optimizer(model, C.TrainConfig(steps=1, muon=True, muon_momentum=0.9, muon_lr=0.04, beta1=0.8))
+    O.load_state(new, old.state_dict())
+    muon, *adam = new.param_groups
+    assert muon["momentum"] == 0.9 and muon["lr_ratio"] == pytest.approx(0.04 / 6e-4)
+    assert all(g["betas"] == (0.8, 0.95) for g in adam)
+    first = [s["momentum_buffer"] for s in old.optimizers[0].state.values()]
+    assert all(torch.equal(a, b["momentum_buffer"]) for a, b in zip(first, new.optimizers[0].state.values()))
+    with pytest.raises(ValueError, match="optimizer is Muon \\+ AdamW, this run's is AdamW alone: resume with --muon"):
+        O.load_state(O.configure_optimizer(model, C.TrainConfig(steps=1)), old.state_dict())
 
 
 def test_the_schedules_shapes():

@@ -42,7 +42,18 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.0})
 
 
-@pytest.mark.parametrize("recipe, stop", [(({}, {}), 3), (TODAYS_RECIPE, 4)], ids=["article", "muon-mid-warm-down"])
+# modded-nanogpt's parts on documents masked apart, with Muon's momentum and the sliding window both
+# growing over the 6 steps (16, 32, 32, 32, 48, 48 tokens): a stop after step 3 resumes inside both.
+RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
+                  "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
+                  "attn_gate": True, "attn_window": 48},
+                 {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
+                  "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
+                  "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10})
+
+
+@pytest.mark.parametrize("recipe, stop", [(({}, {}), 3), (TODAYS_RECIPE, 4), (RECORD_RECIPE, 3)],
+                         ids=["article", "muon-mid-warm-down", "record-mid-window-schedule"])
 def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop):
     model, train = recipe
     train_config = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, **model),
@@ -57,6 +68,8 @@ def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop):
     TR.train(train_config, split, resume=True, **QUIET)
     assert json.loads((split / "summary.json").read_text())["train_seconds"] > carried
     assert losses(straight) == losses(split) and len(losses(split)) == 6
+    if train.get("window_start"):  # the schedule went on growing across the resume
+        assert [r["window"] for r in TR.read_log(split / "log.jsonl") if "loss" in r] == [16, 32, 32, 32, 48, 48]
     a, b = weights(straight), weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
