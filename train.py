@@ -102,6 +102,8 @@ def window_at(step: int, steps: int, cfg: C.Config) -> int:
     start, end = cfg.train.window_start, cfg.model.attn_window
     if not start:
         return end
+    if steps == UNSIZED:  # a train.seconds run before size_steps: its probe times the schedule's two ends
+        return start
     block = min(WINDOW_BLOCK, start)
     width = start + min(1.0, step / steps) * (end - start)
     return min(end, block * math.ceil(width / block))

@@ -4,6 +4,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import config as C
 import model as M
@@ -61,26 +62,34 @@ def numpy_block(x, w, n_heads, n_kv_heads, theta, eps):
         return v / np.sqrt((v ** 2).mean(-1, keepdims=True) + eps) * g
 
     def rope(v):  # v: (heads, T, hd); rotate dimension i with i + hd/2 by angle pos * theta^(-2i/hd)
-        freqs = theta ** (-np.arange(0, hd, 2) / hd)
+        freqs = w.get("freqs", theta ** (-np.arange(0, hd, 2) / hd))
         ang = np.arange(T)[:, None] * freqs[None, :]
         c, s = np.cos(ang), np.sin(ang)
         a, b = v[..., :hd // 2], v[..., hd // 2:]
         return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
 
+    if "x0_mix" in w:  # the block's input: a * x + b * x0
+        x = w["x0_mix"][0] * x + w["x0_mix"][1] * w["x0"]
     h = rmsnorm(x, w["attn_norm"])
     q = (h @ w["wq"].T).reshape(T, n_heads, hd).transpose(1, 0, 2)
     k = (h @ w["wk"].T).reshape(T, n_kv_heads, hd).transpose(1, 0, 2)
-    v = (h @ w["wv"].T).reshape(T, n_kv_heads, hd).transpose(1, 0, 2)
+    v_flat = h @ w["wv"].T
+    if "ve" in w:  # the value embedding of each token, mixed in: a * v + b * ve
+        v_flat = w["v_mix"][0] * v_flat + w["v_mix"][1] * w["ve"]
+    v = v_flat.reshape(T, n_kv_heads, hd).transpose(1, 0, 2)
     if "q_norm" in w:  # QK-norm: each head's query and key vectors RMS-normed before RoPE
         q, k = rmsnorm(q, w["q_norm"]), rmsnorm(k, w["k_norm"])
     q, k = rope(q), rope(k)
     group = n_heads // n_kv_heads
     k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
     scores = q @ k.transpose(0, 2, 1) / np.sqrt(hd)
-    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    scores = np.where(w.get("mask", np.tril(np.ones((T, T), bool))), scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    attn = (p @ v).transpose(1, 0, 2).reshape(T, d)
+    heads = (p @ v).transpose(1, 0, 2)  # (T, heads, hd)
+    if "gate" in w:  # each head times sigmoid(its gate row . the first 12 channels of h)
+        heads = heads / (1 + np.exp(-(h[:, :12] @ w["gate"].T)))[..., None]
+    attn = heads.reshape(T, d)
     x = x + attn @ w["wo"].T
     h = rmsnorm(x, w["mlp_norm"])
     if "w3" not in w:  # ReLU²: relu(h W1)^2 W2
@@ -116,6 +125,103 @@ def test_block_matches_numpy_float64(recipe):
     with torch.no_grad():
         out = block(torch.from_numpy(x)[None], model.cos[:T], model.sin[:T])[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
+
+
+def test_record_block_matches_numpy_float64():
+    """modded-nanogpt's block parts against NumPy: the x0 mix, a value embedding mixed into v, the
+    half-truncated RoPE, the attention gate, and attention within documents and a sliding window."""
+    recipe = dict(mlp="relu2", qk_norm=True, value_embeds=1, x0_mix=True, rope_truncate=True, attn_gate=True,
+                  attn_window=6, n_heads=2, n_kv_heads=1)
+    cfg = M.ModelConfig(**{**SMALL, **recipe})
+    model = small_model(**recipe)
+    block = model.blocks[0]
+    with torch.no_grad():  # every part off its init, so the test sees each one
+        for p in block.parameters():
+            if p.numel() < 64:  # the two mixes, the gate and the q/k norm gains
+                p.copy_(torch.randn_like(p))
+            elif p.dim() == 1:  # the block's norm gains
+                p.uniform_(0.5, 1.5)
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    rng = np.random.default_rng(1)
+    T = 20
+    x, x0, ve = rng.standard_normal((T, d)), rng.standard_normal((T, d)), rng.standard_normal((T, kv))
+    doc = np.repeat([0, 1, 2], [5, 11, 4])
+    i = np.arange(T)
+    mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 6) & (doc[:, None] == doc[None, :])
+    hd = cfg.head_dim
+    freqs = np.concatenate([(1 / 1024) ** np.linspace(0, 1, hd // 4), np.zeros(hd // 4)])
+    wqkv, a = block.attn.wqkv.weight.detach().numpy(), block.attn
+    w = {"wq": wqkv[:d], "wk": wqkv[d:d + kv], "wv": wqkv[d + kv:], "wo": a.wo.weight.detach().numpy(),
+         "w1": block.mlp.w1.weight.detach().numpy(), "w2": block.mlp.w2.weight.detach().numpy(),
+         "attn_norm": block.attn_norm.weight.detach().numpy(), "mlp_norm": block.mlp_norm.weight.detach().numpy(),
+         "q_norm": a.q_norm.weight.detach().numpy(), "k_norm": a.k_norm.weight.detach().numpy(),
+         "x0_mix": block.x0_mix.detach().numpy(), "x0": x0, "ve": ve, "v_mix": a.v_mix.detach().numpy(),
+         "gate": a.gate.weight.detach().numpy(), "mask": mask, "freqs": freqs}
+    ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
+    with torch.no_grad():
+        out = block(torch.from_numpy(x)[None], model.cos[:T], model.sin[:T], doc_ids=torch.from_numpy(doc)[None],
+                    x0=torch.from_numpy(x0)[None], ve=torch.from_numpy(ve)[None], attn_window=6)[0].numpy()
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
+
+
+def test_unet_skips_add_each_mirrored_output_with_its_weight():
+    """Written out for four blocks: block 2 adds block 1's output times skip_weights[0], block 3
+    block 0's times skip_weights[1] (modded-nanogpt's stack order); the stream starts from the
+    normed embedding, which is also every block's x0."""
+    model = small_model(n_layers=4, unet_skips=True, x0_mix=True, embed_norm=True, tie_embeddings=False)
+    with torch.no_grad():
+        model.skip_weights.copy_(torch.tensor([0.7, -1.3]))
+        for b in model.blocks:
+            b.x0_mix.copy_(torch.tensor([0.9, 0.4]))
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    cos, sin = model.cos[:12], model.sin[:12]
+    with torch.no_grad():
+        x0 = M.rms_norm(model.embed(idx), model.cfg.norm_eps)
+        b = [lambda x, blk=blk: blk(x, cos, sin, x0=x0) for blk in model.blocks]
+        out0 = b[0](x0)
+        out1 = b[1](out0)
+        out2 = b[2](out1 + 0.7 * out1)
+        out3 = b[3](out2 - 1.3 * out0)
+        ref = F.linear(model.norm(out3), model.head.weight)
+        assert torch.allclose(model(idx), ref, rtol=0, atol=1e-9)
+
+
+def test_embed_norm_makes_the_embeddings_scale_irrelevant():
+    model = small_model(embed_norm=True, tie_embeddings=False)
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(idx)
+        model.embed.weight.mul_(7.0)
+        assert torch.allclose(model(idx), before, atol=1e-5)  # norm_eps apart
+        model.cfg.embed_norm = False
+        assert not torch.allclose(model(idx), before, atol=1e-3)
+
+
+def test_the_record_parts_start_where_modded_nanogpt_starts_them():
+    cfg = M.ModelConfig(**{**SMALL, "n_layers": 4}, zero_init=True, tie_embeddings=False, embed_norm=True, value_embeds=2,
+                        unet_skips=True, x0_mix=True, attn_gate=True)
+    model = M.Llama(cfg)
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg)
+    assert [cfg.value_table(i) for i in range(4)] == [0, 1, 0, 1]
+    assert [M.ModelConfig(**{**SMALL, "n_layers": 6}, value_embeds=2).value_table(i) for i in range(6)] == \
+        [0, 1, None, None, 0, 1]
+    assert torch.equal(model.head.weight, torch.zeros_like(model.head.weight))  # uniform first logits
+    assert torch.equal(model.blocks[0].attn.gate.weight, torch.zeros(4, 12))  # every head at half its output
+    assert model.blocks[1].x0_mix.tolist() == [1.0, 0.0] and model.blocks[0].attn.v_mix.tolist() == [0.5, 0.5]
+    assert model.skip_weights.tolist() == [1.0, 1.0]
+    assert 0.9 < model.embed.weight.std().item() < 1.1 and 0.9 < model.value_embeds[0].weight.std().item() < 1.1
+    idx = torch.randint(0, 97, (2, 12))
+    assert model(idx, idx).item() == pytest.approx(math.log(97), abs=1e-6)
+
+
+def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
+    assert M.mask_inputs(8, torch.device("cpu"), None, 8) == {} and M.mask_inputs(8, torch.device("cpu")) == {}
+    assert M.mask_inputs(8, torch.device("cpu"), None, 3) == {"doc_ids": None, "attn_window": 3}
+    i = np.arange(8)
+    ref = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3) & (doc.numpy()[0][:, None] == doc.numpy()[0][None, :])
+    assert np.array_equal(M.doc_mask(doc, 3)[0].numpy(), ref)
+    assert np.array_equal(M.doc_mask(None, 3, 8)[0].numpy(), (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3))
 
 
 def test_soft_cap_matches_numpy_and_bounds_the_logits():
@@ -185,16 +291,26 @@ def test_native_gqa_equals_repeated_kv():
     torch.testing.assert_close(native, copied, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("windowed", [False, True])
-def test_kv_cache_decode_equals_full_forward(windowed):
+RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0, value_embeds=1,
+                    unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=6)
+
+
+@pytest.mark.parametrize("windowed, parts", [(False, {}), (True, {}), (True, RECORD_PARTS)],
+                         ids=["whole-cache", "written-so-far", "record-parts"])
+def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions
-    written so far (window)."""
-    model = small_model()
+    written so far (window); with modded-nanogpt's parts the value embeddings and the gate go
+    through the cache path too, and the sliding window of 6 keys hides what lies further back."""
+    model = small_model(**parts)
+    with torch.no_grad():  # a gate and a mix off their init, so a decode path that skips them fails
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "v_mix", "x0_mix")):
+                p.copy_(torch.randn_like(p))
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
     window = (lambda end: end) if windowed else (lambda end: None)
     with torch.no_grad():
-        full = model(idx)
+        full = model(idx, attn_window=model.cfg.attn_window)
         model.setup_cache(2)
         steps = [model(idx[:, :7], pos=torch.arange(7), window=window(7))]  # a prompt,
         steps += [model(idx[:, 7:12], pos=torch.arange(7, 12), window=window(12))]  # a chunk after cached tokens,

@@ -208,6 +208,19 @@ def test_export_refuses_a_soft_cap_in_one_line(loaded, tmp_path):
     assert not (tmp_path / "hf").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("setting, value", [("embed_norm", True), ("value_embeds", 1), ("unet_skips", True),
+                                            ("x0_mix", True), ("rope_truncate", True), ("attn_gate", True),
+                                            ("attn_window", 16)])
+def test_export_refuses_each_record_part_in_one_line_naming_it(loaded, tmp_path, setting, value):
+    ckpt, _, tok_path, _ = loaded
+    part = dataclasses.replace(ckpt, config=dataclasses.replace(
+        ckpt.config, model=dataclasses.replace(ckpt.config.model, **{setting: value})))
+    flag = "--" + setting.replace("_", "-")
+    with pytest.raises(ValueError, match=rf"^model\.{setting}={value!r}: no transformers class .*without {flag} to export"):
+        E.export(part, tok_path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_todays_recipe_decodes_the_same_with_and_without_the_cache():
     """ReLU², QK-norm (its norms run before the cache write) and an untied, soft-capped head: the KV
     cache's greedy tokens equal the full recomputation's, as for the article's model."""

@@ -319,6 +319,67 @@ def test_existing_run_is_not_overwritten(train_config, tmp_path):
         TR.train(train_config, tmp_path / "run", **QUIET)
 
 
+# --- Training for a budget of seconds ------------------------------------------------------
+
+def test_a_seconds_budget_sizes_the_run_from_its_probe_and_a_resume_keeps_the_size(train_config, tmp_path, capsys):
+    """train.seconds: the first PROBE_STEPS steps run unsized, the second half of them at the window
+    schedule's last window; then the steps are fixed, written into config.json and the checkpoint,
+    and a resume keeps them whatever its own speed."""
+    cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, attn_window=48),
+                              train=dataclasses.replace(train_config.train, steps=0, seconds=1.5, schedule="wsd",
+                                                        window_start=16, eval_every=1000, ckpt_every=1000))
+    with pytest.raises(TR.Interrupted):
+        TR.train(cfg, tmp_path / "run", stop_after=TR.PROBE_STEPS + 1, **QUIET)
+    steps = CK.load(tmp_path / "run").config.train.steps
+    assert steps > TR.PROBE_STEPS
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"] == steps
+    assert "train.seconds=1.5: steps take a median" in capsys.readouterr().out
+    windows = [r["window"] for r in TR.read_log(tmp_path / "run" / "log.jsonl") if "loss" in r]
+    assert windows[:TR.PROBE_STEPS] == [16] * 7 + [48] * 5  # both ends of the schedule timed
+    resumed, _ = TR.resolve_config(TR.build_parser().parse_args(["--runs-dir", str(tmp_path), "--name", "run",
+                                                                 "--resume"]), tmp_path / "run", **QUIET)
+    assert resumed.train.steps == steps
+    summary = TR.train(resumed, tmp_path / "run", resume=True, **QUIET)
+    assert summary["steps"] == steps
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(seconds=10.0, tokens=1000, steps=0), r"train.seconds=10 and train.tokens=1,000 both say how long"),
+    (dict(seconds=10.0, steps=0, schedule="cosine"), r"which a cosine schedule cannot allow .* use schedule = \"wsd\""),
+])
+def test_a_seconds_budget_refuses_what_it_cannot_size(changes, message):
+    with pytest.raises(ValueError, match=message):
+        C.TrainConfig(**changes)
+
+
+def test_a_window_schedule_needs_a_window_to_grow_to():
+    with pytest.raises(ValueError, match=r"train.window_start=256 grows the window to model.attn_window=0"):
+        C.load_config(C.PRESETS_DIR / "tiny.toml", train__window_start=256)
+    cfg = C.load_config(C.PRESETS_DIR / "tiny.toml", train__window_start=128, model__attn_window=1792, train__steps=100)
+    assert [TR.window_at(s, 100, cfg) for s in (0, 1, 50, 99, 100)] == [128, 256, 1024, 1792, 1792]
+
+
+def test_a_run_on_long_or_masked_sequences_also_reports_plain_windows(train_config, tmp_path, monkeypatch):
+    """Beside the loss as it trains, the loss on plain causal windows (here the tiny model's 64 tokens
+    stand for 1,024): with document masks at that length, and on a longer context; a plain run at
+    that length has only the one loss."""
+    short = with_train(train_config, steps=3, eval_every=3)
+    monkeypatch.setattr(TR, "PLAIN_CONTEXT", 64)
+    masked = TR.train(with_train(short, doc_mask=True), tmp_path / "masked", **QUIET)
+    assert math.isfinite(masked["val_loss_1024"]) and masked["val_loss_1024"] > 0
+    assert "val_loss_1024" not in TR.train(short, tmp_path / "plain", **QUIET)
+    monkeypatch.setattr(TR, "PLAIN_CONTEXT", 32)
+    longer = TR.train(short, tmp_path / "longer", **QUIET)
+    assert longer["val_loss_1024"] > longer["val_loss"]  # half the context to predict from
+
+
+def test_resume_past_the_asked_steps_is_refused(train_config, tmp_path):
+    TR.train(with_train(train_config, steps=4, eval_every=4, ckpt_every=4), tmp_path / "run", **QUIET)
+    (tmp_path / "run" / "summary.json").unlink()  # as a run stopped at its last step without a summary
+    with pytest.raises(ValueError, match=r"is at step 4, past the 2 steps asked for: pass --steps 4 or more"):
+        TR.train(with_train(train_config, steps=2), tmp_path / "run", resume=True, **QUIET)
+
+
 # --- Config files and flags ----------------------------------------------------------------
 
 def test_flags_override_file_override_defaults(tmp_path):
@@ -372,8 +433,8 @@ def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
 
 # The AdamW variant runs in the slow tier: the Muon one goes through the same DDP path (and Muon's
 # all-reduced orthogonalisation on top), and each costs about 13 s of the suite's 2 minutes.
-@pytest.mark.parametrize("recipe", [pytest.param(({}, {}), marks=pytest.mark.slow), TODAYS_RECIPE],
-                         ids=["article", "muon"])
+@pytest.mark.parametrize("recipe", [pytest.param(({}, {}), marks=pytest.mark.slow), TODAYS_RECIPE, RECORD_RECIPE],
+                         ids=["article", "muon", "record"])
 def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe):
     """torchrun with 2 CPU ranks, each half the micro-batches, matches 1 process (same global batch),
     with AdamW and with Muon (each rank orthogonalises the same all-reduced gradients)."""
@@ -383,8 +444,8 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe):
               "--eval-every", "3", "--ckpt-every", "3"]
     toml = ["[model]"] + [f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(cfg.model).items()]
     toml += ["[data]"] + [f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(cfg.data).items()]
-    toml += ["[train]", "batch_tokens = 512", "micro_batch = 2", "device = \"cpu\"", "sample_tokens = 0", "warmup_steps = 2"]
-    toml += [f"{k} = {json.dumps(v)}" for k, v in recipe[1].items()]
+    train = {"batch_tokens": 512, "micro_batch": 2, "device": "cpu", "sample_tokens": 0, "warmup_steps": 2, **recipe[1]}
+    toml += ["[train]"] + [f"{k} = {json.dumps(v)}" for k, v in train.items()]
     (tmp_path / "c.toml").write_text("\n".join(toml))  # JSON scalars are valid TOML values
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for launcher, name in (([], "one"), (["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533"], "two")):
