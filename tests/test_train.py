@@ -392,7 +392,32 @@ def test_flags_override_file_override_defaults(tmp_path):
     assert (cfg.train.steps, cfg.train.lr, cfg.train.compile, cfg.train.optimizer) == (9, 1.0, False, "fused")
 
 
-@pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m"])
+# The flags the 126m-record recipe was measured with (docs/PERFORMANCE.md, time to a good model), over configs/126m.toml.
+RECORD_FLAGS = ("--no-tie-embeddings --embed-norm --logit-softcap 15 --lr 0.008 --embed-lr 0.6 --head-lr 0.008 "
+                "--scalar-lr 0.04 --beta1 0.8 --adam-eps 1e-10 --muon-lr 0.05 --muon-momentum-warmup 300 "
+                "--warmup-steps 0 --warmdown-fraction 0.45 --min-lr-ratio 0.1 --value-embeds 3 --unet-skips --x0-mix "
+                "--rope-truncate --attn-gate --batch-tokens 393216 --context 8192 --doc-mask --attn-window 1792 "
+                "--window-start 128 --micro-batch 4")
+
+
+def test_the_record_preset_is_the_measured_recipe_and_holds_only_its_changes():
+    measured, _ = TR.resolve_config(TR.build_parser().parse_args(["--config", str(C.PRESETS_DIR / "126m.toml"),
+                                                                  *RECORD_FLAGS.split()]))
+    assert C.preset("126m-record", train__micro_batch=4) == measured
+    assert set(C.read_toml(C.PRESETS_DIR / "126m-record.toml")) == {"model", "train", "data"}  # 126m's [data]
+
+
+def test_extends_reads_the_base_first_and_refuses_a_cycle(tmp_path):
+    (tmp_path / "a.toml").write_text('extends = "b.toml"\n[train]\nlr = 0.5\n')
+    (tmp_path / "b.toml").write_text('extends = "tiny"\n[train]\nlr = 0.1\nsteps = 7\n')
+    cfg = C.load_config(tmp_path / "a.toml")
+    assert (cfg.train.lr, cfg.train.steps, cfg.model.d_model) == (0.5, 7, 128)  # a over b over tiny
+    (tmp_path / "b.toml").write_text('extends = "a.toml"\n')
+    with pytest.raises(ValueError, match="extends 'a.toml' leads back to itself"):
+        C.load_config(tmp_path / "a.toml")
+
+
+@pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m", "126m-record"])
 def test_every_preset_file_loads(name):
     cfg, _ = TR.resolve_config(TR.build_parser().parse_args(["--config", str(ROOT / "configs" / f"{name}.toml")]))
     assert cfg == C.preset(name)
