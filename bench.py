@@ -635,6 +635,8 @@ def main(argv=None):
                    "train the default recipe on these fractions of the tokens (default 1; e.g. 1 0.4): a warm-down "
                    "reaches its lowest loss at the end of its own schedule, so the shortest schedule that reaches "
                    "the article's loss is the recipe's time to it")
+    p.add_argument("--seconds", type=float, default=None, help="with --recipes: the record ladder, every rung "
+                   "trained for this many training seconds (e.g. 150), its steps sized from its own speed")
     p.add_argument("--seeds", type=int, default=2, help="--recipes: seeds for the article and the final recipe (default 2)")
     p.add_argument("--tokens", type=int, default=None, help="--recipes: training tokens per rung (default: the "
                    "preset's full budget)")
@@ -665,6 +667,9 @@ def main(argv=None):
         p.error(f"--repeats {args.repeats}: measure each rung at least once (--repeats 1 or more)")
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds}: run each compared recipe at least once (--seeds 1 or more)")
+    if args.seconds is not None and (not args.recipes or args.versus or args.tokens or args.seconds <= 0):
+        p.error(f"--seconds {args.seconds:g}: the record ladder's training seconds per rung, more than 0; give it "
+                f"with --recipes, without --versus or --tokens")
     if args.fractions and not (args.recipes and args.versus):
         p.error("--fractions: they size the default recipe's schedules in --recipes --versus; add both flags")
     if any(not 0 < f <= 1 for f in args.fractions or ()):
@@ -710,6 +715,8 @@ def recipes_study(args, argv):
     devices = [str(i) for i in range(torch.cuda.device_count())] if cuda else [None]
     out = Path(args.out)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    if args.seconds:
+        return record_study(args, argv, preset, devices, out, device_name, cuda)
     found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
                      args.micro_batch_size, out, args.timeout, args.resume, args.versus, devices,
                      tuple(args.fractions or RE.WHOLE_BUDGET))
@@ -727,6 +734,22 @@ def recipes_study(args, argv):
           f"seconds (the one-time compile, evaluation and saving left out)\n\n{RE.table(found['rows'])}"
           + (f"\n\nkept: {', '.join(found['kept']) or 'nothing'}" if not args.versus else "")
           + f"\n\n{out / name}.json, {out / name}.png")
+
+
+def record_study(args, argv, preset: str, devices: list, out: Path, device_name: str, cuda: bool):
+    """--recipes --seconds S: the record ladder, every rung for S training seconds."""
+    found = RE.seconds_study(preset, args.seconds, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
+                             args.micro_batch_size, out, args.timeout, args.resume, devices)
+    date, name = time.strftime("%Y-%m-%d"), f"record-{preset}"
+    RE.plot(found["curves"], f"validation loss as trained | {preset} | {found['corpus']} | {args.seconds:g} training s "
+            f"| {device_name} | {date}", out / f"{name}.png")
+    (out / f"{name}.json").write_text(json.dumps({"device": device_name, "date": date, "torch": torch.__version__,
+                                                   "preset": preset, "command": "python bench.py " + " ".join(
+                                                       argv or sys.argv[1:]), **found}, indent=2))
+    print(f"## record ladder | {preset} | {found['corpus']} corpus | {args.seconds:g} training seconds per rung | "
+          f"{device_name} | {date}\n\nseconds are training seconds (compile, evaluation and saving left out); each "
+          f"rung's steps were sized from its own first steps\n\n{RE.seconds_table(found['rows'])}\n\n"
+          f"{out / name}.json, {out / name}.png")
 
 
 # Short-run rates of "What a Laptop Can Train" on an 8 GB RTX 4060 Laptop GPU (tokens/s).

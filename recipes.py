@@ -25,6 +25,12 @@ The rungs, in the order they run:
 --versus skips the search: it runs the article and configs/<preset>.toml (the default
 recipe), each once per seed. That is how a result is confirmed on a larger preset. With
 --fractions it runs the default on shorter schedules instead, or as well (see versus_plan).
+
+--seconds S is the record ladder (record_plan): every rung trains for the same S training seconds,
+its steps sized from its own measured speed (train.seconds), so a change that slows the step must
+pay for it in loss. From configs/<preset>.toml one record-holder idea is added per rung (RECORD_CHAIN),
+ending at configs/<preset>-record.toml's recipe, which then runs once per seed. Rows compare final
+losses at equal seconds, as each rung trains and on plain 1,024-token windows.
 """
 
 import json
@@ -68,6 +74,34 @@ def chain(article: C.Config) -> list[tuple[str, dict]]:
     """CHAIN, then half the article's batch: twice the optimizer steps for the same tokens."""
     half = article.train.batch_tokens // 2
     return [*CHAIN, (f"{half / 1000:.0f}K batch", {"train__batch_tokens": half})]
+
+
+# The record ladder (--seconds): modded-nanogpt's ideas one at a time from today's default, each on top of
+# the rungs before it; after the last, the rung is configs/<preset>-record.toml (a test checks). The values
+# are modded's (its train_gpt.py at commit 9d9dc969). Three value tables, or fewer where the preset has
+# fewer than six layers; long sequences scale with the preset's context: 8x it, documents masked apart,
+# a window growing from 1/8 of it to 1.75x (126m: 8,192, 128 to 1,792).
+RECORD_CHAIN = (
+    ("+ untied zero head, embed-norm, soft-cap 15", {"model__tie_embeddings": False, "model__embed_norm": True,
+                                                     "model__logit_softcap": 15.0}),
+    ("+ AdamW rates per group, betas (0.8, 0.95), eps 1e-10", {"train__lr": 0.008, "train__embed_lr": 0.6,
+                                                               "train__head_lr": 0.008, "train__scalar_lr": 0.04,
+                                                               "train__beta1": 0.8, "train__adam_eps": 1e-10}),
+    ("+ Muon lr 0.05, momentum warm-up", {"train__muon_lr": 0.05, "train__muon_momentum_warmup": 300}),
+    ("+ no warm-up, 45% cool-down to 0.1x", {"train__warmup_steps": 0, "train__warmdown_fraction": 0.45,
+                                             "train__min_lr_ratio": 0.1}),
+    ("+ value embeddings", "values"),
+    ("+ U-net skips, x0 mix", {"model__unet_skips": True, "model__x0_mix": True}),
+    ("+ half-truncated RoPE", {"model__rope_truncate": True}),
+    ("+ attention gate", {"model__attn_gate": True}),
+    ("+ 393K batch", {"train__batch_tokens": 393216}),
+    ("+ long documents-masked sequences", "long"),
+    ("+ sliding window, growing", "window"),
+)
+# The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
+# an H200 (its preset's 200 steps would be most of such a run).
+SECONDS_WARMUP = 30
+SECONDS_EVAL_EVERY = 25  # steps between evaluations: about a dozen per 150-s run at 126m
 
 
 TIME_GAIN = 0.02  # "in less time": at least 2% fewer training seconds
@@ -183,12 +217,40 @@ def final_recipes(preset: str, kept: list[str], seeds: int) -> list[Recipe]:
             for i in range(seeds)]
 
 
+def record_changes(name_or_change, base: C.Config, micro_batch: int) -> dict:
+    """A RECORD_CHAIN entry's overrides; "values" fits the preset's layers, "long" and "window" scale
+    with its context, and the micro-batch shrinks with the longer sequence so a micro-batch holds as
+    many tokens."""
+    T = base.model.context
+    if name_or_change == "values":
+        return {"model__value_embeds": min(3, base.model.n_layers // 2)}
+    if name_or_change == "long":
+        return {"model__context": 8 * T, "train__doc_mask": True, "train__micro_batch": max(1, micro_batch // 8)}
+    if name_or_change == "window":
+        return {"model__attn_window": 7 * T // 4, "train__window_start": max(1, T // 8)}
+    return dict(name_or_change)
+
+
+def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
+    """The default (its warm-up at SECONDS_WARMUP), then each RECORD_CHAIN change on top of the rungs
+    before it, one seed each; then the whole chain once more per further seed."""
+    base = C.preset(preset)
+    carried = {"train__warmup_steps": SECONDS_WARMUP}
+    plan = [Recipe("default recipe", preset, "default", dict(carried))]
+    for name, change in RECORD_CHAIN:
+        carried = {**carried, **record_changes(change, base, micro_batch)}
+        plan.append(Recipe(name, preset, "chain", dict(carried)))
+    plan += [Recipe(RECORD_CHAIN[-1][0], preset, "chain", dict(carried), SEED + i) for i in range(1, seeds)]
+    return plan
+
+
 # --- Reading the runs (pure functions) --------------------------------------------------------
 
 def eval_curve(log_rows: list[dict]) -> list[dict]:
-    """A run's validation passes: tokens, training seconds, loss and bits per byte."""
-    return [{k: r[k] for k in ("step", "tokens", "train_seconds", "val_loss", "val_bpb")}
-            for r in log_rows if "val_loss" in r and "train_seconds" in r]
+    """A run's validation passes: tokens, training seconds, loss and bits per byte (and the loss on
+    plain 1,024-token windows where the run trains on something else)."""
+    keys = ("step", "tokens", "train_seconds", "val_loss", "val_bpb", "val_loss_1024")
+    return [{k: r[k] for k in keys if k in r} for r in log_rows if "val_loss" in r and "train_seconds" in r]
 
 
 def time_to(curve: list[dict], target: float) -> tuple[float, float] | None:
@@ -215,7 +277,10 @@ def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: 
            "spread": float(np.ptp([f["val_loss"] for f in finals])),
            "tokens": int(np.mean([f["tokens"] for f in finals])),
            "train_seconds": float(np.mean([f["train_seconds"] for f in finals])),
-           "tok_s": float(np.mean([r["tok_s"] for r in runs if r.get("tok_s")] or [np.nan]))}
+           "tok_s": float(np.mean([r["tok_s"] for r in runs if r.get("tok_s")] or [np.nan])),
+           "steps": int(np.mean([f["step"] for f in finals])),
+           # equal context: the plain-window loss where the rung has one, else its own (it trains on them)
+           "val_loss_1024": float(np.mean([f.get("val_loss_1024", f["val_loss"]) for f in finals]))}
     if target is not None:
         reached = [time_to(r["curve"], target) for r in runs if r.get("curve")]
         if all(reached):
@@ -245,6 +310,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seconds_table(rows: list[dict]) -> str:
+    """The record ladder as markdown: every rung had the same training seconds."""
+    lines = ["| rung | seeds | val loss as trained | on plain 1,024-token windows | spread | steps | tokens | "
+             "training s | tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['rung']} | skipped: {r['skipped']} ||||||||")
+            continue
+        spread = f"{r['spread']:.4f}" if r["seeds"] > 1 else ""
+        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {r['val_loss_1024']:.4f} | {spread} | "
+                     f"{r['steps']:,} | {r['tokens'] / 1e6:,.1f}M | {r['train_seconds']:,.1f} | {r['tok_s']:,.0f} |")
+    return "\n".join(lines)
+
+
 # --- Running ----------------------------------------------------------------------------------
 
 def to_flags(overrides: dict) -> list[str]:
@@ -259,10 +338,14 @@ def to_flags(overrides: dict) -> list[str]:
     return flags
 
 
-def resolved(recipe: Recipe, fixed: dict) -> tuple[C.Config, dict]:
-    """The rung's config through the strict loader, and all of its overrides."""
+def resolved(recipe: Recipe, fixed: dict, sized: bool = True) -> tuple[C.Config, dict]:
+    """The rung's config through the strict loader, and all of its overrides. sized: the warm-up and
+    the evaluation cadence follow from the rung's token budget (run_settings); a --seconds rung has
+    no budget in tokens, and fixed gives them."""
     overrides = {**fixed, **recipe.overrides, "train__seed": recipe.seed}
     cfg = C.preset(recipe.config, **overrides)
+    if not sized:
+        return cfg, overrides
     own = C.preset(recipe.config, **{k: v for k, v in recipe.overrides.items() if k != "train__tokens"})
     overrides.update(run_settings(cfg, own))
     return C.preset(recipe.config, **overrides), overrides
@@ -276,12 +359,12 @@ def command(recipe: Recipe, overrides: dict, runs_dir: Path, resume: bool) -> li
 
 
 def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[str | None], timeout: int,
-            resume: bool) -> dict[str, dict]:
+            resume: bool, sized: bool = True) -> dict[str, dict]:
     """Train every recipe not already finished, as many at once as there are devices (one GPU
     each through CUDA_VISIBLE_DEVICES). Returns {folder: run} with each run's curve and speed."""
     todo, results = [], {}
     for r in recipes:
-        _, overrides = resolved(r, fixed)  # every config is checked before the first run starts
+        _, overrides = resolved(r, fixed, sized)  # every config is checked before the first run starts
         done = runs_dir / r.folder / "summary.json"
         if not (resume and done.exists()) and r.folder not in {t[0].folder for t in todo}:
             todo.append((r, command(r, overrides, runs_dir, resume)))
@@ -324,6 +407,28 @@ def read_run(folder: Path) -> dict:
     for checkpoint in folder.glob("ckpt*.pt"):  # the curves are the result; the weights are not kept
         checkpoint.unlink()
     return {"curve": eval_curve(TR.read_log(folder / "log.jsonl")), "tok_s": summary.get("mean_tok_s")}
+
+
+def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_batch: int | None, out: Path,
+                  timeout: int, resume: bool, devices: list[str | None]) -> dict:
+    """Run the record ladder: every rung for `seconds` training seconds. Returns rows and curves."""
+    base = C.preset(preset)
+    micro_batch = micro_batch or base.train.micro_batch
+    fixed = {**fixed_settings(base, 0, corpus, micro_batch), "train__seconds": seconds,
+             "train__eval_every": SECONDS_EVAL_EVERY, "train__ckpt_every": 10**6}  # saved at the end and on a signal
+    plan = record_plan(preset, seeds, micro_batch)
+    runs_dir = out / "recipes" / f"{preset}_{corpus}_{seconds:g}s"
+    for r in plan:
+        C.preset(r.config, **{**fixed, **r.overrides})  # every rung is checked before anything runs
+    cfg = C.preset(preset, **fixed)
+    D.prepare(cfg.data, cfg.model.vocab_size)
+    print(f"recipes: {preset} on {corpus}, {seconds:g} training seconds per rung, {len(plan)} runs, "
+          f"{len(devices)} at a time", flush=True)
+    results = run_all(plan, fixed, runs_dir, devices, timeout, resume, sized=False)
+    names = list(dict.fromkeys(r.name for r in plan))
+    rows = [summarize(n, [results[r.folder] for r in plan if r.name == n], None, None) for n in names]
+    curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
+    return {"rows": rows, "curves": curves, "seconds": seconds, "corpus": corpus, "params": M.param_count(cfg.model)}
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,

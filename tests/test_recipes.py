@@ -144,3 +144,34 @@ def test_versus_with_a_fraction_runs_end_to_end_on_cpu(tmp_path):
                                                          ("default recipe, 50% of the tokens", 16384)]
     assert sorted(p.name for p in (tmp_path / "recipes" / "tiny_stdlib_32768").iterdir()) == [
         "article-gpt-3-2020-s1337", "default-recipe-50-of-the-tokens-s1337", "default-recipe-s1337"]
+
+
+def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():
+    """--seconds: the default, then RECORD_CHAIN cumulatively; its last rung is configs/126m-record.toml
+    (at the micro-batch that holds as many tokens: 32 x 1,024 = 4 x 8,192), so the preset is what the
+    ladder measures; further seeds repeat only the last rung."""
+    plan = RE.record_plan("126m", seeds=2, micro_batch=32)
+    assert [r.name for r in plan] == ["default recipe", *(n for n, _ in RE.RECORD_CHAIN), RE.RECORD_CHAIN[-1][0]]
+    assert [r.seed for r in plan[-2:]] == [RE.SEED, RE.SEED + 1] and plan[0].overrides == {"train__warmup_steps": 30}
+    fixed = {**RE.fixed_settings(C.preset("126m"), 0, "python", 32), "train__seconds": 150.0}
+    assert C.preset("126m", **{**fixed, **plan[-1].overrides}) == C.preset("126m-record", **{**fixed, "train__micro_batch": 4})
+    long = C.preset("tiny", **{**RE.fixed_settings(C.preset("tiny"), 0, "stdlib", 16), "train__seconds": 5.0,
+                               **RE.record_plan("tiny", 1, 16)[-1].overrides})
+    assert (long.model.context, long.model.attn_window, long.train.window_start, long.train.micro_batch) == (4096, 896, 64, 2)
+
+
+def test_the_record_table_compares_rungs_at_equal_seconds():
+    curve = [dict(CURVE[-1], step=40, val_loss_1024=2.5)]
+    rows = [RE.summarize("all", [{"curve": curve, "tok_s": 100.0}, {"curve": [dict(curve[0], val_loss=2.2)],
+                                                                   "tok_s": 100.0}], None, None),
+            RE.summarize("default", [{"curve": [dict(CURVE[-1], step=50)], "tok_s": 120.0}], None, None)]
+    table = RE.seconds_table(rows)
+    assert "| all | 2 | 2.6000 | 2.5000 | 0.8000 | 40 |" in table
+    assert "| default | 1 | 3.0000 | 3.0000 |  | 50 |" in table  # one seed: no spread; its own loss is plain
+
+
+def test_seconds_belong_to_the_record_ladder(capsys):
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--recipes", "--versus", "--seconds", "150"])
+    assert "--seconds 150: the record ladder's training seconds per rung" in capsys.readouterr().err
