@@ -71,3 +71,11 @@ def test_what_bench_reports_is_timed_in_measure_only():
     clocks = ("perf_counter", "synchronize(", "Event(")
     found = [f"{m}.py: {c}" for m in ("bench", "recipes") for c in clocks if c in (ROOT / f"{m}.py").read_text()]
     assert found == []
+
+
+def test_the_wheel_lists_every_module_on_disk():
+    """pyproject.toml's py-modules is what a wheel installs: a module left out imports in the checkout
+    (and in an editable install) and fails from the wheel."""
+    import tomllib
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    assert sorted(listed) == sorted(p.stem for p in ROOT.glob("*.py"))

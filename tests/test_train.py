@@ -373,6 +373,23 @@ def test_a_run_on_long_or_masked_sequences_also_reports_plain_windows(train_conf
     assert longer["val_loss_1024"] > longer["val_loss"]  # half the context to predict from
 
 
+def test_a_resume_applies_the_optimizer_changes_it_reports(train_config, tmp_path):
+    """Changed Muon and AdamW settings on --resume run from the resumed step on: the checkpoint the
+    resumed run writes holds them, not the ones saved before. A resume that drops Muon is refused."""
+    cfg = with_train(train_config, muon=True, ckpt_every=1)
+    with pytest.raises(TR.Interrupted):
+        TR.train(cfg, tmp_path / "run", stop_after=2, **QUIET)
+    changed = with_train(cfg, muon_momentum=0.9, muon_lr=0.04, beta2=0.99)
+    with pytest.raises(TR.Interrupted):
+        TR.train(changed, tmp_path / "run", resume=True, stop_after=3, **QUIET)
+    muon, adamw = CK.load(tmp_path / "run").optimizer["optimizers"]
+    assert muon["param_groups"][0]["momentum"] == 0.9
+    assert muon["param_groups"][0]["lr_ratio"] == pytest.approx(0.04 / cfg.train.lr)
+    assert all(g["betas"] == (0.9, 0.99) for g in adamw["param_groups"])
+    with pytest.raises(ValueError, match="optimizer is Muon \\+ AdamW, this run's is AdamW alone: resume with --muon"):
+        TR.train(with_train(cfg, muon=False), tmp_path / "run", resume=True, **QUIET)
+
+
 def test_resume_past_the_asked_steps_is_refused(train_config, tmp_path):
     TR.train(with_train(train_config, steps=4, eval_every=4, ckpt_every=4), tmp_path / "run", **QUIET)
     (tmp_path / "run" / "summary.json").unlink()  # as a run stopped at its last step without a summary
