@@ -399,6 +399,21 @@ class Linear(nn.Linear):
         return fp8_linear(x, self.weight) if self.fp8 else F.linear(x, self.weight)
 
 
+@dataclass
+class Attend:
+    """What attention needs besides its input, built once per forward by Llama.forward and passed
+    down unchanged: the rotary tables for the tokens' positions, and the one mask of the mode.
+      training and evaluation: doc_ids and window (the boolean mask), or block_mask (FlexAttention, CUDA);
+      generation: pos, the tokens' cache positions, and cache_mask, which cache positions each may read."""
+    cos: torch.Tensor  # (T, head_dim)
+    sin: torch.Tensor  # (T, head_dim)
+    doc_ids: torch.Tensor | None = None  # (B, T) document of each token
+    window: int = 0  # a query sees at most this many keys (0: all before it)
+    block_mask: object = None  # FlexAttention's BlockMask for doc_ids and window
+    pos: torch.Tensor | None = None  # (T,) cache positions of the tokens (generation)
+    cache_mask: torch.Tensor | None = None  # (T, S) booleans: which of the first S cache positions each token reads
+
+
 class KVCache(nn.Module):
     """One layer's keys and values for generation, preallocated for the whole context:
     (batch, n_kv_heads, context, head_dim), sized for the kv heads, not the query heads.
@@ -459,9 +474,10 @@ class Attention(nn.Module):
             return y
         return y * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS]))[..., None]
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, *, ve=None,
-                attn_window: int = 0):
+    def forward(self, x, at: Attend, ve=None):
+        """x: (B, T, d) the normed stream; ve: this layer's value embedding (B, T, Hkv * hd) or None."""
         B, T, _ = x.shape
+        cos, sin, pos = at.cos, at.sin, at.pos
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         if (pos is not None and self.fused_decode and self.cache.fusable and not torch.is_grad_enabled()
                 and K.decode_step_supported(qkv, self.cache.k)):
@@ -477,10 +493,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
             k, v = self.cache.update(pos, k, v)
-            window = cache_mask.shape[1]
-            y = cached_attention(q, k[:, :, :window].to(q.dtype), v[:, :, :window].to(q.dtype), cache_mask)
+            read = at.cache_mask.shape[1]
+            y = cached_attention(q, k[:, :, :read].to(q.dtype), v[:, :, :read].to(q.dtype), at.cache_mask)
         else:
-            y = attention(q, k, v, self.kind, doc_ids=doc_ids, block_mask=block_mask, window=attn_window)
+            y = attention(q, k, v, self.kind, doc_ids=at.doc_ids, block_mask=at.block_mask, window=at.window)
         return self.wo(self.gated(y.transpose(1, 2), x).reshape(B, T, -1))
 
 
@@ -528,13 +544,12 @@ class Block(nn.Module):
         self.mlp = ReLU2(cfg) if cfg.mlp == "relu2" else SwiGLU(cfg)
         self.x0_mix = nn.Parameter(torch.empty(2)) if cfg.x0_mix else None  # (a, b), from (1, 0)
 
-    def forward(self, x, cos, sin, doc_ids=None, block_mask=None, cache_mask=None, pos=None, recompute_mlp=False,
-                *, x0=None, ve=None, attn_window: int = 0):
-        """x0: the embedding the stream started from (x0_mix); ve: this layer's value embedding (or None)."""
+    def forward(self, x, at: Attend, x0=None, ve=None, recompute_mlp: bool = False):
+        """x: (B, T, d) the stream; x0: the embedding it started from (x0_mix); ve: this layer's value
+        embedding (or None)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
-        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask, cache_mask, pos, ve=ve,
-                          attn_window=attn_window)
+        x = x + self.attn(self.attn_norm(x), at, ve)
         if recompute_mlp:  # keep only x for the backward pass: the norm, w13 (2 x ffn_hidden wide) and
             # SwiGLU outputs are recomputed there, one extra w13 matmul (Llama.recompute_mlp)
             return x + torch.utils.checkpoint.checkpoint(self.mlp_branch, x, use_reentrant=False)
@@ -720,17 +735,16 @@ class Llama(nn.Module):
         x = self.embed(idx)
         if self.cfg.embed_norm:
             x = rms_norm(x, self.cfg.norm_eps)
-        cache_mask = None
         if pos is None:
-            cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+            at = Attend(self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype), doc_ids, attn_window, block_mask)
         else:
-            cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)
             # (T, window): a query at position p sees cached keys at positions <= p; positions past
             # the current length hold zeros or stale keys and are masked out.
             keys = torch.arange(window or self.cfg.context, device=idx.device)[None, :]
             cache_mask = keys <= pos[:, None]
             if self.cfg.windowed:  # and no further back than the sliding window
                 cache_mask = cache_mask & (pos[:, None] - keys < self.cfg.attn_window)
+            at = Attend(self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype), pos=pos, cache_mask=cache_mask)
         if self.cfg.bf16_residual and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
             # The stream every norm reads and every residual add writes, in bf16 instead of float32:
             # half the bytes in those memory-bound kernels (docs/PERFORMANCE.md, training speed). The
@@ -745,13 +759,11 @@ class Llama(nn.Module):
             if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output
                 x = x + self.skip_weights[i - (len(self.blocks) - n_skips)] * skips.pop()
             table = self.cfg.value_table(i)
-            parts = dict(x0=x0, ve=ve[table] if table is not None else None, attn_window=attn_window)
+            layer_ve = ve[table] if table is not None else None
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, doc_ids, block_mask, use_reentrant=False,
-                                                      **parts)
+                x = torch.utils.checkpoint.checkpoint(block, x, at, x0, layer_ve, use_reentrant=False)
             else:
-                x = block(x, cos, sin, doc_ids, block_mask, cache_mask, pos, self.recompute_mlp and self.training,
-                          **parts)
+                x = block(x, at, x0, layer_ve, self.recompute_mlp and self.training)
             if i < n_skips:
                 skips.append(x)
         x = self.norm(x)

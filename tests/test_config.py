@@ -55,5 +55,5 @@ def test_every_flag_has_help_from_the_field_comment(capsys):
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '22m'"):
+    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '126m-record', '22m'"):
         C.preset("99m")

@@ -123,7 +123,7 @@ def test_block_matches_numpy_float64(recipe):
     ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
     T = x.shape[0]
     with torch.no_grad():
-        out = block(torch.from_numpy(x)[None], model.cos[:T], model.sin[:T])[0].numpy()
+        out = block(torch.from_numpy(x)[None], M.Attend(model.cos[:T], model.sin[:T]))[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
@@ -159,8 +159,8 @@ def test_record_block_matches_numpy_float64():
          "gate": a.gate.weight.detach().numpy(), "mask": mask, "freqs": freqs}
     ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
     with torch.no_grad():
-        out = block(torch.from_numpy(x)[None], model.cos[:T], model.sin[:T], doc_ids=torch.from_numpy(doc)[None],
-                    x0=torch.from_numpy(x0)[None], ve=torch.from_numpy(ve)[None], attn_window=6)[0].numpy()
+        at = M.Attend(model.cos[:T], model.sin[:T], doc_ids=torch.from_numpy(doc)[None], window=6)
+        out = block(torch.from_numpy(x)[None], at, x0=torch.from_numpy(x0)[None], ve=torch.from_numpy(ve)[None])[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
@@ -177,7 +177,7 @@ def test_unet_skips_add_each_mirrored_output_with_its_weight():
     cos, sin = model.cos[:12], model.sin[:12]
     with torch.no_grad():
         x0 = M.rms_norm(model.embed(idx), model.cfg.norm_eps)
-        b = [lambda x, blk=blk: blk(x, cos, sin, x0=x0) for blk in model.blocks]
+        b = [lambda x, blk=blk: blk(x, M.Attend(cos, sin), x0=x0) for blk in model.blocks]
         out0 = b[0](x0)
         out1 = b[1](out0)
         out2 = b[2](out1 + 0.7 * out1)
@@ -247,7 +247,7 @@ def test_relu2_matches_swiglus_parameters_and_zero_init_starts_as_identity():
     model = small_model(zero_init=True)
     assert all(not b.attn.wo.weight.any() and not b.mlp.w2.weight.any() for b in model.blocks)
     x = torch.randn(1, 5, SMALL["d_model"], dtype=torch.float64)
-    assert torch.equal(model.blocks[0](x, model.cos[:5], model.sin[:5]), x)
+    assert torch.equal(model.blocks[0](x, M.Attend(model.cos[:5], model.sin[:5])), x)
 
 
 def test_soft_cap_and_the_fused_loss_are_refused_together():
