@@ -166,6 +166,15 @@ class Optimizers:
             opt.load_state_dict(s)
 
 
+def set_step_rates(optimizer, lr: float, muon_momentum: float | None = None):
+    """This step's rates into every group: the scheduled AdamW rate `lr` (lr_at) times the group's
+    lr_ratio, and Muon's momentum (muon_momentum_at; None leaves it as configured)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
+        if muon_momentum is not None and "splits" in group:  # a Muon group
+            group["momentum"] = muon_momentum
+
+
 def load_state(optimizer, state: dict):
     """Put a checkpoint's optimizer state (moments, momentum buffers, step counts) into `optimizer`,
     keeping the hyperparameters it was built with from the config. torch's load_state_dict puts the

@@ -255,10 +255,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
     lr: the scheduled AdamW rate (each group runs at its lr_ratio of it); momentum: Muon's at this
     step (None: as configured); window: the sliding window at this step (window_at)."""
-    for group in optimizer.param_groups:  # Muon's groups run at their own multiple of the AdamW rate
-        group["lr"] = lr * group.get("lr_ratio", 1.0)
-        if momentum is not None and "splits" in group:  # a Muon group
-            group["momentum"] = momentum
+    O.set_step_rates(optimizer, lr, momentum)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
     # would be overwritten by the next micro-batch: under those modes gradients accumulate into
