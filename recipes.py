@@ -369,6 +369,44 @@ def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[st
         if not (resume and done.exists()) and r.folder not in {t[0].folder for t in todo}:
             todo.append((r, command(r, overrides, runs_dir, resume)))
     running, free = {}, list(devices)
+    try:
+        _run_queue(todo, running, free, results, runs_dir, timeout)
+    except KeyboardInterrupt:
+        stop_children(running, runs_dir)
+    for r in recipes:
+        results.setdefault(r.folder, read_run(runs_dir / r.folder))
+    return results
+
+
+STOP_GRACE = 120  # seconds a stopped rung may take to save its checkpoint (train.py saves on SIGINT)
+
+
+def stop_children(running: dict, runs_dir: Path):
+    """Ctrl-C (or SIGINT) during the ladder: pass SIGINT on to every rung still training, so each saves
+    a checkpoint as train.py does, wait for them, then leave in one line with Ctrl-C's exit code.
+    Without this a rung started by bench would train on alone after bench had gone."""
+    import signal
+    for proc, *_ in running.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + STOP_GRACE
+    for folder, (proc, _, _, out) in running.items():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.close()
+    saved = sorted(f for f in running if (runs_dir / f / "ckpt.pt").exists())
+    done = sorted(p.parent.name for p in runs_dir.glob("*/summary.json"))
+    print(f"SIGINT: stopped; {len(done)} finished rung(s) and {len(saved)} interrupted one(s) with a checkpoint "
+          f"({', '.join(saved) or 'none'}) are kept in {runs_dir}: run the same command with --resume to go on",
+          file=sys.stderr)
+    raise SystemExit(130)
+
+
+def _run_queue(todo: list, running: dict, free: list, results: dict, runs_dir: Path, timeout: int):
+    """run_all's loop: start rungs on free devices, collect the finished and the late."""
     while todo or running:
         while todo and free:
             recipe, cmd = todo.pop(0)
@@ -378,8 +416,10 @@ def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[st
             env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if device is not None else {})}
             print(f"run: {recipe.name} (seed {recipe.seed}){f' on GPU {device}' if device is not None else ''} ...",
                   flush=True)
-            running[recipe.folder] = (subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT),
-                                      device, time.monotonic(), out)
+            # A session of its own: a Ctrl-C at the terminal reaches bench alone, which passes one SIGINT on
+            # (stop_children); a second SIGINT would make the rung quit before it saves.
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+            running[recipe.folder] = (proc, device, time.monotonic(), out)
         time.sleep(0.5)
         for folder, (proc, device, started, out) in list(running.items()):
             late = time.monotonic() - started > timeout
@@ -395,9 +435,6 @@ def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[st
             out.close()
             free.append(device)
             del running[folder]
-    for r in recipes:
-        results.setdefault(r.folder, read_run(runs_dir / r.folder))
-    return results
 
 
 def read_run(folder: Path) -> dict:

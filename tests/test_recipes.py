@@ -4,6 +4,7 @@ end to end on the tiny preset in the slow tier."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,21 @@ def test_seconds_belong_to_the_record_ladder(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--recipes", "--versus", "--seconds", "150"])
     assert "--seconds 150: the record ladder's training seconds per rung" in capsys.readouterr().err
+
+
+def test_ctrl_c_passes_one_sigint_to_each_rung_waits_for_its_save_and_says_what_is_kept(tmp_path, capsys):
+    """A rung stands in for train.py: on SIGINT it writes its checkpoint and exits 130."""
+    folder = tmp_path / "rung-s1337"
+    folder.mkdir()
+    child = ("import pathlib, signal, sys, time\n"
+             "signal.signal(signal.SIGINT, lambda *a: (pathlib.Path('ckpt.pt').write_text('saved'), sys.exit(130)))\n"
+             "pathlib.Path('started').write_text('')\n"
+             "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=folder)
+    while not (folder / "started").exists():
+        time.sleep(0.01)
+    out = open(folder / "stdout.log", "w")
+    with pytest.raises(SystemExit) as stop:
+        RE.stop_children({"rung-s1337": (proc, None, 0.0, out)}, tmp_path)
+    assert stop.value.code == 130 and proc.returncode == 130 and (folder / "ckpt.pt").read_text() == "saved"
+    assert "1 interrupted one(s) with a checkpoint (rung-s1337)" in capsys.readouterr().err
