@@ -102,7 +102,7 @@ class TrainConfig:
     optimizer: Literal["fused", "foreach", "for-loop"] = "foreach"  # AdamW implementation
     pin: bool = False  # pinned host memory and non_blocking copies (CUDA)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
-    recompute_mlp: bool = False  # recompute each block's norm + SwiGLU in backward: its wide activations, ~10% more compute
+    recompute_mlp: bool = False  # recompute each block's norm + MLP in backward: its wide activations, ~10% more compute
     doc_mask: bool = False  # attend only within each packed document
     window_start: int = 0  # sliding window at step 0, grown linearly to model.attn_window by the end (0: no schedule)
     overfit_batch: bool = False  # train on one fixed micro-batch: the loss must go to ~0

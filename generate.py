@@ -151,7 +151,7 @@ class GraphDecoder:
 
 def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str | None = None):
     """The decode step generate() uses: a GraphDecoder on CUDA (mode: Inductor's compile mode,
-    None for the fastest measured at each batch size), the plain model.decode_one elsewhere or
+    None for the fastest measured at each batch size), the plain decode_one (this file) elsewhere or
     with fast=False (the reference the fast path is tested against)."""
     return GraphDecoder(model, mode) if fast and device.type == "cuda" else decode_one
 

@@ -14,7 +14,7 @@ replays it at every position, and it stops there instead of reading a masked win
 (`python bench.py --generate`, batch 1): 132 kernels became 88, and with Inductor's max-autotune
 decoding went from 2,861 to 3,342 tok/s.
 
-Why swiglu (on by default for the SwiGLU MLP since it measured +3.3-3.5% on an H200): see the comment above its kernels.
+Why swiglu (on in the presets, for the SwiGLU MLP only, since it measured +3.3-3.5% on an H200; today's ReLU² presets do not run it): see the comment above its kernels.
 
 Triton ships with PyTorch's CUDA builds. Without it (PyTorch's CPU wheels) AVAILABLE is False
 and model.Attention keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors,

@@ -502,7 +502,7 @@ class Attention(nn.Module):
 
 class SwiGLU(nn.Module):
     """(silu(x W1) * x W3) W2 (Shazeer 2020), with W1 and W3 stacked into one matmul. With
-    fused_swiglu (the default; CUDA, training) the activation runs as kernels.swiglu, forward and
+    fused_swiglu (CUDA, training; on in the presets, where it runs only if mlp = "swiglu") the activation runs as kernels.swiglu, forward and
     backward one kernel each, tested against the plain line below, which runs on CPU."""
 
     def __init__(self, cfg: ModelConfig):
@@ -550,8 +550,8 @@ class Block(nn.Module):
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
         x = x + self.attn(self.attn_norm(x), at, ve)
-        if recompute_mlp:  # keep only x for the backward pass: the norm, w13 (2 x ffn_hidden wide) and
-            # SwiGLU outputs are recomputed there, one extra w13 matmul (Llama.recompute_mlp)
+        if recompute_mlp:  # keep only x for the backward pass: the norm, the up-projection (w13 or w1) and
+            # the activation are recomputed there, one extra up-projection matmul (Llama.recompute_mlp)
             return x + torch.utils.checkpoint.checkpoint(self.mlp_branch, x, use_reentrant=False)
         return x + self.mlp_branch(x)
 
@@ -667,7 +667,7 @@ class Llama(nn.Module):
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
         self.activation_checkpointing = False  # recompute every block in backward (train.py sets these)
-        self.recompute_mlp = False  # recompute only each block's norm + SwiGLU: most of the memory, less of the work
+        self.recompute_mlp = False  # recompute only each block's norm + MLP: most of the memory, less of the work
         self.reset_parameters()
 
     def reset_parameters(self):

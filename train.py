@@ -1,7 +1,7 @@
 """Train the model.
 
     python train.py                                   # embedded default: tiny model, stdlib corpus
-    python train.py --config configs/88m.toml         # the real run (compile, fused AdamW and SwiGLU, bf16, tf32 on)
+    python train.py --config configs/88m.toml         # the real run (compile, fused AdamW, bf16, tf32 on)
     python train.py --config configs/88m.toml --resume
     torchrun --nproc_per_node=2 train.py --config configs/88m.toml
 
