@@ -502,8 +502,9 @@ class Attention(nn.Module):
 
 class SwiGLU(nn.Module):
     """(silu(x W1) * x W3) W2 (Shazeer 2020), with W1 and W3 stacked into one matmul. With
-    fused_swiglu (CUDA, training; on in the presets, where it runs only if mlp = "swiglu") the activation runs as kernels.swiglu, forward and
-    backward one kernel each, tested against the plain line below, which runs on CPU."""
+    fused_swiglu (CUDA, training; on in the presets, so it runs wherever mlp = "swiglu") the
+    activation runs as kernels.swiglu, forward and backward one kernel each, tested against the
+    plain line below, which runs on CPU."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
