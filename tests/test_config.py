@@ -57,3 +57,26 @@ def test_every_flag_has_help_from_the_field_comment(capsys):
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '126m-record', '22m'"):
         C.preset("99m")
+
+
+# One value outside each train field's range, per field TRAIN_RANGES checks. The first test fails
+# when a range is dropped from the table (or added without a value here), the second when a
+# check stops refusing.
+OUT_OF_RANGE = {
+    "batch_tokens": 0, "micro_batch": 0, "eval_every": 0, "eval_tokens": 0, "ckpt_every": 0, "warmup_steps": -1,
+    "steps": -1, "tokens": -1, "seconds": -1.0, "seed": -1, "sample_tokens": -1, "weight_decay": -0.1,
+    "peak_tflops": -1.0, "window_start": -1, "lr": 1.5, "min_lr_ratio": -0.1, "beta1": 1.0, "beta2": -0.1,
+    "grad_clip": -1.0, "warmdown_fraction": 0.0, "muon_lr": 0.0, "muon_momentum": 1.0, "muon_weight_decay": -1.0,
+    "muon_momentum_warmup": -1, "muon_momentum_start": 1.0, "embed_lr": 11.0, "head_lr": -1.0, "scalar_lr": 20.0,
+    "adam_eps": 0.0,
+}
+
+
+def test_every_train_range_has_a_value_outside_it():
+    assert set(OUT_OF_RANGE) == set(C.TRAIN_RANGES)
+
+
+@pytest.mark.parametrize("name", sorted(OUT_OF_RANGE))
+def test_each_train_range_refuses_a_value_outside_it(name):
+    with pytest.raises(ValueError, match=rf"train\.{name}=.* is out of range: it must be"):
+        C.TrainConfig(**{"steps": 1, name: OUT_OF_RANGE[name]})

@@ -217,6 +217,33 @@ def test_log_plot_and_summary(train_config, tmp_path):
     assert config["config"]["train"]["steps"] == 6 and "git_commit" in config["provenance"]
 
 
+def test_bits_per_byte_are_the_summed_loss_in_bits_over_the_decoded_bytes(train_config):
+    """Independently of token_byte_lengths: the validation targets decoded to text by the tokenizer
+    give the bytes; the mean loss times the tokens gives the nats, over ln 2 the bits."""
+    import tokenizer as tk
+    r = TR.setup(train_config, **QUIET)
+    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), dtype=torch.float32)
+    found = TR.evaluate(r.model, r.val_loader, 2, token_bytes, r.cfg.train, r.device)
+    r.val_loader.rewind()
+    tok = tk.load_tokenizer(r.tokenizer_path)
+    targets = [r.val_loader.next_batch()[1] for _ in range(2)]
+    n_bytes = sum(len(tok.decode(row.tolist()).encode("utf-8")) for y in targets for row in y)
+    n_tokens = sum(y.numel() for y in targets)
+    assert found["val_bpb"] == pytest.approx(found["val_loss"] * n_tokens / math.log(2) / n_bytes, rel=1e-6)
+
+
+def test_one_muon_step_moves_a_block_matrix_by_muon_lr_over_its_width(train_config):
+    """An orthogonalised update has singular values near one, so its RMS is about 1/sqrt(width): one
+    step at muon_lr (here 100x AdamW's lr) moves a square block matrix by muon_lr/sqrt(d) RMS."""
+    cfg = with_train(train_config, muon=True, muon_lr=0.02, lr=2e-4, grad_clip=0.0)
+    r = TR.setup(cfg, **QUIET)
+    wo = r.raw.blocks[0].attn.wo.weight
+    before = wo.detach().clone()
+    TR.train_step(r.model, r.optimizer, r.train_loader.next_batch, r.accum, r.cfg.train, r.device, cfg.train.lr)
+    rms = (wo.detach() - before).pow(2).mean().sqrt().item()
+    assert 0.6 < rms / (0.02 / math.sqrt(wo.shape[1])) < 1.3
+
+
 def test_peak_lookup_never_invents_a_number():
     assert TR.peak_tflops("NVIDIA H200") == 989.4 and TR.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert TR.peak_tflops("NVIDIA GeForce RTX 4060 Laptop GPU") == 29.1
