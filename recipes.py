@@ -94,7 +94,7 @@ RECORD_CHAIN = (
     ("+ U-net skips, x0 mix", {"model__unet_skips": True, "model__x0_mix": True}),
     ("+ half-truncated RoPE", {"model__rope_truncate": True}),
     ("+ attention gate", {"model__attn_gate": True}),
-    ("+ 393K batch", {"train__batch_tokens": 393216}),
+    ("+ 1.5x batch (126m: modded's 393K)", "batch"),
     ("+ long documents-masked sequences", "long"),
     ("+ sliding window, growing", "window"),
 )
@@ -218,10 +218,13 @@ def final_recipes(preset: str, kept: list[str], seeds: int) -> list[Recipe]:
 
 
 def record_changes(name_or_change, base: C.Config, micro_batch: int) -> dict:
-    """A RECORD_CHAIN entry's overrides; "values" fits the preset's layers, "long" and "window" scale
-    with its context, and the micro-batch shrinks with the longer sequence so a micro-batch holds as
-    many tokens."""
+    """A RECORD_CHAIN entry's overrides; "batch" scales the preset's batch, "values" fits its layers,
+    "long" and "window" scale with its context, and the micro-batch shrinks with the longer sequence
+    so a micro-batch holds as many tokens."""
     T = base.model.context
+    if name_or_change == "batch":  # 1.5x the preset's, in whole micro-batches (126m: 262,144 -> 393,216)
+        per_pass = micro_batch * T
+        return {"train__batch_tokens": max(per_pass, round(1.5 * base.train.batch_tokens / per_pass) * per_pass)}
     if name_or_change == "values":
         return {"model__value_embeds": min(3, base.model.n_layers // 2)}
     if name_or_change == "long":
