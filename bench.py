@@ -151,6 +151,11 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
     unknown = sorted(set(values) - PLAN_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown}; a plan has {sorted(PLAN_KEYS)}")
+    timed = values.get("steps", 3)
+    if not isinstance(timed, int) or isinstance(timed, bool) or timed < 1:
+        raise ValueError(f"{path}: steps = {timed!r}: give the timed steps per rung as a whole number, 1 or more")
+    if not isinstance(values.get("preset", "88m"), str):
+        raise ValueError(f"{path}: preset = {values['preset']!r}: give a preset's name, e.g. preset = \"88m\"")
     rungs, names = [], set()
     for i, table in enumerate(values.get("rung") or []):
         where = f"{path}: rung {i + 1}"
@@ -160,11 +165,16 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
         if extra:
             raise ValueError(f"{where} ({table['name']}): unknown key(s) {extra}; a rung has {sorted(RUNG_KEYS)}")
         names.add(table["name"])
+        for section in ("model", "data", "train"):
+            if not isinstance(table.get(section, {}), dict):
+                raise ValueError(f"{where} ({table['name']}): {section} = {table[section]!r} must be a table of "
+                                 f"settings, e.g. {section} = {{ micro_batch = 32 }}")
         overrides = {f"{section}__{k}": v for section in ("model", "data", "train") for k, v in table.get(section, {}).items()}
         rung = ME.Rung(table["name"], preset or values.get("preset", "88m"), overrides,
                        timed_steps=steps or values.get("steps", 3))
         try:
-            rung.config()
+            cfg = rung.config()
+            TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1)
         except ValueError as e:
             raise ValueError(f"{where} ({table['name']}): {e}") from None
         rungs.append(rung)

@@ -228,6 +228,20 @@ def test_a_plan_names_its_rungs_and_checks_them_before_anything_runs(tmp_path, m
         B.plan_rungs(plan)
 
 
+@pytest.mark.parametrize("text, message", [
+    ('preset = "tiny"\nsteps = "x"\n[[rung]]\nname = "a"\n', r"steps = 'x': give the timed steps per rung as a whole"),
+    ('preset = "tiny"\n[[rung]]\nname = "a"\ntrain = "fast"\n', r"rung 1 \(a\): train = 'fast' must be a table"),
+    ('preset = "tiny"\n[[rung]]\nname = "a"\ntrain = { batch_tokens = 1000 }\n',
+     r"rung 1 \(a\): train.batch_tokens=1,000 is not a multiple of micro_batch x context"),
+], ids=["steps-not-a-number", "table-not-a-table", "batch-not-divisible"])
+def test_a_bad_plan_is_refused_in_one_line_before_any_process_starts(tmp_path, monkeypatch, text, message):
+    plan = tmp_path / "bad.toml"
+    plan.write_text(text)
+    monkeypatch.setattr(B.ME, "run_in_subprocess", lambda *a: pytest.fail("a process started"))
+    with pytest.raises(SystemExit, match=message):
+        B.main(["--plan", str(plan), "--out", str(tmp_path)])
+
+
 def test_the_shipped_plans_load():
     for path in (C.PRESETS_DIR / "plans").glob("*.toml"):
         assert B.plan_rungs(path)
