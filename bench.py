@@ -41,6 +41,7 @@ import measure as ME
 import model as M
 import optim as O
 import recipes as RE
+import tokenizer as tk
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
@@ -673,6 +674,7 @@ def main(argv=None):
                                                          "(results/<study>.partial.json)")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
     args = p.parse_args(argv)
+    args.out = str(Path(args.out).expanduser().absolute())  # rungs run from the checkout: the folder is the user's
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: measure each rung at least once (--repeats 1 or more)")
     if args.seeds < 1:
@@ -725,6 +727,11 @@ def recipes_study(args, argv):
     devices = [str(i) for i in range(torch.cuda.device_count())] if cuda else [None]
     out = Path(args.out)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    if args.corpus and args.corpus not in tk.CORPORA:  # a path or glob: the user's, not the rungs' working folder
+        args.corpus = str(Path(args.corpus).expanduser().absolute())
+    if not cuda and (args.seconds or 0) + (args.tokens or 0) == 0 and preset != "tiny":
+        print(f"note: no GPU, so every rung of --preset {preset} trains its full budget on the CPU (days of work); "
+              f"for a smoke test pass --tokens 16384, or --preset tiny", flush=True)
     if args.seconds:
         return record_study(args, argv, preset, devices, out, device_name, cuda)
     found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),

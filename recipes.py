@@ -347,6 +347,7 @@ def resolved(recipe: Recipe, fixed: dict, sized: bool = True) -> tuple[C.Config,
     no budget in tokens, and fixed gives them."""
     overrides = {**fixed, **recipe.overrides, "train__seed": recipe.seed}
     cfg = C.preset(recipe.config, **overrides)
+    TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1)  # divides, or says why
     if not sized:
         return cfg, overrides
     own = C.preset(recipe.config, **{k: v for k, v in recipe.overrides.items() if k != "train__tokens"})
@@ -443,7 +444,11 @@ def _run_queue(todo: list, running: dict, free: list, results: dict, runs_dir: P
 def read_run(folder: Path) -> dict:
     if not (folder / "summary.json").exists():
         return {"error": "did not finish"}
-    summary = json.loads((folder / "summary.json").read_text())
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / 'summary.json'} is not JSON ({e}): the file was cut off; delete it and "
+                         f"run with --resume again to train that rung once more") from None
     for checkpoint in folder.glob("ckpt*.pt"):  # the curves are the result; the weights are not kept
         checkpoint.unlink()
     return {"curve": eval_curve(TR.read_log(folder / "log.jsonl")), "tok_s": summary.get("mean_tok_s")}

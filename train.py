@@ -341,8 +341,12 @@ def read_log(log_path: Path) -> list[dict]:
     """log.jsonl's rows; a row for a step that was logged again later (a run resumed from an
     earlier checkpoint) keeps only its latest version."""
     rows = {}
-    for line in log_path.read_text().splitlines():
-        row = json.loads(line)
+    for number, line in enumerate(log_path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{log_path}: line {number} is not a JSON row ({e}): the file was cut off; delete "
+                             f"that line (or the run's folder) and run again") from None
         rows[(row["step"], "val_loss" in row)] = row
     return sorted(rows.values(), key=lambda r: (r["step"], "val_loss" in r))
 

@@ -194,3 +194,39 @@ def test_ctrl_c_passes_one_sigint_to_each_rung_waits_for_its_save_and_says_what_
         RE.stop_children({"rung-s1337": (proc, None, 0.0, out)}, tmp_path)
     assert stop.value.code == 130 and proc.returncode == 130 and (folder / "ckpt.pt").read_text() == "saved"
     assert "1 interrupted one(s) with a checkpoint (rung-s1337)" in capsys.readouterr().err
+
+
+def test_a_cut_off_summary_or_log_is_named_in_one_line(tmp_path):
+    run = tmp_path / "rung-s1337"
+    run.mkdir()
+    (run / "summary.json").write_text('{"steps": 4, "mean')
+    with pytest.raises(ValueError, match=r"rung-s1337/summary.json is not JSON .* delete it and run with --resume"):
+        RE.read_run(run)
+    (run / "summary.json").write_text('{"steps": 4}')
+    (run / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo')
+    with pytest.raises(ValueError, match=r"rung-s1337/log.jsonl: line 2 is not a JSON row"):
+        RE.read_run(run)
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_before_any_rung(tmp_path):
+    fixed = RE.fixed_settings(C.preset("tiny-gpt3"), 16384, "stdlib", 3)
+    with pytest.raises(ValueError, match=r"train.batch_tokens=16,384 is not a multiple of micro_batch x context"):
+        RE.run_all(RE.ladder_plan("tiny", 1), fixed, tmp_path, [None], 60, False)
+    assert list(tmp_path.iterdir()) == []  # nothing started
+
+
+def test_relative_corpus_and_out_are_the_users_not_the_checkouts(tmp_path, monkeypatch):
+    """The rungs run with the checkout as their working folder: bench hands them absolute paths."""
+    import bench
+
+    class Seen(Exception):
+        pass
+
+    def study(*args, **kwargs):
+        raise Seen(args[3], args[5])
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench.RE, "study", study)
+    with pytest.raises(Seen) as seen:
+        bench.main(["--recipes", "--corpus", "texts/*.txt", "--out", "mine", "--tokens", "16384"])
+    assert seen.value.args == (str(tmp_path / "texts" / "*.txt"), tmp_path / "mine")
