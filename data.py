@@ -461,8 +461,10 @@ def main(argv=None):
     except OSError as e:
         sys.exit(f"error: {e.filename or ''}: {e.strerror or e}: check the path and its permissions")
     except KeyboardInterrupt:  # nothing half-written is trusted: shards and the manifest are renamed into place
-        print("SIGINT: stopped; a finished tokenizer.json is kept, and the next prepare redoes the rest",
-              file=sys.stderr)
+        kept = "no finished file was written"
+        if args.command == "prepare" and "folder" in locals() and (folder / "tokenizer.json").is_file():
+            kept = f"the finished {folder / 'tokenizer.json'} is kept"
+        print(f"SIGINT: stopped; {kept}, and the next prepare redoes the rest", file=sys.stderr)
         sys.exit(130)
 
 

@@ -1,5 +1,6 @@
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -364,6 +365,28 @@ def test_python_corpus_is_distinct_texts_in_content_order(python_tree, monkeypat
     assert list(tk.python_documents(warn=said.append)) == docs
 
 
+def test_ctrl_c_while_reading_the_python_corpus_leaves_without_reading_the_rest(monkeypatch):
+    """map() queues every file before it yields one; a Ctrl-C while it queues must not wait for the
+    reads already queued: here 400 of them at 50 ms each, 10 s on two cores."""
+    from concurrent.futures import ThreadPoolExecutor
+    files = tuple(Path(f"/nowhere/m{i}.py") for i in range(3000))
+    monkeypatch.setattr(tk, "python_files", lambda: files)
+    monkeypatch.setattr(Path, "read_bytes", lambda path: time.sleep(0.05) or path.name.encode())
+    submit, queued = ThreadPoolExecutor.submit, []
+
+    def submit_until_interrupted(pool, fn, *args):
+        queued.append(args)
+        if len(queued) == 400:
+            raise KeyboardInterrupt
+        return submit(pool, fn, *args)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit_until_interrupted)
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        list(tk.python_documents(warn=lambda *a: None))
+    assert time.perf_counter() - start < 3
+
+
 def test_python_split_is_by_text_so_a_new_file_moves_no_other(python_tree):
     root, files = python_tree
     val = set(tk.held_out("python", "text", 0.3, n=100))
@@ -422,3 +445,19 @@ def test_a_small_corpus_tokenizer_trained_here_may_come_out_smaller(tmp_path):
     n = tk.load_tokenizer(folder / "tokenizer.json").get_vocab_size()
     assert n < 60_000 and any(f"only supports {n:,} of the 60,000 tokens" in line for line in said)
     assert D.read_header(D.shard_files(folder, "train")[0]).vocab_size == 60_000
+
+
+def test_ctrl_c_in_prepare_says_only_what_is_true(tmp_path, monkeypatch, capsys):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(D, "prepare", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        D.main(["prepare", "--cache-dir", str(tmp_path)])
+    assert stop.value.code == 130 and "SIGINT: stopped; no finished file was written" in capsys.readouterr().err
+    folder = D.data_dir(D.DataConfig(cache_dir=str(tmp_path)), 4096)
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        D.main(["prepare", "--cache-dir", str(tmp_path)])
+    assert f"the finished {folder / 'tokenizer.json'} is kept" in capsys.readouterr().err
