@@ -223,9 +223,10 @@ def from_dict(cls, values: dict, source: str, section: str):
 
 def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
     """Read a config file; only [model], [data] and [train] may appear in it, and a top-level
-    `extends = "126m"` (a preset's name, or a path relative to the file): that file's settings are
-    read first and this file's replace them key by key, so a recipe holds only what it changes
-    (as nanoGPT's override files and torchtitan's derived configs do)."""
+    `extends = "126m"` (a preset's name, or a path relative to the file) or a list of them: their
+    settings are read first, in order, and this file's replace them key by key, so a preset is its
+    shape plus a shared recipe and holds only what it changes (as nanoGPT's override files and
+    torchtitan's derived configs do)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist (presets live in {PRESETS_DIR})")
@@ -237,19 +238,23 @@ def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
     if extra:
         raise ValueError(f"{path}: unknown section(s) {extra}; valid sections are {list(SECTIONS)} (and a "
                          f"top-level extends = \"<preset>\")")
-    base = data.pop("extends", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ValueError(f"{path}: extends must be a preset name or a path, got {type(base).__name__} {base!r}")
-    parent = PRESETS_DIR / f"{base}.toml" if (PRESETS_DIR / f"{base}.toml").is_file() else path.parent / base
-    if parent.resolve() in _seen or parent.resolve() == path.resolve():
-        raise ValueError(f"{path}: extends {base!r} leads back to itself: break the cycle")
-    merged = read_toml(parent, _seen + (path.resolve(),))
-    for section, table in data.items():
-        if not isinstance(table, dict):
-            raise ValueError(f"{path}: [{section}] must be a table of settings, got {type(table).__name__}")
-        merged[section] = {**merged.get(section, {}), **table}
+    bases = data.pop("extends", [])
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ValueError(f"{path}: extends must be a preset name or a path, or a list of them, got {bases!r}")
+    merged = {}
+    for base in bases + [None]:  # each base in turn, then this file's own settings
+        if base is None:
+            layer = data
+        else:
+            parent = PRESETS_DIR / f"{base}.toml" if (PRESETS_DIR / f"{base}.toml").is_file() else path.parent / base
+            if parent.resolve() in _seen or parent.resolve() == path.resolve():
+                raise ValueError(f"{path}: extends {base!r} leads back to itself: break the cycle")
+            layer = read_toml(parent, _seen + (path.resolve(),))
+        for section, table in layer.items():
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: [{section}] must be a table of settings, got {type(table).__name__}")
+            merged[section] = {**merged.get(section, {}), **table}
     return merged
 
 

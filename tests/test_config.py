@@ -80,3 +80,17 @@ def test_every_train_range_has_a_value_outside_it():
 def test_each_train_range_refuses_a_value_outside_it(name):
     with pytest.raises(ValueError, match=rf"train\.{name}=.* is out of range: it must be"):
         C.TrainConfig(**{"steps": 1, name: OUT_OF_RANGE[name]})
+
+
+@pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m"])
+def test_each_default_preset_is_its_article_preset_plus_the_one_shared_recipe(name):
+    """A recipe change edits configs/recipes/default.toml alone: no default preset restates it."""
+    import tomllib
+    raw = tomllib.loads((C.PRESETS_DIR / f"{name}.toml").read_text())
+    assert raw.pop("extends") == [f"{name}-gpt3", "recipes/default.toml"]
+    assert raw == ({} if name == "tiny" else {"train": {"batch_tokens": 262144}})  # half the article's batch
+    recipe = C.read_toml(C.PRESETS_DIR / "recipes" / "default.toml")
+    cfg = C.preset(name)
+    for section, table in recipe.items():
+        for key, value in table.items():
+            assert getattr(getattr(cfg, section), key) == value or (key == "ffn_hidden" and value == 0)
