@@ -37,10 +37,19 @@ def tiny_model_cfg(**overrides) -> M.ModelConfig:
                                    context=64), **overrides})
 
 
+# The tiny test model's training run: a few CPU steps per second. Fixtures and tests change what they need.
+TINY_TRAIN = dict(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=6, eval_every=3, eval_tokens=512,
+                  ckpt_every=3, sample_tokens=0, device="cpu")
+
+
+def tiny_run_config(data_cfg, model: M.ModelConfig | None = None, **train):
+    """A complete run config of the tiny test model on the test corpus; train overrides TINY_TRAIN."""
+    import config as C
+    return C.Config(model=model or tiny_model_cfg(), data=dataclasses.replace(data_cfg),
+                    train=C.TrainConfig(**{**TINY_TRAIN, **train}))
+
+
 @pytest.fixture
 def train_config(data_cfg):
     """A complete run config small enough for a few CPU steps per second."""
-    import config as C
-    tcfg = C.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=6, eval_every=3,
-                          eval_tokens=512, ckpt_every=3, sample_tokens=0, device="cpu")
-    return C.Config(model=tiny_model_cfg(), data=dataclasses.replace(data_cfg), train=tcfg)
+    return tiny_run_config(data_cfg)

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import checkpoint as CK
-import config as C
 import train as TR
-from conftest import tiny_model_cfg
+from conftest import tiny_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,9 +28,7 @@ class RunsACommand:
 @pytest.fixture(scope="module")
 def trained(data_cfg, tmp_path_factory):
     """A run folder after 3 CPU steps of the tiny test model."""
-    cfg = C.Config(model=tiny_model_cfg(), data=data_cfg,
-                   train=C.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=3,
-                                       eval_every=3, eval_tokens=512, ckpt_every=3, sample_tokens=0, device="cpu"))
+    cfg = tiny_run_config(data_cfg, steps=3)
     run = tmp_path_factory.mktemp("runs") / "run"
     TR.train(cfg, run, log=lambda *a, **k: None)
     return run

@@ -15,7 +15,7 @@ import data as D
 import export as E
 import sample as S
 import train as TR
-from conftest import tiny_model_cfg
+from conftest import tiny_run_config
 
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -23,9 +23,7 @@ QUIET = dict(log=lambda *a, **k: None)
 @pytest.fixture(scope="module")
 def finished(data_cfg, tmp_path_factory):
     """A finished 4-step run of the tiny test model, its config written as a TOML file."""
-    cfg = C.Config(model=tiny_model_cfg(), data=data_cfg,
-                   train=C.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=4,
-                                       eval_every=2, eval_tokens=512, ckpt_every=2, sample_tokens=0, device="cpu"))
+    cfg = tiny_run_config(data_cfg, steps=4, eval_every=2, ckpt_every=2)
     runs = tmp_path_factory.mktemp("runs")
     TR.train(cfg, runs / "run", **QUIET)
     return cfg, runs / "run"

@@ -53,6 +53,7 @@ def test_adamw_decays_only_the_block_matrices():
     assert decayed == {"blocks.0.attn.wqkv.weight", "blocks.0.attn.wo.weight", "blocks.0.mlp.w13.weight",
                        "blocks.0.mlp.w2.weight"}
     assert embed == {"embed.weight"} and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.0]
+    assert opt.defaults["betas"] == (0.9, 0.95)  # GPT-3's, the article's
 
 
 def test_muon_momentum_warms_up_linearly_then_holds():

@@ -6,21 +6,19 @@ import pytest
 import torch
 
 import checkpoint as CK
-import config as C
 import export as E
 import generate as G
 import model as M
 import sample as S
 import train as TR
-from conftest import tiny_model_cfg
+from conftest import tiny_model_cfg, tiny_run_config
 
 
 @pytest.fixture(scope="module")
 def run_dir(data_cfg, tmp_path_factory):
     """A checkpoint trained for a few steps, so its predictions are not uniform."""
-    cfg = C.Config(model=tiny_model_cfg(n_kv_heads=1, n_heads=2, d_model=128), data=data_cfg,
-                   train=C.TrainConfig(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, steps=8,
-                                         eval_every=8, eval_tokens=512, ckpt_every=8, sample_tokens=0, device="cpu"))
+    cfg = tiny_run_config(data_cfg, tiny_model_cfg(n_kv_heads=1, n_heads=2, d_model=128), steps=8, eval_every=8,
+                          ckpt_every=8)
     folder = tmp_path_factory.mktemp("runs") / "tiny"
     TR.train(cfg, folder, log=lambda *a, **k: None)
     return folder
