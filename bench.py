@@ -730,8 +730,10 @@ def recipes_study(args, argv):
     if args.corpus and args.corpus not in tk.CORPORA:  # a path or glob: the user's, not the rungs' working folder
         args.corpus = str(Path(args.corpus).expanduser().absolute())
     if not cuda and (args.seconds or 0) + (args.tokens or 0) == 0 and preset != "tiny":
-        print(f"note: no GPU, so every rung of --preset {preset} trains its full budget on the CPU (days of work); "
-              f"for a smoke test pass --tokens 16384, or --preset tiny", flush=True)
+        budget = C.preset(f"{preset}-gpt3").train.tokens
+        print(f"note: no GPU, so every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, "
+              f"days of work at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny",
+              flush=True)
     if args.seconds:
         return record_study(args, argv, preset, devices, out, device_name, cuda)
     found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),

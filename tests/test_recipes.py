@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import config as C
 import recipes as RE
@@ -230,3 +231,19 @@ def test_relative_corpus_and_out_are_the_users_not_the_checkouts(tmp_path, monke
     with pytest.raises(Seen) as seen:
         bench.main(["--recipes", "--corpus", "texts/*.txt", "--out", "mine", "--tokens", "16384"])
     assert seen.value.args == (str(tmp_path / "texts" / "*.txt"), tmp_path / "mine")
+
+
+def test_a_full_budget_ladder_on_a_cpu_says_what_it_costs_first(monkeypatch, capsys):
+    import bench
+
+    class Stop(Exception):
+        pass
+
+    def study(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(bench.C, "pick_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(bench.RE, "study", study)
+    with pytest.raises(Stop):
+        bench.main(["--recipes", "--preset", "22m"])
+    assert "every rung trains 440,401,920 tokens (--preset 22m's full budget) on the CPU" in capsys.readouterr().out
