@@ -786,6 +786,11 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     from_file = C.read_toml(args.config) if args.config else {}
     given = {f"{s}__{k}": v for s, table in from_file.items() for k, v in table.items()} | overrides
     asked = C.load_config(values=dataclasses.asdict(ckpt.config), source=args.config or "flags", **given)
+    saved = ckpt.config.train
+    if asked.train.seconds and asked.train.seconds == saved.seconds and not asked.train.steps and saved.steps:
+        # the same --seconds command again: its steps were sized when it started, and the run keeps them
+        asked = dataclasses.replace(asked, train=dataclasses.replace(asked.train, steps=saved.steps))
+        given.pop("train__steps", None)
     differ = {}
     for key in sorted(given):
         section, name = key.split("__")

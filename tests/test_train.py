@@ -339,7 +339,7 @@ def test_a_seconds_budget_sizes_the_run_from_its_probe_and_a_resume_keeps_the_si
                               train=dataclasses.replace(train_config.train, steps=0, seconds=1.5, schedule="wsd",
                                                         window_start=16, eval_every=1000, ckpt_every=1000))
     with pytest.raises(TR.Interrupted):
-        TR.train(cfg, tmp_path / "run", stop_after=TR.PROBE_STEPS + 1, **QUIET)
+        TR.train(cfg, tmp_path / "run", stop_after=TR.PROBE_STEPS, **QUIET)  # sized at this step, whatever its pace
     steps = CK.load(tmp_path / "run").config.train.steps
     assert steps > TR.PROBE_STEPS
     assert json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"] == steps
@@ -349,6 +349,10 @@ def test_a_seconds_budget_sizes_the_run_from_its_probe_and_a_resume_keeps_the_si
     resumed, _ = TR.resolve_config(TR.build_parser().parse_args(["--runs-dir", str(tmp_path), "--name", "run",
                                                                  "--resume"]), tmp_path / "run", **QUIET)
     assert resumed.train.steps == steps
+    again, _ = TR.resolve_config(TR.build_parser().parse_args(  # the command that started it, plus --resume
+        ["--runs-dir", str(tmp_path), "--name", "run", "--steps", "0", "--seconds", "1.5", "--resume"]), tmp_path / "run",
+        **QUIET)
+    assert again == resumed
     summary = TR.train(resumed, tmp_path / "run", resume=True, **QUIET)
     assert summary["steps"] == steps
 
