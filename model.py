@@ -1,10 +1,12 @@
 """A Llama-style decoder and the arithmetic around it: parameters, FLOPs, MFU.
 
 Read top to bottom: ModelConfig; the layers (RMSNorm, RoPE, attention with its optional QK-norm,
-FP8 matmuls, SwiGLU or ReLU², block); the fused loss; the model with its KV cache and optional
-soft-cap; then the closed-form arithmetic. Generation, which drives the KV cache, is generate.py.
+masks for documents and a sliding window, FP8 matmuls, the Attend context, SwiGLU or ReLU², block);
+the fused loss; the model with its KV cache and optional soft-cap; then the closed-form arithmetic.
+Generation, which drives the KV cache, is generate.py.
 
-The recipe's options (mlp, qk_norm, zero_init, tie_embeddings, logit_softcap) default to the
+The recipe's options (mlp, qk_norm, zero_init, tie_embeddings, logit_softcap, and modded-nanogpt's
+embed_norm, value_embeds, unet_skips, x0_mix, rope_truncate, attn_gate, attn_window) default to the
 article's Llama, so a checkpoint from before them computes what it trained with; the presets in
 configs/ choose what the recipe ladder measured fastest (docs/PERFORMANCE.md, time to a good model).
 
