@@ -721,10 +721,11 @@ class Llama(nn.Module):
                                            device, dtype)
 
     def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None, window: int | None = None,
-                attn_window: int = 0):
+                attn_window: int | None = None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
         cross-entropy. doc_ids (B, T) restrict attention to each packed document and attn_window to
-        a sliding window, or block_mask does both on CUDA (mask_inputs builds these).
+        a sliding window (None: model.attn_window, the window the model ends its training with), or
+        block_mask does both on CUDA (mask_inputs builds these; it then decides alone).
         pos: (T,) positions of idx's tokens when generating with the cache (setup_cache): their
         keys and values are stored there and attention reads the cache up to them. window: how
         many cache positions attention reads, through a mask (default: all of them). Eager
@@ -739,7 +740,9 @@ class Llama(nn.Module):
         if self.cfg.embed_norm:
             x = rms_norm(x, self.cfg.norm_eps)
         if pos is None:
-            at = Attend(self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype), doc_ids, attn_window, block_mask)
+            reach = self.cfg.attn_window if attn_window is None else attn_window
+            reach = reach if reach < T else 0  # a window as long as the sequence hides nothing
+            at = Attend(self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype), doc_ids, reach, block_mask)
         else:
             # (T, window): a query at position p sees cached keys at positions <= p; positions past
             # the current length hold zeros or stale keys and are masked out.
