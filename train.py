@@ -78,6 +78,9 @@ UNSIZED = 10**9
 PROBE_STEPS = 12
 WINDOW_BLOCK = 128  # FlexAttention's block size: a scheduled window grows by whole blocks
 PLAIN_CONTEXT = 1024  # every run's loss is also reported on plain causal windows of this many tokens
+# A warm-up over more than this share of the run is shortened to it (and said): `--steps 20` on a preset
+# that warms up over 20 steps would otherwise end at its peak rate, never warming down.
+MAX_WARMUP_SHARE = 0.5
 
 
 def total_steps(cfg: C.TrainConfig) -> int:
@@ -206,6 +209,15 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
     steps = total_steps(tcfg)
+    if steps != UNSIZED and tcfg.warmup_steps > MAX_WARMUP_SHARE * steps:
+        say(f"note: train.warmup_steps={tcfg.warmup_steps} would warm up over more than half of the run's {steps} "
+            f"steps and leave no room for its stable phase and warm-down: warming up over "
+            f"{int(MAX_WARMUP_SHARE * steps)} steps instead")
+        tcfg = dataclasses.replace(tcfg, warmup_steps=int(MAX_WARMUP_SHARE * steps))
+        cfg = dataclasses.replace(cfg, train=tcfg)
+    if steps == UNSIZED and random_tokens_dir is not None:
+        raise ValueError("train.seconds sizes a run on its corpus; random-token speed rungs time fixed steps: "
+                         "give train.steps")
     loader_args = dict(batch=B, seq_len=T, vocab_size=V, rank=rank, world=world, doc_ids=tcfg.doc_mask,
                        device=device)
     if random_tokens_dir is not None:
@@ -706,7 +718,11 @@ def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say):
     tcfg = r.cfg.train
     steps = max(p.step + 1, p.step + int((tcfg.seconds - p.train_seconds) / median))
     r.steps = steps
-    r.cfg = dataclasses.replace(r.cfg, train=dataclasses.replace(tcfg, steps=steps))
+    warmup = min(tcfg.warmup_steps, max(p.step, int(MAX_WARMUP_SHARE * steps)))  # as setup() does, from here on
+    if warmup < tcfg.warmup_steps:
+        say(f"note: train.warmup_steps={tcfg.warmup_steps} is more than half of the {steps} steps: warming up over "
+            f"{warmup} steps instead")
+    r.cfg = dataclasses.replace(r.cfg, train=dataclasses.replace(tcfg, steps=steps, warmup_steps=warmup))
     stable = round((1 - tcfg.warmdown_fraction) * steps)
     note = "" if p.step <= stable else (f"; WARNING: the warm-down should have begun at step {stable}: "
                                         f"give train.seconds more time")

@@ -514,3 +514,14 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe):
     for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two")):
         assert a == pytest.approx(b, rel=1e-5)
     assert len(losses(tmp_path / "two")) == 3
+
+
+def test_a_warm_up_longer_than_half_the_run_is_shortened_and_said(train_config, tmp_path):
+    said = []
+    cfg = with_train(train_config, steps=4, warmup_steps=4, schedule="wsd", warmdown_fraction=0.5, min_lr_ratio=0.0)
+    r = TR.setup(cfg, log=said.append)
+    assert r.cfg.train.warmup_steps == 2
+    assert any("train.warmup_steps=4 would warm up over more than half of the run's 4 steps" in line for line in said)
+    TR.train(cfg, tmp_path / "run", **QUIET)
+    lrs = [row["lr"] for row in TR.read_log(tmp_path / "run" / "log.jsonl") if "loss" in row]
+    assert lrs[-1] < max(lrs)  # it warmed down
