@@ -734,6 +734,9 @@ def recipes_study(args, argv):
         print(f"note: no GPU, so every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, "
               f"days of work at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny",
               flush=True)
+    if not cuda:
+        print("no CUDA device: the ladder runs on the CPU, a smoke test of the code; CPU numbers say nothing "
+              "about a GPU", flush=True)
     if args.seconds:
         return record_study(args, argv, preset, devices, out, device_name, cuda)
     found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
@@ -741,7 +744,7 @@ def recipes_study(args, argv):
                      tuple(args.fractions or RE.WHOLE_BUDGET))
     date = time.strftime("%Y-%m-%d")
     name = f"recipes-{preset}{'-versus' if args.versus else ''}"
-    RE.plot(found["curves"], f"validation loss | {preset} | {found['corpus']} | {found['tokens'] / 1e6:,.0f}M tokens "
+    RE.plot(found["curves"], f"validation loss | {preset} | {found['corpus']} | {RE.tokens_text(found['tokens'])} tokens "
             f"| {device_name} | {date}", out / f"{name}.png")
     (out / f"{name}.json").write_text(json.dumps({"device": device_name, "devices": len(devices), "date": date,
                                                    "torch": torch.__version__, "preset": preset,

@@ -294,6 +294,19 @@ def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: 
     return row
 
 
+def tokens_text(n: float) -> str:
+    """Tokens in a unit that fits: 440M, 21.0M, 328K, 512."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.{0 if n >= 100 * size else 1}f}{unit}"
+    return f"{n:,.0f}"
+
+
+def spread_text(row: dict) -> str:
+    """The spread of the seeds' final losses; blank for one seed, which has none."""
+    return f"{row['spread']:.4f}" if row["seeds"] > 1 else ""
+
+
 def table(rows: list[dict]) -> str:
     """The ladder as markdown; "x article's time" is the seconds to the target over the article's."""
     article_seconds = rows[0].get("train_seconds") if rows else None
@@ -306,8 +319,8 @@ def table(rows: list[dict]) -> str:
             continue
         to_t, to_s = r.get("tokens_to_target"), r.get("seconds_to_target")
         ratio = f"{to_s / article_seconds:.2f}" if to_s is not None and article_seconds else "not reached"
-        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {r['spread']:.4f} | {r['val_bpb']:.4f} | "
-                     f"{'not reached' if to_t is None else f'{to_t / 1e6:,.0f}M'} | "
+        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {spread_text(r)} | {r['val_bpb']:.4f} | "
+                     f"{'not reached' if to_t is None else tokens_text(to_t)} | "
                      f"{'' if to_s is None else f'{to_s:,.1f}'} | {ratio} | {r['tok_s']:,.0f} | "
                      f"{r.get('step_overhead', 0):+.1%} |")
     return "\n".join(lines)
@@ -321,9 +334,8 @@ def seconds_table(rows: list[dict]) -> str:
         if "skipped" in r:
             lines.append(f"| {r['rung']} | skipped: {r['skipped']} ||||||||")
             continue
-        spread = f"{r['spread']:.4f}" if r["seeds"] > 1 else ""
-        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {r['val_loss_1024']:.4f} | {spread} | "
-                     f"{r['steps']:,} | {r['tokens'] / 1e6:,.1f}M | {r['train_seconds']:,.1f} | {r['tok_s']:,.0f} |")
+        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {r['val_loss_1024']:.4f} | {spread_text(r)} | "
+                     f"{r['steps']:,} | {tokens_text(r['tokens'])} | {r['train_seconds']:,.1f} | {r['tok_s']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -451,7 +463,12 @@ def read_run(folder: Path) -> dict:
                          f"run with --resume again to train that rung once more") from None
     for checkpoint in folder.glob("ckpt*.pt"):  # the curves are the result; the weights are not kept
         checkpoint.unlink()
-    return {"curve": eval_curve(TR.read_log(folder / "log.jsonl")), "tok_s": summary.get("mean_tok_s")}
+    curve = eval_curve(TR.read_log(folder / "log.jsonl"))
+    # The whole run's rate, its tokens over its training seconds: after --resume, the summary's mean_tok_s
+    # is the last session's alone.
+    last = curve[-1] if curve else {}
+    tok_s = last["tokens"] / last["train_seconds"] if last.get("train_seconds") else summary.get("mean_tok_s")
+    return {"curve": curve, "tok_s": tok_s}
 
 
 def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_batch: int | None, out: Path,

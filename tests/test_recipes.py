@@ -118,8 +118,21 @@ def test_rows_average_seeds_and_time_each_rung_to_the_articles_mean_loss():
     assert b["tokens_to_target"] == pytest.approx(190.0) and b["seconds_to_target"] == pytest.approx(1.9)
     assert b["step_overhead"] == pytest.approx(0.25)
     table = RE.table([article, b])
-    assert "| article | 2 | 3.1000 | 0.2000 | 1.2000 | 0M | 3.0 | 1.00 | 100 | +0.0% |" in table
-    assert "| b | 1 | 2.0000 | 0.0000 | 1.2000 | 0M | 1.9 | 0.63 | 80 | +25.0% |" in table
+    assert "| article | 2 | 3.1000 | 0.2000 | 1.2000 | 300 | 3.0 | 1.00 | 100 | +0.0% |" in table
+    assert "| b | 1 | 2.0000 |  | 1.2000 | 190 | 1.9 | 0.63 | 80 | +25.0% |" in table  # one seed: no spread
+
+
+def test_tokens_are_printed_in_a_unit_that_fits():
+    assert [RE.tokens_text(n) for n in (512, 327_680, 21_040_000, 440_401_920, 2.5e9)] == \
+        ["512", "328K", "21.0M", "440M", "2.5B"]
+
+
+def test_a_rungs_tok_s_is_its_whole_runs_not_its_last_sessions(tmp_path):
+    run = tmp_path / "rung-s1337"
+    run.mkdir()
+    (run / "summary.json").write_text('{"mean_tok_s": 8336}')  # the second session's alone, after --resume
+    (run / "log.jsonl").write_text('{"step": 4, "tokens": 4000, "train_seconds": 2.0, "val_loss": 5.0, "val_bpb": 2.0}\n')
+    assert RE.read_run(run)["tok_s"] == 2000.0
 
 
 @pytest.mark.slow
