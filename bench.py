@@ -729,27 +729,21 @@ def recipes_study(args, argv):
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     if args.corpus and args.corpus not in tk.CORPORA:  # a path or glob: the user's, not the rungs' working folder
         args.corpus = str(Path(args.corpus).expanduser().absolute())
-    if not cuda and (args.seconds or 0) + (args.tokens or 0) == 0 and preset != "tiny":
-        budget = C.preset(f"{preset}-gpt3").train.tokens
-        print(f"note: no GPU, so every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, "
-              f"days of work at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny",
-              flush=True)
     if not cuda:
         print("no CUDA device: the ladder runs on the CPU, a smoke test of the code; CPU numbers say nothing "
               "about a GPU", flush=True)
+    if not cuda and (args.seconds or 0) + (args.tokens or 0) == 0 and preset != "tiny":
+        budget = C.preset(f"{preset}-gpt3").train.tokens
+        print(f"note: every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, days of work "
+              f"at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny", flush=True)
     if args.seconds:
         return record_study(args, argv, preset, devices, out, device_name, cuda)
     found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
                      args.micro_batch_size, out, args.timeout, args.resume, args.versus, devices,
                      tuple(args.fractions or RE.WHOLE_BUDGET))
-    date = time.strftime("%Y-%m-%d")
     name = f"recipes-{preset}{'-versus' if args.versus else ''}"
-    RE.plot(found["curves"], f"validation loss | {preset} | {found['corpus']} | {RE.tokens_text(found['tokens'])} tokens "
-            f"| {device_name} | {date}", out / f"{name}.png")
-    (out / f"{name}.json").write_text(json.dumps({"device": device_name, "devices": len(devices), "date": date,
-                                                   "torch": torch.__version__, "preset": preset,
-                                                   "command": "python bench.py " + " ".join(argv or sys.argv[1:]),
-                                                   **found}, indent=2))
+    date = save_recipes(found, out, name, f"validation loss | {preset} | {found['corpus']} | "
+                        f"{RE.tokens_text(found['tokens'])} tokens", preset, device_name, devices, argv)
     print(f"## recipes | {preset} ({found['params']:,} parameters) | {found['corpus']} corpus | "
           f"{found['tokens']:,} tokens per rung | {device_name} x {len(devices)} | {date}\n\n"
           f"target: the article recipe's mean final validation loss, {found['target']}; seconds are training "
@@ -758,16 +752,25 @@ def recipes_study(args, argv):
           + f"\n\n{out / name}.json, {out / name}.png")
 
 
+def save_recipes(found: dict, out: Path, name: str, title: str, preset: str, device_name: str, devices: list,
+                 argv) -> str:
+    """A recipe study's plot and JSON (with the command that made them) in out; returns the date."""
+    date = time.strftime("%Y-%m-%d")
+    RE.plot(found["curves"], f"{title} | {device_name} | {date}", out / f"{name}.png")
+    (out / f"{name}.json").write_text(json.dumps({"device": device_name, "devices": len(devices), "date": date,
+                                                   "torch": torch.__version__, "preset": preset,
+                                                   "command": "python bench.py " + " ".join(argv or sys.argv[1:]),
+                                                   **found}, indent=2))
+    return date
+
+
 def record_study(args, argv, preset: str, devices: list, out: Path, device_name: str, cuda: bool):
     """--recipes --seconds S: the record ladder, every rung for S training seconds."""
     found = RE.seconds_study(preset, args.seconds, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
                              args.micro_batch_size, out, args.timeout, args.resume, devices)
-    date, name = time.strftime("%Y-%m-%d"), f"record-{preset}"
-    RE.plot(found["curves"], f"validation loss as trained | {preset} | {found['corpus']} | {args.seconds:g} training s "
-            f"| {device_name} | {date}", out / f"{name}.png")
-    (out / f"{name}.json").write_text(json.dumps({"device": device_name, "date": date, "torch": torch.__version__,
-                                                   "preset": preset, "command": "python bench.py " + " ".join(
-                                                       argv or sys.argv[1:]), **found}, indent=2))
+    name = f"record-{preset}"
+    date = save_recipes(found, out, name, f"validation loss as trained | {preset} | {found['corpus']} | "
+                        f"{args.seconds:g} training s", preset, device_name, devices, argv)
     print(f"## record ladder | {preset} | {found['corpus']} corpus | {args.seconds:g} training seconds per rung | "
           f"{device_name} | {date}\n\nseconds are training seconds (compile, evaluation and saving left out); each "
           f"rung's steps were sized from its own first steps\n\n{RE.seconds_table(found['rows'])}\n\n"

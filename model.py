@@ -162,6 +162,12 @@ def swiglu_hidden(d: int, multiple_of: int = 256) -> int:
 
 # --- Layers --------------------------------------------------------------------------------
 
+def rms_norm(x, eps: float):
+    """x / rms(x) without a gain, in at least float32 (RMSNorm; embed_norm alone: modded-nanogpt's norm(x))."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * g (Zhang & Sennrich 2019): no mean, no bias. Computed in at least float32."""
 
@@ -171,9 +177,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return rms_norm(x, self.eps) * self.weight
 
 
 def rope_tables(head_dim: int, length: int, theta: float, truncate: bool = False):
@@ -781,12 +785,6 @@ class Llama(nn.Module):
         # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.
         logits = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), self.cfg.logit_softcap)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def rms_norm(x, eps: float):
-    """x / rms(x) without a gain, in at least float32 (embed_norm: modded-nanogpt's norm(x))."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def softcap(logits, cap: float):

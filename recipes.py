@@ -471,6 +471,14 @@ def read_run(folder: Path) -> dict:
     return {"curve": curve, "tok_s": tok_s}
 
 
+def check_and_prepare(plan: list[Recipe], fixed: dict, sized: bool = True) -> C.Config:
+    """Check every rung's config before anything runs, the data included, then prepare the data once,
+    here: rungs running at once must not race to write it. Returns the first rung's config."""
+    first = [resolved(r, fixed, sized)[0] for r in plan][0]
+    D.prepare(first.data, first.model.vocab_size)
+    return first
+
+
 def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_batch: int | None, out: Path,
                   timeout: int, resume: bool, devices: list[str | None]) -> dict:
     """Run the record ladder: every rung for `seconds` training seconds. Returns rows and curves."""
@@ -480,10 +488,7 @@ def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_ba
              "train__eval_every": SECONDS_EVAL_EVERY, "train__ckpt_every": 10**6}  # saved at the end and on a signal
     plan = record_plan(preset, seeds, micro_batch)
     runs_dir = out / "recipes" / f"{preset}_{corpus}_{seconds:g}s"
-    for r in plan:
-        C.preset(r.config, **{**fixed, **r.overrides})  # every rung is checked before anything runs
-    cfg = C.preset(preset, **fixed)
-    D.prepare(cfg.data, cfg.model.vocab_size)
+    cfg = check_and_prepare(plan, fixed, sized=False)
     print(f"recipes: {preset} on {corpus}, {seconds:g} training seconds per rung, {len(plan)} runs, "
           f"{len(devices)} at a time", flush=True)
     results = run_all(plan, fixed, runs_dir, devices, timeout, resume, sized=False)
@@ -505,10 +510,7 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
     fixed = fixed_settings(base, tokens, corpus, micro_batch)
     runs_dir = out / "recipes" / f"{preset}_{corpus}_{tokens}"  # --resume never mixes budgets or corpora
     plan = versus_plan(preset, seeds, tokens, fractions) if versus else ladder_plan(preset, seeds)
-    for r in plan:
-        resolved(r, fixed)  # every config is checked before anything runs, the data included
-    cfg = resolved(plan[0], fixed)[0]
-    D.prepare(cfg.data, cfg.model.vocab_size)  # once, here: rungs running at once must not race to write it
+    cfg = check_and_prepare(plan, fixed)
     print(f"recipes: {preset} ({M.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "
           f"{len(devices)} at a time", flush=True)
     results = run_all(plan, fixed, runs_dir, devices, timeout, resume)

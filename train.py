@@ -83,6 +83,12 @@ PLAIN_CONTEXT = 1024  # every run's loss is also reported on plain causal window
 MAX_WARMUP_SHARE = 0.5
 
 
+def fitted_warmup(cfg: C.TrainConfig, steps: int, done: int = 0) -> int:
+    """train.warmup_steps, or MAX_WARMUP_SHARE of `steps` where that is shorter (never fewer than the
+    `done` steps already taken)."""
+    return min(cfg.warmup_steps, max(done, int(MAX_WARMUP_SHARE * steps)))
+
+
 def total_steps(cfg: C.TrainConfig) -> int:
     """The run's optimizer steps; UNSIZED until a train.seconds run has measured its speed."""
     if cfg.steps > 0:
@@ -209,11 +215,11 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
     steps = total_steps(tcfg)
-    if steps != UNSIZED and tcfg.warmup_steps > MAX_WARMUP_SHARE * steps:
+    if steps != UNSIZED and fitted_warmup(tcfg, steps) < tcfg.warmup_steps:
         say(f"note: train.warmup_steps={tcfg.warmup_steps} would warm up over more than half of the run's {steps} "
             f"steps and leave no room for its stable phase and warm-down: warming up over "
-            f"{int(MAX_WARMUP_SHARE * steps)} steps instead")
-        tcfg = dataclasses.replace(tcfg, warmup_steps=int(MAX_WARMUP_SHARE * steps))
+            f"{fitted_warmup(tcfg, steps)} steps instead")
+        tcfg = dataclasses.replace(tcfg, warmup_steps=fitted_warmup(tcfg, steps))
         cfg = dataclasses.replace(cfg, train=tcfg)
     if steps == UNSIZED and random_tokens_dir is not None:
         raise ValueError("train.seconds sizes a run on its corpus; random-token speed rungs time fixed steps: "
@@ -718,7 +724,7 @@ def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say):
     tcfg = r.cfg.train
     steps = max(p.step + 1, p.step + int((tcfg.seconds - p.train_seconds) / median))
     r.steps = steps
-    warmup = min(tcfg.warmup_steps, max(p.step, int(MAX_WARMUP_SHARE * steps)))  # as setup() does, from here on
+    warmup = fitted_warmup(tcfg, steps, done=p.step)  # as setup() does, from here on
     if warmup < tcfg.warmup_steps:
         say(f"note: train.warmup_steps={tcfg.warmup_steps} is more than half of the {steps} steps: warming up over "
             f"{warmup} steps instead")
