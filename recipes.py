@@ -78,9 +78,31 @@ def chain(article: C.Config) -> list[tuple[str, dict]]:
 
 # The record ladder (--seconds): modded-nanogpt's ideas one at a time from today's default, each on top of
 # the rungs before it; after the last, the rung is configs/<preset>-record.toml (a test checks). The values
-# are modded's (its train_gpt.py at commit 9d9dc969). Three value tables, or fewer where the preset has
-# fewer than six layers; long sequences scale with the preset's context: 8x it, documents masked apart,
-# a window growing from 1/8 of it to 1.75x (126m: 8,192, 128 to 1,792).
+# are modded's (its train_gpt.py at commit 9d9dc969). A change that depends on the preset is a function of
+# (preset config, micro-batch): three value tables, or fewer where the preset has fewer than six layers;
+# 1.5x the batch; sequences 8x the context, documents masked apart, with the micro-batch shrunk to hold as
+# many tokens; a window growing from 1/8 of the context to 1.75x (126m: 393,216; 8,192; 128 to 1,792).
+
+
+def _value_tables(base: C.Config, micro_batch: int) -> dict:
+    return {"model__value_embeds": min(3, base.model.n_layers // 2)}
+
+
+def _larger_batch(base: C.Config, micro_batch: int) -> dict:  # in whole micro-batches
+    per_pass = micro_batch * base.model.context
+    return {"train__batch_tokens": max(per_pass, round(1.5 * base.train.batch_tokens / per_pass) * per_pass)}
+
+
+def _long_sequences(base: C.Config, micro_batch: int) -> dict:
+    return {"model__context": 8 * base.model.context, "train__doc_mask": True,
+            "train__micro_batch": max(1, micro_batch // 8)}
+
+
+def _growing_window(base: C.Config, micro_batch: int) -> dict:
+    T = base.model.context
+    return {"model__attn_window": 7 * T // 4, "train__window_start": max(1, T // 8)}
+
+
 RECORD_CHAIN = (
     ("+ untied zero head, embed-norm, soft-cap 15", {"model__tie_embeddings": False, "model__embed_norm": True,
                                                      "model__logit_softcap": 15.0}),
@@ -90,13 +112,13 @@ RECORD_CHAIN = (
     ("+ Muon lr 0.05, momentum warm-up", {"train__muon_lr": 0.05, "train__muon_momentum_warmup": 300}),
     ("+ no warm-up, 45% cool-down to 0.1x", {"train__warmup_steps": 0, "train__warmdown_fraction": 0.45,
                                              "train__min_lr_ratio": 0.1}),
-    ("+ value embeddings", "values"),
+    ("+ value embeddings", _value_tables),
     ("+ U-net skips, x0 mix", {"model__unet_skips": True, "model__x0_mix": True}),
     ("+ half-truncated RoPE", {"model__rope_truncate": True}),
     ("+ attention gate", {"model__attn_gate": True}),
-    ("+ 1.5x batch (126m: modded's 393K)", "batch"),
-    ("+ long documents-masked sequences", "long"),
-    ("+ sliding window, growing", "window"),
+    ("+ 1.5x batch (126m: modded's 393K)", _larger_batch),
+    ("+ long documents-masked sequences", _long_sequences),
+    ("+ sliding window, growing", _growing_window),
 )
 # The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
@@ -217,23 +239,6 @@ def final_recipes(preset: str, kept: list[str], seeds: int) -> list[Recipe]:
             for i in range(seeds)]
 
 
-def record_changes(name_or_change, base: C.Config, micro_batch: int) -> dict:
-    """A RECORD_CHAIN entry's overrides; "batch" scales the preset's batch, "values" fits its layers,
-    "long" and "window" scale with its context, and the micro-batch shrinks with the longer sequence
-    so a micro-batch holds as many tokens."""
-    T = base.model.context
-    if name_or_change == "batch":  # 1.5x the preset's, in whole micro-batches (126m: 262,144 -> 393,216)
-        per_pass = micro_batch * T
-        return {"train__batch_tokens": max(per_pass, round(1.5 * base.train.batch_tokens / per_pass) * per_pass)}
-    if name_or_change == "values":
-        return {"model__value_embeds": min(3, base.model.n_layers // 2)}
-    if name_or_change == "long":
-        return {"model__context": 8 * T, "train__doc_mask": True, "train__micro_batch": max(1, micro_batch // 8)}
-    if name_or_change == "window":
-        return {"model__attn_window": 7 * T // 4, "train__window_start": max(1, T // 8)}
-    return dict(name_or_change)
-
-
 def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
     """The default (its warm-up at SECONDS_WARMUP), then each RECORD_CHAIN change on top of the rungs
     before it, one seed each; then the whole chain once more per further seed."""
@@ -241,7 +246,7 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
     carried = {"train__warmup_steps": SECONDS_WARMUP}
     plan = [Recipe("default recipe", preset, "default", dict(carried))]
     for name, change in RECORD_CHAIN:
-        carried = {**carried, **record_changes(change, base, micro_batch)}
+        carried = {**carried, **(change(base, micro_batch) if callable(change) else change)}
         plan.append(Recipe(name, preset, "chain", dict(carried)))
     plan += [Recipe(RECORD_CHAIN[-1][0], preset, "chain", dict(carried), SEED + i) for i in range(1, seeds)]
     return plan

@@ -226,6 +226,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
                          "give train.steps")
     loader_args = dict(batch=B, seq_len=T, vocab_size=V, rank=rank, world=world, doc_ids=tcfg.doc_mask,
                        device=device)
+    plain_val = None
     if random_tokens_dir is not None:
         needed = (steps + 1) * tcfg.batch_tokens + 8 * B * (T + 1)
         files = D.random_shards(Path(random_tokens_dir), V, needed)
@@ -241,14 +242,13 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         files, source = D.shard_files(folder, "train"), f"{cfg.data.corpus} shards"
         val_loader = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
                                    **loader_args)
-        plain_val = None
         if T > PLAIN_CONTEXT or (tcfg.doc_mask and T == PLAIN_CONTEXT):
             plain_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
                                       **{**loader_args, "seq_len": PLAIN_CONTEXT, "doc_ids": False})
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
     raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
     return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
-               accum, steps, tok_path, tok_hash, source, plain_val if random_tokens_dir is None else None)
+               accum, steps, tok_path, tok_hash, source, plain_val)
 
 
 # --- The step ------------------------------------------------------------------------------
@@ -611,7 +611,8 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     plain_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * PLAIN_CONTEXT * r.world))
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
-    bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step", disable=r.rank != 0, dynamic_ncols=True)
+    bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
+               disable=r.rank != 0, dynamic_ncols=True)
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     stopper, session = Stopper(say), Session(first_step=p.step)
     last_saved = p.step if resumed else None

@@ -328,7 +328,7 @@ def test_flex_attention_matches_boolean_mask_on_cuda():
     q = torch.randn(2, 4, 256, 64, device="cuda", generator=g)
     k, v = (torch.randn(2, 2, 256, 64, device="cuda", generator=g) for _ in range(2))
     doc = torch.cumsum(torch.rand(2, 256, device="cuda", generator=g) < 0.02, dim=1).int()
-    flex = M.attention(q, k, v, block_mask=M.flex_block_mask(doc))
+    flex = M.attention(q, k, v, block_mask=M.mask_inputs(256, q.device, doc)["block_mask"])
     torch.testing.assert_close(flex, M.attention(q, k, v, doc_ids=doc), rtol=2e-3, atol=2e-3)
 
 
