@@ -206,7 +206,7 @@ def attention_kernels(run: TR.Run) -> str:
     a silent fallback to the math backend shows up as softmax kernels and no fused kernel."""
     def one():
         TR.forward_loss(run.model, run.train_loader.next_batch(), run.cfg.train, run.device,
-                        run.cfg.model.attn_window).backward()
+                        run.cfg.model.windows()).backward()
     names = kernel_times(one, run.device)
     seen = [label for label, sign in ATTENTION_SIGNS if any(sign in n.lower() for n in names)]
     fused = [s for s in seen if s != "math"]
@@ -226,7 +226,7 @@ def time_run(run: TR.Run, rung: Rung) -> Result:
 
     def step(accum):  # a windowed model is timed at its last, longest window
         loss, _ = TR.train_step(run.model, run.optimizer, run.train_loader.next_batch, accum, tcfg, device, 1e-4,
-                                window=run.cfg.model.attn_window)
+                                windows=run.cfg.model.windows())
         return loss.item()  # one read-back per step, as a logger would
 
     _, warmup_s = timed(lambda: step(min(4, run.accum)), device)  # compilation happens here

@@ -6,8 +6,8 @@ the fused loss; the model with its KV cache and optional soft-cap; then the clos
 Generation, which drives the KV cache, is generate.py.
 
 The recipe's options (mlp, qk_norm, zero_init, tie_embeddings, logit_softcap, and modded-nanogpt's
-embed_norm, value_embeds, unet_skips, x0_mix, rope_truncate, attn_gate, attn_window) default to the
-article's Llama, so a checkpoint from before them computes what it trained with; the presets in
+embed_norm, value_embeds, unet_skips, x0_mix, rope_truncate, attn_gate, attn_window, short_windows)
+default to the article's Llama, so a checkpoint from before them computes what it trained with; the presets in
 configs/ choose what the recipe ladder measured fastest (docs/PERFORMANCE.md, time to a good model).
 
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
@@ -40,7 +40,7 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 # between runs of the same checkpoint.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
-                "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window")
+                "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -70,6 +70,7 @@ class ModelConfig:
     rope_truncate: bool = False  # RoPE on the first quarter of frequencies only (1 to 1/1024); the rest unrotated
     attn_gate: bool = False  # each head's output times sigmoid(a gate of the block input's first 12 channels)
     attn_window: int = 0  # sliding-window attention: a query sees itself and the attn_window - 1 keys before it (0: all)
+    short_windows: bool = False  # half the window on all layers but every fourth and the last (record #28's long-short)
     attention: AttentionKind = "sdpa"  # attention kernel in training
     # Fast paths: each computes what its plain path does (within rounding) and is off here, so that a
     # config that does not name it, and a checkpoint from before it existed, runs the plain path; the
@@ -119,6 +120,10 @@ class ModelConfig:
         if self.attn_window < 0:
             raise ValueError(f"model.attn_window must be >= 0 (0: attend over the whole context), got "
                              f"{self.attn_window}")
+        if self.short_windows and not self.windowed:
+            raise ValueError(f"model.short_windows halves model.attn_window on most layers, but attn_window="
+                             f"{self.attn_window} hides nothing in a context of {self.context}: set attn_window "
+                             f"below the context, or --no-short-windows")
         if self.mlp not in ("swiglu", "relu2"):
             raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
@@ -133,6 +138,19 @@ class ModelConfig:
     def windowed(self) -> bool:
         """Whether the sliding window ever hides a key the causal mask would show."""
         return 0 < self.attn_window < self.context
+
+    def short_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends over the short window: with short_windows, all layers but every
+        fourth from the first and the last. modded-nanogpt's record #28 alternates long and short windows
+        (long on layers 0, 4, 7 and 11 of 12, its layer 7 without attention), after Gemma 2: a few long
+        layers carry the far context, the rest look nearby at half the cost."""
+        return self.short_windows and layer % 4 != 0 and layer != self.n_layers - 1
+
+    def windows(self, window: int | None = None) -> tuple[int, int]:
+        """(long, short): the windows of the long and the short layers when the long ones see `window`
+        keys (None: attn_window; 0: no window). short is half of long, or 0 without short_windows."""
+        window = self.attn_window if window is None else window
+        return window, (max(1, window // 2) if self.short_windows and window else 0)
 
     def value_table(self, layer: int) -> int | None:
         """The value-embedding table layer `layer` mixes in, or None: tables 0..k-1 serve the first k
@@ -293,18 +311,21 @@ def doc_mask(doc_ids, window: int = 0, T: int | None = None, device=None):
     return (doc_ids[:, :, None] == doc_ids[:, None, :]) & allowed
 
 
-def mask_inputs(seq_len: int, device: torch.device, doc_ids=None, window: int = 0) -> dict:
+def mask_inputs(seq_len: int, device: torch.device, doc_ids=None, windows: tuple[int, int] = (0, 0)) -> dict:
     """The model's keyword arguments for attention within documents (doc_ids (B, T), or None) and
-    within a sliding window of `window` keys (model.attn_window, or train.window_start's schedule):
-    FlexAttention's block mask on CUDA, built once per micro-batch outside any compiled model, so
-    blocks wholly outside the documents and the window cost nothing; the boolean mask elsewhere.
+    within sliding windows: windows is (long, short), ModelConfig.windows at this step (0: none).
+    FlexAttention's block masks on CUDA, built once per micro-batch outside any compiled model, so
+    blocks wholly outside the documents and the window cost nothing; the boolean masks elsewhere.
     {} when neither applies: plain causal attention, the fastest kernel."""
-    window = window if 0 < window < seq_len else 0  # a window as long as the sequence hides nothing
-    if doc_ids is None and not window:
+    long, short = (w if 0 < w < seq_len else 0 for w in windows)  # a window as long as the sequence hides nothing
+    if doc_ids is None and not long and not short:
         return {}
     if device.type == "cuda":
-        return {"block_mask": flex_block_mask(doc_ids, window, seq_len, device)}
-    return {"doc_ids": doc_ids, "attn_window": window}
+        masks = {"block_mask": flex_block_mask(doc_ids, long, seq_len, device)}
+        if short:
+            masks["short_block_mask"] = flex_block_mask(doc_ids, short, seq_len, device)
+        return masks
+    return {"doc_ids": doc_ids, "attn_window": long} | ({"short_window": short} if short else {})
 
 
 _flex = None
@@ -418,6 +439,10 @@ class Attend:
     block_mask: object = None  # FlexAttention's BlockMask for doc_ids and window
     pos: torch.Tensor | None = None  # (T,) cache positions of the tokens (generation)
     cache_mask: torch.Tensor | None = None  # (T, S) booleans: which of the first S cache positions each token reads
+    # The same three for the short layers (ModelConfig.short_layer), where short_windows is on:
+    short_window: int = 0
+    short_block_mask: object = None
+    short_cache_mask: torch.Tensor | None = None
 
 
 class KVCache(nn.Module):
@@ -446,6 +471,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
+        self.short = cfg.short_layer(layer)  # attends over the short window (Attend's short_* fields)
         self.kind = cfg.attention
         self.fused_decode = cfg.fused_decode and not cfg.windowed  # the decode kernel reads the whole cache
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -499,8 +525,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
             k, v = self.cache.update(pos, k, v)
-            read = at.cache_mask.shape[1]
-            y = cached_attention(q, k[:, :, :read].to(q.dtype), v[:, :, :read].to(q.dtype), at.cache_mask)
+            mask = at.short_cache_mask if self.short else at.cache_mask
+            read = mask.shape[1]
+            y = cached_attention(q, k[:, :, :read].to(q.dtype), v[:, :, :read].to(q.dtype), mask)
+        elif self.short:
+            y = attention(q, k, v, self.kind, doc_ids=at.doc_ids, block_mask=at.short_block_mask, window=at.short_window)
         else:
             y = attention(q, k, v, self.kind, doc_ids=at.doc_ids, block_mask=at.block_mask, window=at.window)
         return self.wo(self.gated(y.transpose(1, 2), x).reshape(B, T, -1))
@@ -725,11 +754,12 @@ class Llama(nn.Module):
                                            device, dtype)
 
     def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None, window: int | None = None,
-                attn_window: int | None = None):
+                attn_window: int | None = None, short_window: int | None = None, short_block_mask=None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
         cross-entropy. doc_ids (B, T) restrict attention to each packed document and attn_window to
-        a sliding window (None: model.attn_window, the window the model ends its training with), or
-        block_mask does both on CUDA (mask_inputs builds these; it then decides alone).
+        a sliding window (None: model.attn_window, the window the model ends its training with), and
+        short_window the short layers' (None: as ModelConfig.windows has it), or block_mask and
+        short_block_mask do both on CUDA (mask_inputs builds these; they then decide alone).
         pos: (T,) positions of idx's tokens when generating with the cache (setup_cache): their
         keys and values are stored there and attention reads the cache up to them. window: how
         many cache positions attention reads, through a mask (default: all of them). Eager
@@ -744,17 +774,20 @@ class Llama(nn.Module):
         if self.cfg.embed_norm:
             x = rms_norm(x, self.cfg.norm_eps)
         if pos is None:
-            reach = self.cfg.attn_window if attn_window is None else attn_window
-            reach = reach if reach < T else 0  # a window as long as the sequence hides nothing
-            at = Attend(self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype), doc_ids, reach, block_mask)
+            long, short = self.cfg.windows(attn_window)
+            short = short if short_window is None else short_window
+            long, short = (w if w < T else 0 for w in (long, short))  # a window as long as the sequence hides nothing
+            at = Attend(self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype), doc_ids, long, block_mask,
+                        short_window=short, short_block_mask=short_block_mask)
         else:
             # (T, window): a query at position p sees cached keys at positions <= p; positions past
             # the current length hold zeros or stale keys and are masked out.
             keys = torch.arange(window or self.cfg.context, device=idx.device)[None, :]
-            cache_mask = keys <= pos[:, None]
-            if self.cfg.windowed:  # and no further back than the sliding window
-                cache_mask = cache_mask & (pos[:, None] - keys < self.cfg.attn_window)
-            at = Attend(self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype), pos=pos, cache_mask=cache_mask)
+            causal = keys <= pos[:, None]
+            long, short = self.cfg.windows()  # and no further back than the sliding windows
+            cache_mask, short_mask = ((causal & (pos[:, None] - keys < w)) if w else causal for w in (long, short))
+            at = Attend(self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype), pos=pos, cache_mask=cache_mask,
+                        short_cache_mask=short_mask if short else None)
         if self.cfg.bf16_residual and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
             # The stream every norm reads and every residual add writes, in bf16 instead of float32:
             # half the bytes in those memory-bound kernels (docs/PERFORMANCE.md, training speed). The
@@ -812,11 +845,18 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token, PaLM appendix B: 6N for the weights (2 forward, 4 backward) plus
-    12 * L * H * Q * T for attention's two weightless matmuls (the full T x T square, as PaLM
-    counts it, masked half included)."""
+    """Training FLOPs per token, PaLM appendix B: 6N for the weights that multiply (2 forward, 4
+    backward) plus 12 * L * H * Q * T for attention's two weightless matmuls (the full T x T square,
+    as PaLM counts it, masked half included). The token and value embeddings are lookups, not
+    matmuls: an untied input embedding and the value tables are left out of N. A layer's sliding
+    window of w keys counts as T = min(T, 2w), the same square with its masked half; what a document
+    mask hides is not known in advance and still counts."""
     T = cfg.context if seq_len is None else seq_len
-    return 6 * param_count(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T
+    lookups = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    lookups += cfg.value_embeds * cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim
+    long, short = cfg.windows()
+    reach = sum(min(T, 2 * w) if w else T for w in (short if cfg.short_layer(i) else long for i in range(cfg.n_layers)))
+    return 6 * (param_count(cfg) - lookups) + 12 * cfg.n_heads * cfg.head_dim * reach
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:

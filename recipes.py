@@ -81,7 +81,8 @@ def chain(article: C.Config) -> list[tuple[str, dict]]:
 # are modded's (its train_gpt.py at commit 9d9dc969). A change that depends on the preset is a function of
 # (preset config, micro-batch): three value tables, or fewer where the preset has fewer than six layers;
 # 1.5x the batch; sequences 8x the context, documents masked apart, with the micro-batch shrunk to hold as
-# many tokens; a window growing from 1/8 of the context to 1.75x (126m: 393,216; 8,192; 128 to 1,792).
+# many tokens; a window growing from 1/8 of the context to 1.75x (126m: 393,216; 8,192; 128 to 1,792);
+# the record's shape, which at another width keeps its proportions (_record_shape).
 
 
 def _value_tables(base: C.Config, micro_batch: int) -> dict:
@@ -103,6 +104,17 @@ def _growing_window(base: C.Config, micro_batch: int) -> dict:
     return {"model__attn_window": 7 * T // 4, "train__window_start": max(1, T // 8)}
 
 
+def _record_shape(base: C.Config, micro_batch: int) -> dict:
+    """modded's 12 layers of 6 heads of 128 at the 126m width, where the preset has 16 layers of 12 heads
+    of 64 sharing 4 kv heads: elsewhere 3/4 of the layers, heads of about 128, no grouped kv heads."""
+    layers = max(2, round(3 * base.model.n_layers / 4))
+    heads = max(1, base.model.d_model // 128)
+    while heads > 1 and (base.model.d_model % heads or (base.model.d_model // heads) % 2):
+        heads -= 1
+    return {"model__n_layers": layers, "model__n_heads": heads, "model__n_kv_heads": heads,
+            "model__value_embeds": min(3, layers // 2)}
+
+
 RECORD_CHAIN = (
     ("+ untied zero head, embed-norm, soft-cap 15", {"model__tie_embeddings": False, "model__embed_norm": True,
                                                      "model__logit_softcap": 15.0}),
@@ -119,6 +131,8 @@ RECORD_CHAIN = (
     ("+ 1.5x batch (126m: modded's 393K)", _larger_batch),
     ("+ long documents-masked sequences", _long_sequences),
     ("+ sliding window, growing", _growing_window),
+    ("+ long-short windows", {"model__short_windows": True}),
+    ("+ the record's shape (126m: 12 layers, 6 heads of 128)", _record_shape),
 )
 # The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).

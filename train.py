@@ -102,20 +102,20 @@ def probing_end(r: "Run", p: "Progress", session: "Session") -> bool:
             and p.step >= session.first_step + 2 + (PROBE_STEPS - 2) // 2)
 
 
-def window_at(step: int, steps: int, cfg: C.Config) -> int:
-    """The sliding window at `step`: model.attn_window, or with train.window_start a window grown
-    linearly from window_start to attn_window over the run, rounded up to whole blocks of 128 tokens
-    (FlexAttention's block), or of window_start where that is smaller. modded-nanogpt grows 128 to
-    1,792 this way: short windows cost less while the model learns local statistics, and the long
-    ones come when it can use them."""
+def window_at(step: int, steps: int, cfg: C.Config) -> tuple[int, int]:
+    """The sliding windows (long, short) at `step` (ModelConfig.windows): model.attn_window, or with
+    train.window_start a window grown linearly from window_start to attn_window over the run, rounded
+    up to whole blocks of 128 tokens (FlexAttention's block), or of window_start where that is smaller.
+    modded-nanogpt grows 128 to 1,792 this way: short windows cost less while the model learns local
+    statistics, and the long ones come when it can use them."""
     start, end = cfg.train.window_start, cfg.model.attn_window
     if not start:
-        return end
+        return cfg.model.windows(end)
     if steps == UNSIZED:  # a train.seconds run before size_steps: its probe times the schedule's two ends
-        return start
+        return cfg.model.windows(start)
     block = min(WINDOW_BLOCK, start)
     width = start + min(1.0, step / steps) * (end - start)
-    return min(end, block * math.ceil(width / block))
+    return cfg.model.windows(min(end, block * math.ceil(width / block)))
 
 
 # --- Setting up a run ----------------------------------------------------------------------
@@ -253,26 +253,26 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
 
 # --- The step ------------------------------------------------------------------------------
 
-def masks_for(batch, device: torch.device, window: int = 0) -> dict:
+def masks_for(batch, device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
     """The model's attention-mask arguments for a micro-batch (x, y[, doc_ids]): its documents when
-    the loader gives their ids (train.doc_mask), and a sliding window of `window` keys (0: none)."""
-    return M.mask_inputs(batch[0].shape[1], device, batch[2] if len(batch) > 2 else None, window)
+    the loader gives their ids (train.doc_mask), and the sliding windows (long, short) (0: none)."""
+    return M.mask_inputs(batch[0].shape[1], device, batch[2] if len(batch) > 2 else None, windows)
 
 
-def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, window: int = 0):
+def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] = (0, 0)):
     """Mean loss of one micro-batch (x, y[, doc_ids])."""
-    masks = masks_for(batch, device, window)
+    masks = masks_for(batch, device, windows)
     with autocast(cfg, device):
         return model(batch[0], batch[1], **masks)
 
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
-               momentum: float | None = None, window: int = 0):
+               momentum: float | None = None, windows: tuple[int, int] = (0, 0)):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
     lr: the scheduled AdamW rate (each group runs at its lr_ratio of it); momentum: Muon's at this
-    step (None: as configured); window: the sliding window at this step (window_at)."""
+    step (None: as configured); windows: the sliding windows (long, short) at this step (window_at)."""
     O.set_step_rates(optimizer, lr, momentum)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
@@ -289,7 +289,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
         # Under DDP, only the last micro-batch all-reduces the accumulated gradients.
         sync = i == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with contextlib.nullcontext() if sync else model.no_sync():
-            loss = forward_loss(model, batch, cfg, device, window) / accum  # mean over the whole step
+            loss = forward_loss(model, batch, cfg, device, windows) / accum  # mean over the whole step
             loss.backward()
         loss_sum += loss.detach()
     if cfg.grad_clip:
@@ -306,7 +306,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
 
 @torch.no_grad()
 def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
-             device: torch.device, window: int = 0) -> dict:
+             device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
     """Mean validation loss and bits per byte over the first n_batches of the val split, with the
     masks the run trains with (documents, the sliding window at this step) where the loader has
     document ids. Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets
@@ -318,7 +318,7 @@ def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Te
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
-            logits = model(x, **masks_for(batch, device, window))
+            logits = model(x, **masks_for(batch, device, windows))
         nats += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
         n_tokens += y.numel()
         n_bytes += token_bytes[y].sum()
@@ -558,7 +558,9 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
         f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}")
     parts = [name for name, on in (("embed-norm", m.embed_norm), (f"{m.value_embeds} value embeddings", m.value_embeds),
                                     ("U-net skips", m.unet_skips), ("x0 mix", m.x0_mix), ("truncated RoPE", m.rope_truncate),
-                                    ("attention gate", m.attn_gate), (f"window {m.attn_window}", m.attn_window)) if on]
+                                    ("attention gate", m.attn_gate),
+                                    (f"window {m.attn_window}" + (f", {m.windows()[1]} on short layers" if m.short_windows
+                                                                  else ""), m.attn_window)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
     groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)
@@ -620,10 +622,10 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
         while True:
             last_step, fresh = p.step == r.steps, p.step > session.first_step  # a resumed step was evaluated and saved
             if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
-                window = window_at(p.step, r.steps, r.cfg)
-                session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device, window)
+                windows = window_at(p.step, r.steps, r.cfg)
+                session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device, windows)
                 if r.plain_val_loader is not None:
-                    plain = evaluate(r.model, r.plain_val_loader, plain_batches, token_bytes, tcfg, r.device, window)
+                    plain = evaluate(r.model, r.plain_val_loader, plain_batches, token_bytes, tcfg, r.device, windows)
                     session.last_eval |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
                 say(f"step {p.step:>6} | val loss {session.last_eval['val_loss']:.4f} | "
                     f"val bpb {session.last_eval['val_bpb']:.4f}"
@@ -668,9 +670,9 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
     tcfg, B, T = r.cfg.train, r.cfg.train.micro_batch, r.cfg.model.context
     t0 = time.perf_counter()
     try:
-        window = r.cfg.model.attn_window if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
+        windows = r.cfg.model.windows() if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
-                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg), window)
+                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg), windows)
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
@@ -700,7 +702,8 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
         session.step_seconds.append(dt)
         p.train_seconds += dt * (2 if p.step == session.first_step + 2 else 1)  # this step and the first one
     return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": O.lr_at(p.step - 1, tcfg, r.steps),
-            "grad_norm": norm_value if tcfg.grad_clip else None, "window": window, "tok_s": round(tok_s), "mfu": meter.mfu(tok_s, r.world),
+            "grad_norm": norm_value if tcfg.grad_clip else None, "window": windows[0], "tok_s": round(tok_s),
+            "mfu": meter.mfu(tok_s, r.world),
             "peak_mem_gib": round(peak_memory_gib(r.device), 3), "step_s": round(dt, 4), "skipped": p.skipped,
             "train_seconds": round(p.train_seconds, 3)}
 

@@ -113,7 +113,8 @@ def test_fp8_block_matmuls_stay_close_to_bf16(compiled):
 
 
 RECORD = dict(mlp="relu2", qk_norm=True, zero_init=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0,
-              value_embeds=1, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384)
+              value_embeds=1, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384,
+              short_windows=True)
 
 
 def test_flex_block_mask_matches_the_boolean_mask_with_documents_and_a_window():
@@ -124,7 +125,7 @@ def test_flex_block_mask_matches_the_boolean_mask_with_documents_and_a_window():
     k, v = (torch.randn(2, 2, 640, 64, device="cuda", generator=g) for _ in range(2))
     doc = torch.cumsum(torch.rand(2, 640, device="cuda", generator=g) < 0.004, dim=1).int()
     for window in (0, 200, 512):
-        flex = M.attention(q, k, v, block_mask=M.mask_inputs(640, q.device, doc, window)["block_mask"])
+        flex = M.attention(q, k, v, block_mask=M.mask_inputs(640, q.device, doc, (window, 0))["block_mask"])
         assert rel(flex, M.attention(q, k, v, doc_ids=doc, window=window)) < 1e-4, window
 
 
@@ -141,7 +142,7 @@ def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
     for run in (model, torch.compile(model)):
         model.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(idx, targets, **M.mask_inputs(1024, idx.device, doc, 256))
+            loss = run(idx, targets, **M.mask_inputs(1024, idx.device, doc, model.cfg.windows(256)))
         loss.backward()
         out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert abs(out[0][0] - out[1][0]) < 2e-3 * out[0][0]

@@ -164,6 +164,41 @@ def test_record_block_matches_numpy_float64():
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
+def test_short_windows_halve_the_window_on_all_but_every_fourth_and_the_last_layer():
+    """modded-nanogpt's long-short pattern, generalised: 12 layers give its long layers 0, 4 and 11
+    (and 8, where its layer 7 has no attention); a short layer sees half the long window."""
+    cfg = M.ModelConfig(**{**SMALL, "n_layers": 12, "attn_window": 6, "short_windows": True})
+    assert [i for i in range(12) if not cfg.short_layer(i)] == [0, 4, 8, 11]
+    assert cfg.windows() == (6, 3) and cfg.windows(256) == (256, 128) and cfg.windows(1) == (1, 1)
+    assert M.ModelConfig(**{**SMALL, "attn_window": 6}).windows() == (6, 0)
+    with pytest.raises(ValueError, match="model.short_windows halves model.attn_window"):
+        M.ModelConfig(**{**SMALL, "short_windows": True})
+    model = small_model(n_layers=3, attn_window=6, short_windows=True)  # layer 1 is short
+    assert [b.attn.short for b in model.blocks] == [False, True, False]
+    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out = model(idx)
+        assert torch.equal(out, model(idx, short_window=3))  # the short layer's window is half of 6
+        assert not torch.allclose(out, model(idx, short_window=6))
+        # and it is the short layer alone that sees 3 keys: the same model, its layer 1 told so directly
+        seen = []
+        model.blocks[1].attn.register_forward_pre_hook(lambda m, args: seen.append(args[1].short_window))
+        model(idx)
+    assert seen == [3]
+
+
+def test_flops_per_token_count_matmuls_and_the_windows_keys():
+    """6N over the weights that multiply (no lookup tables) plus 12*H*Q per layer times the keys it
+    may see, min(T, 2w) with a window w: configs/126m-record.toml at 8,192 tokens, written out."""
+    cfg = C.preset("126m-record").model
+    d, L, H, hd, V, f = 768, 12, 6, 128, 32768, 3072
+    matmuls = L * (4 * d * d + 2 * d * f + 12 * H) + V * d  # blocks (q, k, v, o, the MLP, the gate) and the head
+    scalars = L * (2 * d + 2 * hd + 2) + d + L // 2 + 3 * 2 * 2  # gains, x0 mixes, final norm, skips, v mixes
+    long_layers = 4  # 0, 4, 8 and 11
+    attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers) * 2 * 896)
+    assert M.flops_per_token(cfg) == 6 * (matmuls + scalars) + attention
+
+
 def test_unet_skips_add_each_mirrored_output_with_its_weight():
     """Written out for four blocks: block 2 adds block 1's output times skip_weights[0], block 3
     block 0's times skip_weights[1] (modded-nanogpt's stack order); the stream starts from the
@@ -216,8 +251,8 @@ def test_the_record_parts_start_where_modded_nanogpt_starts_them():
 
 def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
     doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
-    assert M.mask_inputs(8, torch.device("cpu"), None, 8) == {} and M.mask_inputs(8, torch.device("cpu")) == {}
-    assert M.mask_inputs(8, torch.device("cpu"), None, 3) == {"doc_ids": None, "attn_window": 3}
+    assert M.mask_inputs(8, torch.device("cpu"), None, (8, 0)) == {} and M.mask_inputs(8, torch.device("cpu")) == {}
+    assert M.mask_inputs(8, torch.device("cpu"), None, (3, 0)) == {"doc_ids": None, "attn_window": 3}
     i = np.arange(8)
     ref = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3) & (doc.numpy()[0][:, None] == doc.numpy()[0][None, :])
     assert np.array_equal(M.doc_mask(doc, 3)[0].numpy(), ref)
@@ -295,8 +330,9 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                     unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=6)
 
 
-@pytest.mark.parametrize("windowed, parts", [(False, {}), (True, {}), (True, RECORD_PARTS)],
-                         ids=["whole-cache", "written-so-far", "record-parts"])
+@pytest.mark.parametrize("windowed, parts", [(False, {}), (True, {}), (True, RECORD_PARTS),
+                                             (True, {**RECORD_PARTS, "n_layers": 3, "short_windows": True})],
+                         ids=["whole-cache", "written-so-far", "record-parts", "short-windows"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions
