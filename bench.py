@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +34,6 @@ import torch
 
 import config as C
 import data as D
-import generate as G
-import kernels as K
 import measure as ME
 import model as M
 import optim as O
@@ -47,13 +44,12 @@ import train as TR
 ROOT = Path(__file__).resolve().parent
 # ModelConfig's training fast-path switches. The studies' base has them all off: each study and each
 # ladder rung switches on what it measures, so every number compares with the same plain model.
-MODEL_SWITCHES = ("fused_loss", "fused_swiglu", "bf16_residual", "fp8")
-PLAIN_KERNELS = {f"model__{s}": False for s in MODEL_SWITCHES}
+PLAIN_KERNELS = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
 
 
 def preset_kernels(preset: str) -> dict:
     """The fast paths the preset's file turns on: what train.py runs with it."""
-    return {f"model__{s}": getattr(C.preset(preset).model, s) for s in MODEL_SWITCHES}
+    return {f"model__{s}": getattr(C.preset(preset).model, s) for s in M.TRAINING_FAST_PATHS}
 
 
 FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True, **PLAIN_KERNELS}
@@ -414,98 +410,11 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
             for c, ms in sorted(classes.items(), key=lambda kv: -kv[1])]
 
 
-# --- Generation ------------------------------------------------------------------------------
-
-# CUDA-graph decoders compared: (label, Inductor mode, fused decode step (kernels.decode_step))
-DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", False),
-                   ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs", False),
-                   ("CUDA graph, Inductor default, fused decode", "default", True),
-                   ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", True)]
-
-
-def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
-                   vs_transformers: bool = True) -> list[dict]:
-    """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
-    weights (written by export.py), same prompt, same number of new tokens, each timed by
-    measure.py (one untimed generation, then the median of three). Random weights: speed does
-    not depend on what the model learned."""
-    device = torch.device("cuda" if cuda else "cpu")
-    cfg = C.preset(preset).model
-    torch.manual_seed(0)
-    model = M.Llama(dataclasses.replace(cfg, fused_decode=False)).to(device).eval()
-    dtype = torch.bfloat16 if cuda else torch.float32
-    model = model.to(dtype)
-    prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    variants = [("eager", None, False)] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
-    fused = None
-    if any(v[2] for v in variants):  # the same weights with the Triton decode step switched on
-        fused = M.Llama(dataclasses.replace(cfg, fused_decode=True)).to(device, dtype).eval()
-        fused.load_state_dict(model.state_dict())
-    rows, ours = [], {}
-    for batch in batches:
-        for label, mode, fused_decode in variants:
-            net = fused if fused_decode else model
-            row, tokens = ME.decode_speed(net, prompt, batch, new_tokens, G.decoder(net, device, mode is not None,
-                                                                                    mode or "default"))
-            rows.append({"rung": f"onegpu {label} batch {batch}", **row})
-            ours.setdefault(batch, tokens)  # the plain (eager) path's tokens: every other decoder is compared with them
-            if label != "eager":
-                same = sum(a == b for a, b in zip(tokens[0], ours[batch][0]))
-                rows[-1]["same_greedy_tokens"] = f"{same}/{new_tokens}"
-            print(f"{rows[-1]['rung']}: {row['decode_tok_s']:,.0f} tok/s", flush=True)
-    if vs_transformers:
-        rows += ME.transformers_speed(model, prompt, new_tokens, batches, ours)
-    return rows
-
-
-# --- Loss curves -----------------------------------------------------------------------------
+# --- Loss curves ---------------------------------------------------------------------------
 
 def flag(switch: str, on: bool = True) -> str:
     """train.py's (and --profile's) flag for a ModelConfig switch: fused_loss -> --fused-loss."""
     return f"--{'' if on else 'no-'}{switch.replace('_', '-')}"
-
-
-# train.py flags: the plain model, then each fast path alone on it, then train.py's defaults (no flags)
-CURVE_PLAIN = [flag(s, on=False) for s in MODEL_SWITCHES]
-CURVE_VARIANTS = {"plain": CURVE_PLAIN, **{name: CURVE_PLAIN + [flag(s)] for name, s in (
-    ("fused loss", "fused_loss"), ("fused SwiGLU", "fused_swiglu"), ("bf16 residual", "bf16_residual"),
-    ("fp8", "fp8"))}, "defaults": []}
-
-
-def loss_curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: int,
-                      batch_tokens: int | None = None) -> tuple[list, dict]:
-    """Train the same model on the same data (the stdlib corpus, offline everywhere) with each
-    fast path and without, through train.py itself: a fast path may change speed, not what the
-    model learns beyond bfloat16 noise. Returns the summary rows and each variant's loss curve."""
-    rows, curves = [], {}
-    for name, flags in CURVE_VARIANTS.items():
-        folder = out / "curves" / name.replace(" ", "-")
-        cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(C.PRESETS_DIR / f"{preset}.toml"),
-               "--corpus", "stdlib", "--steps", str(steps), "--warmup-steps", str(max(1, steps // 10)),
-               "--eval-every", str(steps), "--ckpt-every", str(steps), "--micro-batch", str(micro_batch),
-               "--sample-tokens", "0", "--runs-dir", str(folder.parent), "--name", folder.name, "--overwrite", *flags]
-        if batch_tokens:  # also the validation pass's size
-            cmd += ["--batch-tokens", str(batch_tokens), "--eval-tokens", str(batch_tokens)]
-        print(f"run: {name} ...", flush=True)
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        except subprocess.TimeoutExpired:
-            rows.append({"rung": name, "skipped": f"timed out after {timeout} s"})
-            continue
-        if done.returncode:
-            tail = (done.stderr or done.stdout).strip().splitlines()
-            rows.append({"rung": name, "skipped": tail[-1][:160] if tail else f"exit {done.returncode}"})
-            continue
-        for checkpoint in folder.glob("ckpt*.pt"):  # the curves are the result; the weights are not kept
-            checkpoint.unlink()
-        curves[name] = [r["loss"] for r in TR.read_log(folder / "log.jsonl") if "loss" in r]
-        summary = json.loads((folder / "summary.json").read_text())
-        row = {"rung": name, "final_loss": float(np.mean(curves[name][-10:])), "val_loss": summary.get("val_loss"),
-               "tok_s": summary.get("mean_tok_s"), "peak_gib": summary.get("peak_mem_gib")}
-        if name != "plain" and "plain" in curves:
-            row["max_loss_diff"] = max(abs(a - b) for a, b in zip(curves[name], curves["plain"]))
-        rows.append(row)
-    return rows, curves
 
 
 def plot_curves(curves: dict, title: str, path: Path):
@@ -630,49 +539,60 @@ def budget_table(rates: list[str]) -> str:
     return budget_rows(parsed)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Speed ladder and studies; every training rung in its own process.")
+    what = p.add_argument_group("what to run (any number of them)")
     for study in STUDIES:
-        p.add_argument("--" + study.replace("_", "-"), action="store_true",
-                       help=f"run the {study.replace('_', ' ')} study")
-    p.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains six models)")
-    p.add_argument("--plan", type=Path, default=None, metavar="FILE", help="measure the rungs a TOML plan "
-                   "names (see configs/plans/), each in its own process")
-    p.add_argument("--recipes", action="store_true", help="the time-to-loss ladder: each recipe change trained to "
-                   "the same token budget and timed to the article recipe's final loss (recipes.py)")
-    p.add_argument("--versus", action="store_true", help="with --recipes: only the article recipe against the "
-                   "preset's default recipe")
-    p.add_argument("--fractions", type=float, nargs="+", default=None, metavar="F", help="with --recipes --versus: "
-                   "train the default recipe on these fractions of the tokens (default 1; e.g. 1 0.4): a warm-down "
-                   "reaches its lowest loss at the end of its own schedule, so the shortest schedule that reaches "
-                   "the article's loss is the recipe's time to it")
-    p.add_argument("--seconds", type=float, default=None, help="with --recipes: the record ladder, every rung "
-                   "trained for this many training seconds (e.g. 150), its steps sized from its own speed")
-    p.add_argument("--seeds", type=int, default=2, help="--recipes: seeds for the article and the final recipe (default 2)")
-    p.add_argument("--tokens", type=int, default=None, help="--recipes: training tokens per rung (default: the "
-                   "preset's full budget)")
-    p.add_argument("--corpus", default=None, help="--recipes: corpus (default python on CUDA, stdlib on CPU)")
-    p.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
-    p.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="measured tokens/s per preset, "
-                   "for --budget (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")
-    p.add_argument("--preset", default=None, help="model preset from configs/ (default: 88m on CUDA, tiny on CPU)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="timed optimizer steps per rung (default 3 on CUDA, 2 on CPU)")
-    p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 524,288 on CUDA)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch for the studies (default 16)")
-    for switch in MODEL_SWITCHES:
-        p.add_argument(flag(switch), action="store_true", help=f"profile with model.{switch} on")
-    p.add_argument("--new-tokens", type=int, default=500, help="tokens each generation run decodes (default 500)")
-    p.add_argument("--no-transformers", action="store_true", help="--generate measures onegpu only")
-    p.add_argument("--curve-steps", type=int, default=None, help="steps of each --loss-curves run (default 200 on "
-                                                                 "CUDA, 4 on CPU)")
-    p.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="attention variants to run (default: all)")
-    p.add_argument("--repeats", type=int, default=1, help="measure the kernels, attention and compile-modes "
-                   "rungs this many times in turn and report each rung's median run and spread (default 1)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds allowed per rung (default 900)")
-    p.add_argument("--resume", action="store_true", help="reuse the rungs an interrupted study measured "
-                                                         "(results/<study>.partial.json)")
-    p.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
+        what.add_argument("--" + study.replace("_", "-"), action="store_true", help=f"the {study.replace('_', ' ')} study")
+    what.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains six models)")
+    what.add_argument("--plan", type=Path, default=None, metavar="FILE", help="measure the rungs a TOML plan "
+                      "names (see configs/plans/), each in its own process")
+    what.add_argument("--recipes", action="store_true", help="the time-to-loss ladder: each recipe change trained to "
+                      "the same token budget and timed to the article recipe's final loss (recipes.py)")
+    what.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
+    every = p.add_argument_group("every study; named as train.py's flags where they mean the same")
+    every.add_argument("--preset", default=None, help="model preset from configs/ (default: 88m on CUDA, tiny on CPU; "
+                       "--recipes: 22m)")
+    every.add_argument("--micro-batch", "--micro-batch-size", dest="micro_batch", type=int, metavar="N", default=None,
+                       help="sequences per forward pass (default 16 on CUDA, 4 on CPU; --recipes: the preset's)")
+    every.add_argument("--batch-tokens", type=int, metavar="N", default=None, help="tokens per step (default 524,288 on CUDA)")
+    every.add_argument("--timeout", type=int, metavar="S", default=900, help="seconds allowed per rung (default 900)")
+    every.add_argument("--resume", action="store_true", help="reuse the rungs an interrupted study measured "
+                       "(results/<study>.partial.json, or the --recipes and --loss-curves runs' folders)")
+    every.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
+    speed = p.add_argument_group("the speed studies and --plan")
+    speed.add_argument("--timed-steps", dest="steps", type=int, metavar="N", default=None,
+                       help="optimizer steps timed per rung (default 3 on CUDA, 2 on CPU)")
+    speed.add_argument("--repeats", type=int, metavar="N", default=1, help="measure the kernels, attention and compile-modes "
+                       "rungs this many times in turn and report each rung's median run and spread (default 1)")
+    speed.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="--attention: the variants to run "
+                       "(default: all)")
+    for switch in M.TRAINING_FAST_PATHS:
+        speed.add_argument(flag(switch), action="store_true", help=f"--profile with model.{switch} on")
+    recipes = p.add_argument_group("--recipes")
+    recipes.add_argument("--versus", action="store_true", help="only the article recipe against the preset's default")
+    recipes.add_argument("--fractions", type=float, nargs="+", default=None, metavar="F", help="with --versus: "
+                         "train the default recipe on these fractions of the tokens (default 1; e.g. 1 0.4): a "
+                         "warm-down reaches its lowest loss at the end of its own schedule, so the shortest schedule "
+                         "that reaches the article's loss is the recipe's time to it")
+    recipes.add_argument("--seconds", type=float, metavar="S", default=None, help="the record ladder: every rung trained for this "
+                         "many training seconds (e.g. 150), its steps sized from its own speed")
+    recipes.add_argument("--seeds", type=int, metavar="N", default=2, help="seeds for the article and the final recipe (default 2)")
+    recipes.add_argument("--tokens", type=int, metavar="N", default=None, help="training tokens per rung (default: the preset's "
+                         "full budget)")
+    recipes.add_argument("--corpus", default=None, metavar="NAME_OR_GLOB", help="corpus (default python on CUDA, stdlib on CPU)")
+    other = p.add_argument_group("--generate, --loss-curves and --budget")
+    other.add_argument("--new-tokens", type=int, metavar="N", default=500, help="--generate: tokens each run decodes (default 500)")
+    other.add_argument("--no-transformers", action="store_true", help="--generate: measure onegpu only")
+    other.add_argument("--curve-steps", type=int, metavar="N", default=None, help="--loss-curves: steps of each run (default 200 on "
+                       "CUDA, 4 on CPU)")
+    other.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="--budget: measured tokens/s per "
+                       "preset (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     args.out = str(Path(args.out).expanduser().absolute())  # rungs run from the checkout: the folder is the user's
     if args.repeats < 1:
@@ -721,14 +641,15 @@ def plan_study(args, argv):
 
 
 def recipes_study(args, argv):
-    """--recipes: recipes.py runs the rungs; here the table, JSON and plot."""
+    """--recipes: recipes.py runs the rungs and writes the table, JSON and plot."""
     cuda = C.pick_device("auto").type == "cuda"
     preset = args.preset or ("22m" if cuda else "tiny")
     devices = [str(i) for i in range(torch.cuda.device_count())] if cuda else [None]
-    out = Path(args.out)
-    device_name = torch.cuda.get_device_name() if cuda else "cpu"
-    if args.corpus and args.corpus not in tk.CORPORA:  # a path or glob: the user's, not the rungs' working folder
-        args.corpus = str(Path(args.corpus).expanduser().absolute())
+    where = {"out": Path(args.out), "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+             "devices": devices, "command": "python bench.py " + " ".join(argv or sys.argv[1:])}
+    corpus = args.corpus or ("python" if cuda else "stdlib")
+    if corpus not in tk.CORPORA:  # a path or glob: the user's, not the rungs' working folder
+        corpus = str(Path(corpus).expanduser().absolute())
     if not cuda:
         print("no CUDA device: the ladder runs on the CPU, a smoke test of the code; CPU numbers say nothing "
               "about a GPU", flush=True)
@@ -737,44 +658,13 @@ def recipes_study(args, argv):
         print(f"note: every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, days of work "
               f"at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny", flush=True)
     if args.seconds:
-        return record_study(args, argv, preset, devices, out, device_name, cuda)
-    found = RE.study(preset, args.tokens, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
-                     args.micro_batch_size, out, args.timeout, args.resume, args.versus, devices,
-                     tuple(args.fractions or RE.WHOLE_BUDGET))
-    name = f"recipes-{preset}{'-versus' if args.versus else ''}"
-    date = save_recipes(found, out, name, f"validation loss | {preset} | {found['corpus']} | "
-                        f"{RE.tokens_text(found['tokens'])} tokens", preset, device_name, devices, argv)
-    print(f"## recipes | {preset} ({found['params']:,} parameters) | {found['corpus']} corpus | "
-          f"{found['tokens']:,} tokens per rung | {device_name} x {len(devices)} | {date}\n\n"
-          f"target: the article recipe's mean final validation loss, {found['target']}; seconds are training "
-          f"seconds (the one-time compile, evaluation and saving left out)\n\n{RE.table(found['rows'])}"
-          + (f"\n\nkept: {', '.join(found['kept']) or 'nothing'}" if not args.versus else "")
-          + f"\n\n{out / name}.json, {out / name}.png")
-
-
-def save_recipes(found: dict, out: Path, name: str, title: str, preset: str, device_name: str, devices: list,
-                 argv) -> str:
-    """A recipe study's plot and JSON (with the command that made them) in out; returns the date."""
-    date = time.strftime("%Y-%m-%d")
-    RE.plot(found["curves"], f"{title} | {device_name} | {date}", out / f"{name}.png")
-    (out / f"{name}.json").write_text(json.dumps({"device": device_name, "devices": len(devices), "date": date,
-                                                   "torch": torch.__version__, "preset": preset,
-                                                   "command": "python bench.py " + " ".join(argv or sys.argv[1:]),
-                                                   **found}, indent=2))
-    return date
-
-
-def record_study(args, argv, preset: str, devices: list, out: Path, device_name: str, cuda: bool):
-    """--recipes --seconds S: the record ladder, every rung for S training seconds."""
-    found = RE.seconds_study(preset, args.seconds, args.seeds, args.corpus or ("python" if cuda else "stdlib"),
-                             args.micro_batch_size, out, args.timeout, args.resume, devices)
-    name = f"record-{preset}"
-    date = save_recipes(found, out, name, f"validation loss as trained | {preset} | {found['corpus']} | "
-                        f"{args.seconds:g} training s", preset, device_name, devices, argv)
-    print(f"## record ladder | {preset} | {found['corpus']} corpus | {args.seconds:g} training seconds per rung | "
-          f"{device_name} | {date}\n\nseconds are training seconds (compile, evaluation and saving left out); each "
-          f"rung's steps were sized from its own first steps\n\n{RE.seconds_table(found['rows'])}\n\n"
-          f"{out / name}.json, {out / name}.png")
+        found = RE.seconds_study(preset, args.seconds, args.seeds, corpus, args.micro_batch, where["out"],
+                                 args.timeout, args.resume, devices)
+        print(RE.report_record(found, preset, **where))
+    else:
+        found = RE.study(preset, args.tokens, args.seeds, corpus, args.micro_batch, where["out"], args.timeout,
+                         args.resume, args.versus, devices, tuple(args.fractions or RE.WHOLE_BUDGET))
+        print(RE.report_ladder(found, preset, args.versus, **where))
 
 
 # Short-run rates of "What a Laptop Can Train" on an 8 GB RTX 4060 Laptop GPU (tokens/s).
@@ -797,9 +687,9 @@ class Study:
 
 
 def curves(s: Study) -> list[dict]:
-    rows, found = loss_curves_study(s.preset, s.args.curve_steps or (200 if s.cuda else 4),
-                                    s.args.micro_batch_size or (64 if s.cuda else 4), s.out, s.args.timeout,
-                                    s.args.batch_tokens or (None if s.cuda else s.batch_tokens))
+    rows, found = RE.curves_study(s.preset, s.args.curve_steps or (200 if s.cuda else 4),
+                                  s.args.micro_batch or (64 if s.cuda else 4), s.out, s.args.timeout, s.args.resume,
+                                  [None], s.args.batch_tokens or (None if s.cuda else s.batch_tokens))
     plot_curves(found, f"loss curves | {s.preset} | stdlib corpus | {s.device_name} | {s.results['date']}",
                 s.out / "loss_curves.png")
     s.results["curves"] = found  # the losses step by step, to compare runs on other days
@@ -823,10 +713,10 @@ STUDY_TABLE = {
                                  "tok_s", "tokens / s"),
     "optimizer": (lambda s: optimizer_study(s.preset, s.cuda), "update_ms", "ms per update"),
     "loader": (lambda s: loader_study(s.preset, s.mb), "cpu_us", "CPU microseconds per micro-batch"),
-    "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in MODEL_SWITCHES
+    "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in M.TRAINING_FAST_PATHS
                                                                  if getattr(s.args, m)}),
                 "ms", "ms per 2 micro-batches"),
-    "generate": (lambda s: generate_study(s.preset, s.cuda, s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),
+    "generate": (lambda s: ME.generate_study(s.preset, s.cuda, s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),
                                           vs_transformers=not s.args.no_transformers),
                  "decode_tok_s", "decoded tokens / s"),
     "loss_curves": (curves, None, "training loss"),
@@ -842,7 +732,7 @@ def run_studies(args, chosen: list[str], argv):
     flops_tok = M.flops_per_token(mcfg)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     s = Study(args, preset, cuda, args.batch_tokens or (524_288 if cuda else 4 * mcfg.context * 2),
-              args.steps or (3 if cuda else 2), args.micro_batch_size or (16 if cuda else 4), Path(args.out),
+              args.steps or (3 if cuda else 2), args.micro_batch or (16 if cuda else 4), Path(args.out),
               device_name, {})
     s.out.mkdir(parents=True, exist_ok=True)
     print(f"device: {device_name} | torch {torch.__version__} | preset {preset} ({M.param_count(mcfg):,} params, "

@@ -34,6 +34,7 @@ import torch
 import checkpoint as CK
 import config as C
 import generate as G
+import kernels as K
 import model as M
 import train as TR
 
@@ -388,6 +389,50 @@ def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batch
             rows.append({"rung": name, "batch": batch, "first_token_ms": round(first * 1000, 2),
                          "decode_tok_s": batch * (new_tokens - 1) / (total - first), "warmup_s": round(warm, 1),
                          "same_greedy_tokens": f"{same}/{new_tokens}", "transformers": transformers.__version__})
+    return rows
+
+
+# --- The generation study (bench.py --generate) ------------------------------------------------------------------------------
+
+# CUDA-graph decoders compared: (label, Inductor mode, fused decode step (kernels.decode_step))
+DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", False),
+                   ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs", False),
+                   ("CUDA graph, Inductor default, fused decode", "default", True),
+                   ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", True)]
+
+
+def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
+                   vs_transformers: bool = True) -> list[dict]:
+    """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
+    weights (written by export.py), same prompt, same number of new tokens, each timed by
+    measure.py (one untimed generation, then the median of three). Random weights: speed does
+    not depend on what the model learned."""
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = C.preset(preset).model
+    torch.manual_seed(0)
+    model = M.Llama(dataclasses.replace(cfg, fused_decode=False)).to(device).eval()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = model.to(dtype)
+    prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    variants = [("eager", None, False)] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
+    fused = None
+    if any(v[2] for v in variants):  # the same weights with the Triton decode step switched on
+        fused = M.Llama(dataclasses.replace(cfg, fused_decode=True)).to(device, dtype).eval()
+        fused.load_state_dict(model.state_dict())
+    rows, ours = [], {}
+    for batch in batches:
+        for label, mode, fused_decode in variants:
+            net = fused if fused_decode else model
+            row, tokens = decode_speed(net, prompt, batch, new_tokens, G.decoder(net, device, mode is not None,
+                                                                                    mode or "default"))
+            rows.append({"rung": f"onegpu {label} batch {batch}", **row})
+            ours.setdefault(batch, tokens)  # the plain (eager) path's tokens: every other decoder is compared with them
+            if label != "eager":
+                same = sum(a == b for a, b in zip(tokens[0], ours[batch][0]))
+                rows[-1]["same_greedy_tokens"] = f"{same}/{new_tokens}"
+            print(f"{rows[-1]['rung']}: {row['decode_tok_s']:,.0f} tok/s", flush=True)
+    if vs_transformers:
+        rows += transformers_speed(model, prompt, new_tokens, batches, ours)
     return rows
 
 

@@ -41,6 +41,8 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows")
+# The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is generation's).
+TRAINING_FAST_PATHS = ("fused_loss", "fused_swiglu", "bf16_residual", "fp8")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -51,7 +53,7 @@ class ModelConfig:
     n_heads: int = 12  # query heads
     n_kv_heads: int = 4  # key/value heads, shared by n_heads // n_kv_heads query heads (GQA)
     ffn_hidden: int = 0  # MLP width; 0 means SwiGLU's 8/3 * d_model rounded up to 256 (relu2: 1.5x that, same params)
-    vocab_size: int = 32768  # 2**15: every token id fits a uint16 shard
+    vocab_size: int = 32768  # 2**15; at most 2**16 = 65,536, what a uint16 token shard holds
     context: int = 1024  # longest sequence the model attends over
     tie_embeddings: bool = True  # output head shares the token-embedding matrix
     rope_theta: float = 10000.0  # RoPE base (Su et al. 2021; Llama 2 uses 10,000)
@@ -85,6 +87,9 @@ class ModelConfig:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.vocab_size > 2**16:  # onegpu's corpora are uint16 shards (data.py): a larger id would wrap
+            raise ValueError(f"model.vocab_size={self.vocab_size} is more than 65,536, the most a uint16 token shard "
+                             f"holds: pick a vocabulary of at most 65,536 (2**15 = 32,768 is the presets')")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "

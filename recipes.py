@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import config as C
 import data as D
@@ -564,3 +565,85 @@ def plot(curves: dict, title: str, path: Path):
     if series:
         TR.plot_lines(series, "training seconds (compile, evaluation and saving left out)", "validation loss (nats)",
                       title, path)
+
+
+# --- Loss curves: the same run with each fast path and without (bench.py --loss-curves) -----
+
+CURVE_LABELS = {"fused_loss": "fused loss", "fused_swiglu": "fused SwiGLU", "bf16_residual": "bf16 residual",
+                "fp8": "fp8"}
+
+
+def curves_plan(preset: str) -> list[Recipe]:
+    """The plain model (every training fast path off), each fast path alone on it, then the preset as
+    its file has it: a fast path may change speed, not what the model learns beyond bfloat16 noise."""
+    plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
+    return [Recipe("plain", preset, "curves", plain),
+            *[Recipe(CURVE_LABELS[s], preset, "curves", {**plain, f"model__{s}": True}) for s in M.TRAINING_FAST_PATHS],
+            Recipe("defaults", preset, "curves")]
+
+
+def curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: int, resume: bool,
+                 devices: list[str | None], batch_tokens: int | None = None) -> tuple[list[dict], dict]:
+    """Train curves_plan for `steps` steps each on the stdlib corpus (offline everywhere), through
+    run_all like every ladder. Returns a row per run and each run's training loss step by step."""
+    fixed = {"data__corpus": "stdlib", "train__steps": steps, "train__tokens": 0, "train__micro_batch": micro_batch,
+             "train__warmup_steps": max(1, steps // 10), "train__eval_every": steps, "train__ckpt_every": steps,
+             "train__sample_tokens": 0}
+    if batch_tokens:  # also the validation pass's size
+        fixed |= {"train__batch_tokens": batch_tokens, "train__eval_tokens": batch_tokens}
+    plan, runs_dir = curves_plan(preset), out / "curves"
+    check_and_prepare(plan, fixed, sized=False)
+    results = run_all(plan, fixed, runs_dir, devices, timeout, resume, sized=False)
+    rows, curves = [], {}
+    for r in plan:
+        if "error" in results[r.folder]:
+            rows.append({"rung": r.name, "skipped": results[r.folder]["error"]})
+            continue
+        folder = runs_dir / r.folder
+        curves[r.name] = [row["loss"] for row in TR.read_log(folder / "log.jsonl") if "loss" in row]
+        summary = json.loads((folder / "summary.json").read_text())
+        row = {"rung": r.name, "final_loss": float(np.mean(curves[r.name][-10:])), "val_loss": summary.get("val_loss"),
+               "tok_s": results[r.folder]["tok_s"], "peak_gib": summary.get("peak_mem_gib")}
+        if r.name != "plain" and "plain" in curves:
+            row["max_loss_diff"] = max(abs(a - b) for a, b in zip(curves[r.name], curves["plain"]))
+        rows.append(row)
+    return rows, curves
+
+
+# --- Reports ---------------------------------------------------------------------------------
+
+def save(found: dict, name: str, title: str, preset: str, out: Path, device_name: str, devices: list,
+         command: str) -> str:
+    """A study's plot and JSON (with the command that made them) in out; returns the date."""
+    date = time.strftime("%Y-%m-%d")
+    out.mkdir(parents=True, exist_ok=True)
+    plot(found["curves"], f"{title} | {device_name} | {date}", out / f"{name}.png")
+    (out / f"{name}.json").write_text(json.dumps({"device": device_name, "devices": len(devices), "date": date,
+                                                   "torch": torch.__version__, "preset": preset, "command": command,
+                                                   **found}, indent=2))
+    return date
+
+
+def report_ladder(found: dict, preset: str, versus: bool, out: Path, device_name: str, devices: list,
+                  command: str) -> str:
+    """Save a --recipes study (study()) and return its table."""
+    name = f"recipes-{preset}{'-versus' if versus else ''}"
+    date = save(found, name, f"validation loss | {preset} | {found['corpus']} | {tokens_text(found['tokens'])} tokens",
+                preset, out, device_name, devices, command)
+    return (f"## recipes | {preset} ({found['params']:,} parameters) | {found['corpus']} corpus | "
+            f"{found['tokens']:,} tokens per rung | {device_name} x {len(devices)} | {date}\n\n"
+            f"target: the article recipe's mean final validation loss, {found['target']}; seconds are training "
+            f"seconds (the one-time compile, evaluation and saving left out)\n\n{table(found['rows'])}"
+            + (f"\n\nkept: {', '.join(found['kept']) or 'nothing'}" if not versus else "")
+            + f"\n\n{out / name}.json, {out / name}.png")
+
+
+def report_record(found: dict, preset: str, out: Path, device_name: str, devices: list, command: str) -> str:
+    """Save a --recipes --seconds study (seconds_study()) and return its table."""
+    name, seconds = f"record-{preset}", found["seconds"]
+    date = save(found, name, f"validation loss as trained | {preset} | {found['corpus']} | {seconds:g} training s",
+                preset, out, device_name, devices, command)
+    return (f"## record ladder | {preset} | {found['corpus']} corpus | {seconds:g} training seconds per rung | "
+            f"{device_name} | {date}\n\nseconds are training seconds (compile, evaluation and saving left out); each "
+            f"rung's steps were sized from its own first steps\n\n{seconds_table(found['rows'])}\n\n"
+            f"{out / name}.json, {out / name}.png")

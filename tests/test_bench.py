@@ -9,6 +9,9 @@ import pytest
 import bench as B
 import config as C
 import measure as ME
+import model as M
+import recipes as RE
+import train as TR
 
 
 # --- Plans ---------------------------------------------------------------------------------
@@ -207,6 +210,22 @@ def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     assert by_name["fp8"]["max_loss_diff"] < 0.1  # FP8 rounding
     assert by_name["defaults"]["max_loss_diff"] < 1e-4  # the fused SwiGLU and bf16 stream, as above
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and not list(tmp_path.rglob("ckpt*.pt"))
+
+
+def test_bench_trains_through_recipes_alone_and_shares_train_py_flag_names():
+    """One trainer of train.py runs, recipes.run_all: bench.py starts none of its own, and its loss
+    curves are a recipe plan. A flag that bench.py and train.py both have means the same in both."""
+    source = open(B.__file__).read()
+    assert "import subprocess" not in source and "Popen" not in source
+    plan = RE.curves_plan("tiny")
+    assert [r.name for r in plan] == ["plain", "fused loss", "fused SwiGLU", "bf16 residual", "fp8", "defaults"]
+    plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
+    assert plan[0].overrides == plain and plan[2].overrides == {**plain, "model__fused_swiglu": True}
+    ours = {o: a.dest for a in B.build_parser()._actions for o in a.option_strings}
+    theirs = {o: a.dest for a in TR.build_parser()._actions for o in a.option_strings}
+    shared = set(ours) & set(theirs) - {"-h", "--help"}
+    assert {"--micro-batch", "--batch-tokens", "--tokens", "--corpus", "--resume"} <= shared
+    assert {o: ours[o] for o in shared} == {o: theirs[o].split(".")[-1].split("__")[-1] for o in shared}
 
 
 # --- Plans: a user's rungs from a TOML file ------------------------------------------------

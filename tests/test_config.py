@@ -1,8 +1,11 @@
 """config.py: strict TOML loading, range checks, flags generated from the dataclasses."""
 
+import dataclasses
+
 import pytest
 
 import config as C
+import model as M
 import train as TR
 
 
@@ -80,6 +83,35 @@ def test_every_train_range_has_a_value_outside_it():
 def test_each_train_range_refuses_a_value_outside_it(name):
     with pytest.raises(ValueError, match=rf"train\.{name}=.* is out of range: it must be"):
         C.TrainConfig(**{"steps": 1, name: OUT_OF_RANGE[name]})
+
+
+# The same for ModelConfig's checks: one value outside each numeric field's range, and the start of the
+# message that refuses it. The first test fails when a numeric field is added without a check here.
+MODEL_OUT_OF_RANGE = {
+    **{name: (0, rf"model\.{name} must be positive") for name in
+       ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context")},
+    "vocab_size": (70000, r"model\.vocab_size=70000 is more than 65,536"),
+    "ffn_hidden": (-1, r"model\.ffn_hidden must be >= 0"),
+    "rope_theta": (0.0, r"model\.rope_theta \(0\.0\) and model\.norm_eps"),
+    "norm_eps": (0.0, r"model\.rope_theta \(10000\.0\) and model\.norm_eps \(0\.0\) must be positive"),
+    "logit_softcap": (-1.0, r"model\.logit_softcap must be >= 0"),
+    "value_embeds": (2, r"model\.value_embeds=2 is out of range"),  # 2 layers hold one table each side
+    "attn_window": (-1, r"model\.attn_window must be >= 0"),
+}
+
+
+def test_every_numeric_model_field_has_a_value_outside_its_range():
+    numeric = {f.name for f in dataclasses.fields(M.ModelConfig) if f.type in (int, float, "int", "float")}
+    assert set(MODEL_OUT_OF_RANGE) == numeric
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_OUT_OF_RANGE))
+def test_each_model_range_refuses_a_value_outside_it(name):
+    value, message = MODEL_OUT_OF_RANGE[name]
+    with pytest.raises(ValueError, match=message):
+        M.ModelConfig(**{"n_layers": 2, name: value})
+    with pytest.raises(ValueError, match=r"^flags \(.*--" + name.replace("_", "-")):  # named as a flag's value
+        C.load_config(C.PRESETS_DIR / "tiny.toml", **{"model__n_layers": 2, f"model__{name}": value})
 
 
 @pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m"])
