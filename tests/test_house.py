@@ -65,6 +65,18 @@ def test_numbers_are_cited_by_topic_and_docs_hold_no_scripts():
     assert sorted(p.name for p in (ROOT / "docs").rglob("*") if p.suffix in (".py", ".sh")) == []
 
 
+def test_no_paragraph_of_the_docs_restates_the_one_before_it():
+    """A paragraph pasted twice (docs/LOG.md's first entry had its setup twice after the move from
+    BENCHMARKS.md) reads as two measurements: adjacent prose paragraphs may not open alike."""
+    import re
+    doubled = []
+    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", path.read_text()) if p.strip()]
+        doubled += [f"{path.name}: {a[:60]!r}" for a, b in zip(paragraphs, paragraphs[1:])
+                    if a[:40] == b[:40] and not a.startswith(("|", "*", "-", "#", "`", "!"))]
+    assert doubled == []
+
+
 def test_what_bench_reports_is_timed_in_measure_only():
     """One owner of the clocks bench's numbers come from (measure.py's timed, gpu_seconds and
     median_and_spread): bench.py and recipes.py decide what to run and read results."""
