@@ -20,6 +20,7 @@ reads settings from one place, and imports run one way: config.py imports only m
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import re
 import tomllib
@@ -229,7 +230,11 @@ def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
     torchtitan's derived configs do)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist (presets live in {PRESETS_DIR})")
+        names = preset_names()
+        close = difflib.get_close_matches(path.stem.lower(), names, n=1, cutoff=0.6)
+        hint = f"did you mean {path.with_name(close[0] + '.toml')}? " if close else ""
+        raise FileNotFoundError(f"config file {path} does not exist: {hint}the presets in {PRESETS_DIR} are "
+                                f"{', '.join(names)}")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -295,12 +300,15 @@ def load_config(path: str | Path | None = None, *, values: dict | None = None, s
     return Config(**{s: from_dict(cls, merged[s], f"flags ({flags})", s) for s, cls in SECTIONS.items()})
 
 
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
 def preset(name: str, **overrides) -> Config:
     """configs/<name>.toml, with overrides as in load_config."""
     path = PRESETS_DIR / f"{name}.toml"
     if not path.is_file():
-        names = sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
-        raise ValueError(f"preset {name!r} does not exist: choose one of {names}")
+        raise ValueError(f"preset {name!r} does not exist: choose one of {preset_names()}")
     return load_config(path, **overrides)
 
 

@@ -58,7 +58,8 @@ def data_dir(cfg: DataConfig, vocab_size: int) -> Path:
     if not 257 <= vocab_size <= 2**16:
         raise ValueError(f"vocab_size={vocab_size}: shards store tokens as uint16, so the vocabulary "
                          f"must be between 257 and 65,536")
-    slug = re.sub(r"[^A-Za-z0-9.-]+", "_", cfg.corpus).strip("_")[-60:]
+    # A path or glob becomes a visible name: "../mycode/*.py" -> "mycode_.py", not the hidden ".._mycode_.py".
+    slug = re.sub(r"[^A-Za-z0-9.-]+", "_", cfg.corpus).strip("._-")[-60:].lstrip("._-")
     limited = cfg.max_documents and not (cfg.corpus == "stdlib" and cfg.max_documents >= len(tk.stdlib_files()))
     suffix = f"-{cfg.max_documents}docs" if limited else ""  # a limit the corpus does not reach changes nothing
     return cache_root(cfg) / f"{slug}-{vocab_size}{suffix}"
@@ -152,7 +153,7 @@ def ensure_tokenizer(cfg: DataConfig, vocab_size: int, log=print) -> Path:
     t0 = time.perf_counter()
     limit = cfg.tokenizer_documents or cfg.max_documents or None
     docs = tk.train_documents(cfg.corpus, cfg.text_field, cfg.val_fraction, limit, warn=log)
-    tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc"), vocab_size, path.parent)
+    tk.train_tokenizer(tqdm(docs, desc="reading", unit="doc", disable=None), vocab_size, path.parent)
     # What it was trained for: a tokenizer with fewer tokens than asked is a small corpus's (BPE ran out
     # of pairs to merge) only if this record says so; one copied in from elsewhere has no such record.
     (path.parent / "tokenizer.trained.json").write_text(json.dumps({"vocab_size": vocab_size,
@@ -269,7 +270,7 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")
     t0, total_bytes, index, hashed = time.perf_counter(), 0, 0, tk.split_by_hash(cfg.corpus)
     docs = tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None, warn=log)
-    bar = tqdm(desc="tokenizing", unit="B", unit_scale=True)
+    bar = tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=None)  # None: no bar in a log file
     for batch in _batches(docs, max_bytes=16 << 20):
         # encode_batch runs on all cores (Rust threads), so no process pool is needed.
         for doc, enc in zip(batch, tok.encode_batch(batch)):

@@ -36,6 +36,11 @@ def check_out_folder(out: Path, force: bool):
                          f"the files an export writes there")
 
 
+# What export writes into its folder: the model (write_hf_model) and the tokenizer's files.
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+         "special_tokens_map.json")
+
+
 def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
     cfg = ckpt.config.model
     CK.hf_architecture(cfg)  # refuses, before anything is written, what no transformers class computes
@@ -68,8 +73,8 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except OSError as e:
         sys.exit(f"error: cannot write {out} ({e.strerror or e}): choose a folder you can write to")
-    print(f"wrote {args.out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json "
-          f"(load with transformers.AutoModelForCausalLM.from_pretrained({args.out!r}))")
+    print(f"wrote {args.out}: {', '.join(FILES)} (load with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r}))")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def python_documents(warn=print) -> Iterator[str]:
     pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 4)
     try:
         for raw in tqdm(pool.map(Path.read_bytes, files, chunksize=64), total=len(files), desc="reading python",
-                        unit="file", leave=False):
+                        unit="file", leave=False, disable=None):
             text = raw.decode("utf-8", errors="replace")
             if text.strip():
                 texts.setdefault(hashlib.sha256(raw).hexdigest(), text)

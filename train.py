@@ -23,8 +23,10 @@ import os
 import platform
 import resource
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -399,29 +401,68 @@ def plot_losses(log_path: Path, out: Path, title: str):
 
 class Stopper:
     """Ctrl-C (SIGINT) or SIGTERM: say at once that the run will save after the step in flight,
-    then stop there. A second Ctrl-C stops at once without saving (SystemExit, no traceback)."""
+    then stop there. A second one stops at once without saving, whenever it arrives.
+
+    Python runs a signal's handler only between bytecodes, and two signals that arrive while a long
+    step is inside PyTorch's C++ become one call of it: a quick second Ctrl-C would be lost. The C
+    handler also writes a byte per signal to a wakeup socket (signal.set_wakeup_fd), at once and one
+    per signal. A thread reads them: it says the first, and after a second it gives the handler
+    SECOND_GRACE seconds to raise SystemExit (the main thread is between bytecodes) before it ends
+    the process itself (the main thread is stuck in C++)."""
+
+    SECOND_GRACE = 1.0
 
     def __init__(self, say):
-        self.signal, self.say = None, say
+        self.signal, self.say, self.stopped = None, say, threading.Event()
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.wakeup, self.write_end = socket.socketpair()
+        self.write_end.setblocking(False)
+        self.previous_fd = signal.set_wakeup_fd(self.write_end.fileno())
+        threading.Thread(target=self._watch, daemon=True).start()
 
     def _handle(self, signum, frame):
         if self.signal is not None:
             quit_at_once(signal.Signals(signum).name + " again")
-        self.signal = signal.Signals(signum).name
-        self.say(f"{self.signal}: saving a checkpoint after the current step (press Ctrl-C again to quit "
-                 f"without saving)")
+        self.signal = signal.Signals(signum).name  # the watcher has said so already
+
+    def _watch(self):
+        seen = 0
+        while not self.stopped.is_set():
+            try:
+                numbers = self.wakeup.recv(64)
+            except OSError:  # closed by restore()
+                return
+            for number in numbers:
+                if number not in (signal.SIGINT, signal.SIGTERM):
+                    continue
+                seen += 1
+                name = signal.Signals(number).name
+                if seen == 1:
+                    self.say(f"{name}: saving a checkpoint after the current step (press Ctrl-C again to quit "
+                             f"without saving)")
+                elif not self.stopped.wait(self.SECOND_GRACE):
+                    quit_at_once(f"{name} again", now=True)
+            if not numbers:
+                return
 
     def restore(self):
+        self.stopped.set()
+        signal.set_wakeup_fd(self.previous_fd)
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        self.write_end.close()
+        self.wakeup.close()
 
 
-def quit_at_once(what: str):
-    """Leave now, in one line and with Ctrl-C's exit code (128 + SIGINT), from anywhere: a
-    checkpoint being written is a temporary file until its rename, so the last complete one stays."""
-    print(f"{what}: stopped at once; the last complete checkpoint is kept, continue from it with --resume",
-          file=sys.stderr)
+def quit_at_once(what: str, now: bool = False):
+    """Leave at once, in one line and with Ctrl-C's exit code (128 + SIGINT): a checkpoint being
+    written is a temporary file until its rename, so the last complete one stays. now: from a thread
+    other than the main one, which may be inside a long C++ call, the process ends here (os._exit)."""
+    tqdm.write(f"{what}: stopped at once; the last complete checkpoint is kept, continue from it with --resume",
+               file=sys.stderr)
+    if now:
+        sys.stdout.flush()
+        os._exit(130)
     raise SystemExit(130)
 
 
@@ -614,7 +655,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
     bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
-               disable=r.rank != 0, dynamic_ncols=True)
+               disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     stopper, session = Stopper(say), Session(first_step=p.step)
     last_saved = p.step if resumed else None

@@ -57,6 +57,14 @@ def test_every_flag_has_help_from_the_field_comment(capsys):
         assert set(comments) == set(C.field_types(cls)), f"{cls.__name__} has fields without a comment"
 
 
+def test_a_misspelled_config_file_suggests_the_preset_and_lists_them():
+    with pytest.raises(FileNotFoundError, match=r"configs/88M.toml does not exist: did you mean configs/88m.toml\? "
+                                                r"the presets in .* are 126m, 126m-gpt3, 126m-record, 22m,"):
+        C.load_config("configs/88M.toml")
+    with pytest.raises(FileNotFoundError, match=r"nothing.toml does not exist: the presets in"):
+        C.load_config("nothing.toml")
+
+
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '126m-record', '22m'"):
         C.preset("99m")

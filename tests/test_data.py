@@ -71,6 +71,12 @@ def test_vocab_over_uint16_is_refused(tmp_path):
         D.write_shard(tmp_path / "x.bin", np.zeros(3, D.TOKEN_DTYPE), np.zeros(1, np.uint64), 70_000, "0" * 16, 3)
 
 
+def test_a_corpus_path_gets_a_visible_cache_folder(tmp_path):
+    """A relative path or glob names its cache folder without the leading dots that would hide it."""
+    assert D.data_dir(D.DataConfig(corpus="../mycode/*.py", cache_dir=str(tmp_path)), VOCAB).name == f"mycode_.py-{VOCAB}"
+    assert D.data_dir(D.DataConfig(corpus="fineweb-edu", cache_dir=str(tmp_path)), VOCAB).name == f"fineweb-edu-{VOCAB}"
+
+
 # --- Corpora through `datasets` ------------------------------------------------------------
 
 def test_local_jsonl_and_parquet_go_through_datasets(tmp_path):

@@ -5,6 +5,9 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +231,29 @@ def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp
     assert "SIGINT again: stopped at once; the last complete checkpoint is kept" in err
     assert CK.load(tmp_path / "r").step == kept
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_quick_second_ctrl_c_inside_a_long_cpu_call_quits_at_once(tmp_path):
+    """Two Ctrl-Cs 0.3 s apart while the main thread is inside one long C++ call (a matrix power of
+    20 products of 4,000 x 4,000, about 20 s on a 2-core CPU): Python would run its handler once, after the call; the run quits within
+    Stopper.SECOND_GRACE of the second instead, in one line and with exit code 130."""
+    script = tmp_path / "long_call.py"
+    script.write_text(
+        "import os, signal, sys, threading, time\n"
+        f"sys.path.insert(0, {str(TR.ROOT)!r})\n"
+        "import torch, train\n"
+        "stopper = train.Stopper(lambda s: print(s, flush=True))\n"
+        "def twice():\n"
+        "    time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT); time.sleep(0.3); os.kill(os.getpid(), signal.SIGINT)\n"
+        "threading.Thread(target=twice, daemon=True).start()\n"
+        "torch.linalg.matrix_power(torch.zeros(4000, 4000, dtype=torch.float64), 2**20)\n"  # 20 products
+        "print('the long call finished', flush=True)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130 and "the long call finished" not in done.stdout, done.stdout + done.stderr
+    assert "SIGINT: saving a checkpoint after the current step" in done.stdout
+    assert done.stderr.strip().splitlines()[-1].startswith("SIGINT again: stopped at once")
+    assert time.monotonic() - started < 20  # the import and the signals; the matrix power takes longer
 
 
 def test_ctrl_c_during_the_final_sample_or_prepare_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys):

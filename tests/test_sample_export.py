@@ -166,7 +166,8 @@ def test_export_command_writes_the_files(run_dir, tmp_path, capsys):
     names = {p.name for p in (tmp_path / "hf").iterdir()}
     modes = {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
     assert len(modes) == 1  # model.safetensors is readable as the other files are
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert names == set(E.FILES)  # and the message names every one of them
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'hf'}: {', '.join(E.FILES)} (load with")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
     assert config["num_key_value_heads"] == 1 and config["rope_theta"] == 10000.0

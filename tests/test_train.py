@@ -200,6 +200,15 @@ def test_log_plot_and_summary(train_config, tmp_path):
     assert config["config"]["train"]["steps"] == 6 and "git_commit" in config["provenance"]
 
 
+def test_a_log_file_gets_lines_without_progress_bars(train_config, tmp_path, capsys):
+    """Output to a file (capsys: not a terminal) holds the step lines alone: no carriage returns or
+    escape codes of a progress bar drawn over itself."""
+    TR.train(train_config, tmp_path / "run")
+    captured = capsys.readouterr()
+    assert "step      6 | val loss" in captured.out
+    assert not any(c in captured.out + captured.err for c in "\r\x1b"), (captured.out + captured.err)[-500:]
+
+
 def test_bits_per_byte_are_the_summed_loss_in_bits_over_the_decoded_bytes(train_config):
     """Independently of token_byte_lengths: the validation targets decoded to text by the tokenizer
     give the bytes; the mean loss times the tokens gives the nats, over ln 2 the bits."""
