@@ -180,6 +180,18 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
     return rungs
 
 
+CPU_PLAN = {"train__micro_batch": 4, "train__compile": False}  # a plan's rung as the CPU smoke test runs it
+
+
+def cpu_sized(rung: ME.Rung, preset: str | None) -> ME.Rung:
+    """A plan's rung for a CPU: the tiny preset (or the one asked for), four sequences a micro-batch and
+    two a step, no compile, two timed steps; the rung's other settings as the plan has them."""
+    overrides = {k: v for k, v in rung.overrides.items() if k != "train__batch_tokens"} | CPU_PLAN
+    small = ME.Rung(rung.name, preset or "tiny", overrides, min(2, rung.timed_steps))
+    context = small.config().model.context
+    return dataclasses.replace(small, overrides={**overrides, "train__batch_tokens": 2 * 4 * context})
+
+
 def cpu_skip(rung: ME.Rung) -> str | None:
     """Why a rung is not measured on CPU, or None. CPU numbers are a smoke test of the code
     (setup() turns the CUDA-only settings off on CPU, and says so)."""
@@ -251,6 +263,8 @@ def run(rungs: list[ME.Rung], cuda: bool, timeout: int, journal: Journal | None 
                 row = ME.Result(rung=r.name, micro_batch=r.config().train.micro_batch, skipped=reason).row()
             else:
                 row = journal.measure(r, timeout) if journal else ME.run_in_subprocess(r, timeout).row()
+            if not row.get("micro_batch"):  # a rung that failed before measuring: its setting, not 0
+                row["micro_batch"] = r.config().train.micro_batch
             runs[base.name].append(row)
     return [rows[0] if repeats == 1 else median_row(name, rows) for name, rows in runs.items()]
 
@@ -539,34 +553,41 @@ def budget_table(rates: list[str]) -> str:
     return budget_rows(parsed)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
+    """bench's command line; its help gives the defaults of this machine (with or without CUDA)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    here = f"default {'with CUDA' if cuda else 'on this CPU'}"
     p = argparse.ArgumentParser(description="Speed ladder and studies; every training rung in its own process.")
     what = p.add_argument_group("what to run (any number of them)")
     for study in STUDIES:
-        what.add_argument("--" + study.replace("_", "-"), action="store_true", help=f"the {study.replace('_', ' ')} study")
+        what.add_argument("--" + study.replace("_", "-"), action="store_true",
+                          help=f"the {study.replace('_', ' ')} study")
     what.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains six models)")
-    what.add_argument("--plan", type=Path, default=None, metavar="FILE", help="measure the rungs a TOML plan "
-                      "names (see configs/plans/), each in its own process")
+    what.add_argument("--plan", type=Path, default=None, metavar="FILE",
+                      help="measure the rungs a TOML plan names (see configs/plans/), each in its own process")
     what.add_argument("--recipes", action="store_true", help="the time-to-loss ladder: each recipe change trained to "
                       "the same token budget and timed to the article recipe's final loss (recipes.py)")
     what.add_argument("--budget", action="store_true", help="print the training budget of each preset at --tok-s rates")
     every = p.add_argument_group("every study; named as train.py's flags where they mean the same")
-    every.add_argument("--preset", default=None, help="model preset from configs/ (default: 88m on CUDA, tiny on CPU; "
-                       "--recipes: 22m)")
-    every.add_argument("--micro-batch", "--micro-batch-size", dest="micro_batch", type=int, metavar="N", default=None,
-                       help="sequences per forward pass (default 16 on CUDA, 4 on CPU; --recipes: the preset's)")
-    every.add_argument("--batch-tokens", type=int, metavar="N", default=None, help="tokens per step (default 524,288 on CUDA)")
-    every.add_argument("--timeout", type=int, metavar="S", default=900, help="seconds allowed per rung (default 900)")
+    every.add_argument("--preset", default=None, help=f"model preset from configs/ ({here}: "
+                       f"{'88m' if cuda else 'tiny'}; --recipes: {'22m' if cuda else 'tiny'})")
+    every.add_argument("--micro-batch", "--micro-batch-size", dest="micro_batch", type=int, default=None, metavar="N",
+                       help=f"sequences per forward pass ({here}: {16 if cuda else 4}; --recipes: the preset's)")
+    every.add_argument("--batch-tokens", type=int, default=None, metavar="N", help=f"tokens per step ({here}: "
+                       f"{'524,288' if cuda else 'eight sequences of the preset'})")
+    every.add_argument("--timeout", type=int, default=900, metavar="S", help="seconds allowed per rung (default 900)")
     every.add_argument("--resume", action="store_true", help="reuse the rungs an interrupted study measured "
                        "(results/<study>.partial.json, or the --recipes and --loss-curves runs' folders)")
-    every.add_argument("--out", default=str(ROOT / "results"), help="folder for JSON and PNG results (default ./results)")
+    every.add_argument("--out", default=str(ROOT / "results"),
+                       help="folder for JSON and PNG results (default ./results)")
     speed = p.add_argument_group("the speed studies and --plan")
-    speed.add_argument("--timed-steps", dest="steps", type=int, metavar="N", default=None,
-                       help="optimizer steps timed per rung (default 3 on CUDA, 2 on CPU)")
-    speed.add_argument("--repeats", type=int, metavar="N", default=1, help="measure the kernels, attention and compile-modes "
-                       "rungs this many times in turn and report each rung's median run and spread (default 1)")
-    speed.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS, help="--attention: the variants to run "
-                       "(default: all)")
+    speed.add_argument("--timed-steps", dest="steps", type=int, default=None, metavar="N",
+                       help=f"optimizer steps timed per rung ({here}: {3 if cuda else 2})")
+    speed.add_argument("--repeats", type=int, default=1, metavar="N", help="measure the kernels, attention and "
+                       "compile-modes rungs this many times in turn and report each rung's median run and spread "
+                       "(default 1)")
+    speed.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS,
+                       help="--attention: the variants to run (default: all)")
     for switch in M.TRAINING_FAST_PATHS:
         speed.add_argument(flag(switch), action="store_true", help=f"--profile with model.{switch} on")
     recipes = p.add_argument_group("--recipes")
@@ -575,19 +596,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "train the default recipe on these fractions of the tokens (default 1; e.g. 1 0.4): a "
                          "warm-down reaches its lowest loss at the end of its own schedule, so the shortest schedule "
                          "that reaches the article's loss is the recipe's time to it")
-    recipes.add_argument("--seconds", type=float, metavar="S", default=None, help="the record ladder: every rung trained for this "
-                         "many training seconds (e.g. 150), its steps sized from its own speed")
-    recipes.add_argument("--seeds", type=int, metavar="N", default=2, help="seeds for the article and the final recipe (default 2)")
-    recipes.add_argument("--tokens", type=int, metavar="N", default=None, help="training tokens per rung (default: the preset's "
-                         "full budget)")
-    recipes.add_argument("--corpus", default=None, metavar="NAME_OR_GLOB", help="corpus (default python on CUDA, stdlib on CPU)")
+    recipes.add_argument("--seconds", type=float, default=None, metavar="S", help="the record ladder: every rung "
+                         "trained for this many training seconds (e.g. 150), its steps sized from its own speed")
+    recipes.add_argument("--seeds", type=int, default=2, metavar="N",
+                         help="seeds for the article and the final recipe (default 2)")
+    recipes.add_argument("--tokens", type=int, default=None, metavar="N",
+                         help="training tokens per rung (default: the preset's full budget)")
+    recipes.add_argument("--corpus", default=None, metavar="NAME_OR_GLOB",
+                         help=f"corpus ({here}: {'python' if cuda else 'stdlib'})")
     other = p.add_argument_group("--generate, --loss-curves and --budget")
-    other.add_argument("--new-tokens", type=int, metavar="N", default=500, help="--generate: tokens each run decodes (default 500)")
+    other.add_argument("--new-tokens", type=int, default=500, metavar="N", help="--generate: tokens each run decodes "
+                       f"({here}: {500 if cuda else 40})")
+    other.add_argument("--curve-steps", type=int, default=None, metavar="N",
+                       help=f"--loss-curves: steps of each run ({here}: {200 if cuda else 4})")
     other.add_argument("--no-transformers", action="store_true", help="--generate: measure onegpu only")
-    other.add_argument("--curve-steps", type=int, metavar="N", default=None, help="--loss-curves: steps of each run (default 200 on "
-                       "CUDA, 4 on CPU)")
     other.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="--budget: measured tokens/s per "
-                       "preset (the RTX 4060 Laptop rates of \"What a Laptop Can Train\" when omitted)")
+                       "preset (default: an RTX 4060 Laptop GPU's, from \"What a Laptop Can Train\")")
     return p
 
 
@@ -613,8 +637,10 @@ def main(argv=None):
         if args.recipes:
             recipes_study(args, argv)
         if args.budget:
-            rates = args.tok_s or [f"{k}={v}" for k, v in LAPTOP_TOK_S.items()]
-            print(budget_table(rates))
+            if not args.tok_s:
+                print("rates: an 8 GB RTX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\"; give your "
+                      "own with --tok-s PRESET=TOK_S (python bench.py --ladder measures them)")
+            print(budget_table(args.tok_s or [f"{k}={v}" for k, v in LAPTOP_TOK_S.items()]))
         chosen = [s for s in STUDIES if (args.all and s != "loss_curves") or getattr(args, s)]
         if not chosen and not args.budget and not args.recipes and not args.plan:
             p.error("choose a study: " + ", ".join("--" + s.replace("_", "-") for s in STUDIES) + ", --all or --budget")
@@ -628,6 +654,10 @@ def plan_study(args, argv):
     """--plan FILE: its rungs, each checked before any runs, measured as the studies' rungs are."""
     cuda = C.pick_device("auto").type == "cuda"
     rungs = plan_rungs(args.plan, args.preset, args.steps)
+    if not cuda:
+        rungs = [cpu_sized(r, args.preset) for r in rungs]
+        print(f"no CUDA device: a smoke test of the plan's code paths on the {args.preset or 'tiny'} preset (micro-"
+              f"batch 4, 2 timed steps, no compile); CPU numbers say nothing about a GPU", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     journal = Journal(out / f"plan-{args.plan.stem}.partial.json", {"plan": str(args.plan)}, args.resume)
@@ -637,7 +667,10 @@ def plan_study(args, argv):
         {"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
          "command": "python bench.py " + " ".join(argv or sys.argv[1:]), "rows": rows}, indent=2, default=str))
     journal.done()
-    print(f"## plan {args.plan} | {device}\n\n{simple_table(rows)}")
+    plot_rows(rows, "tok_s", "tokens / s", f"plan {args.plan.stem} | {device} | {time.strftime('%Y-%m-%d')}",
+              out / f"plan-{args.plan.stem}.png")
+    print(f"## plan {args.plan} | {device}\n\n{simple_table(rows)}\n\n"
+          f"{out / f'plan-{args.plan.stem}'}.json, .png")
 
 
 def recipes_study(args, argv):
@@ -716,7 +749,8 @@ STUDY_TABLE = {
     "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in M.TRAINING_FAST_PATHS
                                                                  if getattr(s.args, m)}),
                 "ms", "ms per 2 micro-batches"),
-    "generate": (lambda s: ME.generate_study(s.preset, s.cuda, s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),
+    "generate": (lambda s: ME.generate_study(s.preset, s.cuda,
+                                             s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),
                                           vs_transformers=not s.args.no_transformers),
                  "decode_tok_s", "decoded tokens / s"),
     "loss_curves": (curves, None, "training loss"),
@@ -770,7 +804,8 @@ def run_studies(args, chosen: list[str], argv):
         tables.append(f"## {study.replace('_', ' ')}\n\n{table}" + (f"\n\ndata: {', '.join(sources)}" if sources else ""))
         (s.out / f"{study}.json").write_text(json.dumps({**s.results, "rows": rows}, indent=2, default=str))
         s.journal.done()
-    print("\n\n".join(tables))
+    print("\n\n".join(tables) + f"\n\nresults: {', '.join(f'{study}.json' for study in chosen)} and their plots "
+          f"in {s.out}")
 
 
 if __name__ == "__main__":

@@ -818,7 +818,9 @@ def sample_text(model: M.Llama, tok, prompt: str, n: int, device: torch.device) 
     return prompt + tok.decode(new)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line. argv, when given, is read for --config first, so that --help shows that file's
+    values (a file that does not load shows the default file's; the run itself then says why)."""
     p = argparse.ArgumentParser(description="Train the Llama-style model.")
     p.add_argument("--config", default=None,
                    help="TOML file with [model] [data] [train] (default: configs/tiny.toml; on --resume the "
@@ -835,8 +837,22 @@ def build_parser() -> argparse.ArgumentParser:
                    default=argparse.SUPPRESS, help="fused AdamW (same as --optimizer fused)")
     p.add_argument("--no-fused", dest="train__optimizer", action="store_const", const="foreach",
                    default=argparse.SUPPRESS, help="foreach AdamW (same as --optimizer foreach)")
-    C.add_config_flags(p, base=DEFAULT_CONFIG)
+    C.add_config_flags(p, base=shown_config(argv))
     return p
+
+
+def shown_config(argv: list[str] | None) -> Path:
+    """The config file whose values --help shows: argv's --config where it loads, else DEFAULT_CONFIG."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    given = pre.parse_known_args(argv)[0].config if argv is not None else None
+    if given:
+        try:
+            C.load_config(given)
+            return Path(given)
+        except (OSError, ValueError):
+            pass
+    return DEFAULT_CONFIG
 
 
 def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=print):
@@ -877,7 +893,7 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         if distributed:

@@ -228,6 +228,16 @@ def test_bench_trains_through_recipes_alone_and_shares_train_py_flag_names():
     assert {o: ours[o] for o in shared} == {o: theirs[o].split(".")[-1].split("__")[-1] for o in shared}
 
 
+def test_help_gives_this_machines_defaults_and_budget_says_whose_rates(capsys):
+    cpu = " ".join(B.build_parser(cuda=False).format_help().split())
+    assert "(default on this CPU: 4; --recipes: the preset's)" in cpu and "(default on this CPU: tiny; --recipes: tiny)" in cpu
+    assert "(default with CUDA: 16; --recipes: the preset's)" in " ".join(B.build_parser(cuda=True).format_help().split())
+    B.main(["--budget"])
+    assert capsys.readouterr().out.startswith("rates: an 8 GB RTX 4060 Laptop GPU's")
+    B.main(["--budget", "--tok-s", "88m=600000"])
+    assert capsys.readouterr().out.startswith("| preset |")
+
+
 # --- Plans: a user's rungs from a TOML file ------------------------------------------------
 
 def test_a_plan_names_its_rungs_and_checks_them_before_anything_runs(tmp_path, monkeypatch):
@@ -259,6 +269,32 @@ def test_a_bad_plan_is_refused_in_one_line_before_any_process_starts(tmp_path, m
     monkeypatch.setattr(B.ME, "run_in_subprocess", lambda *a: pytest.fail("a process started"))
     with pytest.raises(SystemExit, match=message):
         B.main(["--plan", str(plan), "--out", str(tmp_path)])
+
+
+def test_a_plan_on_a_cpu_is_a_smoke_test_said_so_with_a_plot_and_its_paths(tmp_path, monkeypatch, capsys):
+    """configs/plans/recipe-speed.toml asks for 88m at micro-batch 256, compiled: on a CPU each rung runs
+    on the tiny preset, four sequences a micro-batch, uncompiled, and the table names its micro-batch
+    even where a rung failed."""
+    monkeypatch.setattr(B.C, "pick_device", lambda _: B.torch.device("cpu"))
+    measured = []
+
+    def fake(rung, timeout):
+        measured.append(rung)
+        return B.ME.Result(rung=rung.name, micro_batch=4, tok_s=1000.0) if len(measured) > 1 else \
+            B.ME.Result(rung=rung.name, skipped="out of memory")
+    monkeypatch.setattr(B.ME, "run_in_subprocess", fake)
+    B.main(["--plan", str(C.PRESETS_DIR / "plans" / "recipe-speed.toml"), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.startswith("no CUDA device: a smoke test of the plan's code paths on the tiny preset")
+    for rung in measured:
+        cfg = rung.config()
+        assert (rung.preset, cfg.train.micro_batch, cfg.train.compile, rung.timed_steps) == ("tiny", 4, False, 2)
+        assert cfg.train.batch_tokens == 2 * 4 * cfg.model.context
+    assert measured[0].overrides["model__mlp"] == "swiglu"  # the rung's own settings stay
+    rows = json.loads((tmp_path / "plan-recipe-speed.json").read_text())["rows"]
+    assert rows[0]["micro_batch"] == 4 and rows[0]["skipped"] == "out of memory"
+    assert (tmp_path / "plan-recipe-speed.png").stat().st_size > 1000
+    assert out.rstrip().endswith(f"{tmp_path / 'plan-recipe-speed'}.json, .png")
 
 
 def test_the_shipped_plans_load():

@@ -200,6 +200,13 @@ def test_log_plot_and_summary(train_config, tmp_path):
     assert config["config"]["train"]["steps"] == 6 and "git_commit" in config["provenance"]
 
 
+def test_help_after_config_shows_that_files_values():
+    shown = " ".join(TR.build_parser(["--config", str(C.PRESETS_DIR / "88m.toml"), "--help"]).format_help().split())
+    assert "width of the residual stream (default in configs/88m.toml: 768)" in shown
+    assert "(default in configs/tiny.toml: 128)" in " ".join(TR.build_parser([]).format_help().split())
+    assert "(default in configs/tiny.toml: 128)" in " ".join(TR.build_parser(["--config", "no.toml"]).format_help().split())
+
+
 def test_a_log_file_gets_lines_without_progress_bars(train_config, tmp_path, capsys):
     """Output to a file (capsys: not a terminal) holds the step lines alone: no carriage returns or
     escape codes of a progress bar drawn over itself."""
