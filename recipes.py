@@ -279,14 +279,9 @@ def eval_curve(log_rows: list[dict]) -> list[dict]:
 def time_to(curve: list[dict], target: float) -> tuple[float, float] | None:
     """(tokens, seconds) at which the validation loss first reaches `target`, linearly
     interpolated between the passes either side; None when it never does."""
-    for before, now in zip([None] + curve, curve):
-        if now["val_loss"] <= target:
-            if before is None:
-                return float(now["tokens"]), float(now["train_seconds"])
-            f = (before["val_loss"] - target) / (before["val_loss"] - now["val_loss"])
-            return tuple(float(b + f * (a - b)) for a, b in ((now["tokens"], before["tokens"]),
-                                                             (now["train_seconds"], before["train_seconds"])))
-    return None
+    losses = [p["val_loss"] for p in curve]
+    at = [TR.first_crossing([float(p[key]) for p in curve], losses, target) for key in ("tokens", "train_seconds")]
+    return None if at[0] is None else (at[0][0], at[1][0])
 
 
 def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: float | None) -> dict:
@@ -559,12 +554,14 @@ def rows_for(plan: list[Recipe], results: dict) -> list[dict]:
     return [article] + [summarize(n, runs[n], target, tok_s) for n in names[1:]]
 
 
-def plot(curves: dict, title: str, path: Path):
+def plot(curves: dict, title: str, path: Path, target: float | None = None):
+    """Validation loss against training seconds, one line per run; with a target (the article's loss),
+    its line and where each run crosses it."""
     series = {name: ([p["train_seconds"] for p in c], [p["val_loss"] for p in c], "-")
               for name, c in curves.items() if c}
     if series:
         TR.plot_lines(series, "training seconds (compile, evaluation and saving left out)", "validation loss (nats)",
-                      title, path)
+                      title, path, target)
 
 
 # --- Loss curves: the same run with each fast path and without (bench.py --loss-curves) -----
@@ -617,7 +614,7 @@ def save(found: dict, name: str, title: str, preset: str, out: Path, device_name
     """A study's plot and JSON (with the command that made them) in out; returns the date."""
     date = time.strftime("%Y-%m-%d")
     out.mkdir(parents=True, exist_ok=True)
-    plot(found["curves"], f"{title} | {device_name} | {date}", out / f"{name}.png")
+    plot(found["curves"], f"{title} | {device_name} | {date}", out / f"{name}.png", found.get("target"))
     (out / f"{name}.json").write_text(json.dumps({"device": device_name, "devices": len(devices), "date": date,
                                                    "torch": torch.__version__, "preset": preset, "command": command,
                                                    **found}, indent=2))

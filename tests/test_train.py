@@ -200,6 +200,22 @@ def test_log_plot_and_summary(train_config, tmp_path):
     assert config["config"]["train"]["steps"] == 6 and "git_commit" in config["provenance"]
 
 
+def test_plots_keep_the_legend_off_the_curves_and_give_each_line_its_own_colour():
+    """16 runs, as the 22m recipe ladder plots them: the legend lies right of the axes and no two
+    lines share a colour; a target draws its line and one crossing per line that reaches it."""
+    series = {f"run {i}": ([0, 1, 2], [3.0, 2.0 - i / 20, 1.0 + i / 10], "-") for i in range(16)}
+    fig = TR.line_figure(series, "s", "loss", "t", target=1.5)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1
+    colours = [tuple(line.get_color()) for line in ax.get_lines() if line.get_label() in series]
+    assert len(colours) == 16 and len(set(colours)) == 16
+    crossings = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    assert len(crossings) == 12  # runs 0-5 end at or below 1.5, runs 10-15 pass it at x = 1
+    assert abs(crossings[0].get_xdata()[0] - 1.5) < 1e-9  # run 0: 2.0 at 1, 1.0 at 2
+
+
 def test_help_after_config_shows_that_files_values():
     shown = " ".join(TR.build_parser(["--config", str(C.PRESETS_DIR / "88m.toml"), "--help"]).format_help().split())
     assert "width of the residual stream (default in configs/88m.toml: 768)" in shown
