@@ -254,21 +254,62 @@ def new_bpe():
     return tok
 
 
-def train_tokenizer(docs: Iterator[str], vocab_size: int, out: Path, show_progress: bool = True):
-    """Train byte-level BPE on docs and write out/tokenizer.json atomically."""
-    from tokenizers import pre_tokenizers, trainers
+def train_tokenizer(docs: Iterator[str], vocab_size: int, out: Path, show_progress: bool | None = None):
+    """Train byte-level BPE on docs and write out/tokenizer.json atomically; returns the tokenizer.
+    show_progress: the trainer's own progress bars (None: where stderr is a terminal, not in a log file).
+
+    The merges are computed in a child process that reads docs from its stdin: the Rust trainer
+    holds its process for up to a minute once the text is in, and Python runs no signal handler
+    until it returns. Here the parent waits in short slices, so a Ctrl-C stops the child (nothing is
+    written) and raises KeyboardInterrupt within a fraction of a second."""
+    import struct
+    import subprocess
     if not 256 + 1 <= vocab_size <= 2**16:
         raise ValueError(f"vocab size {vocab_size} must be between 257 (bytes + end-of-text) and 65,536 "
                          f"(token ids are stored as uint16)")
+    show_progress = sys.stderr.isatty() if show_progress is None else show_progress
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import tokenizer; "
+            f"tokenizer._train_from_stdin({vocab_size}, {str(out)!r}, {show_progress})")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        for doc in docs:
+            data = doc.encode("utf-8", errors="replace")
+            child.stdin.write(struct.pack("<q", len(data)) + data)
+        child.stdin.write(struct.pack("<q", -1))  # the end of the documents
+        child.stdin.close()
+        while child.poll() is None:
+            try:
+                child.wait(0.1)
+            except subprocess.TimeoutExpired:
+                pass
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    if child.returncode:
+        raise RuntimeError(f"tokenizer training failed in its worker process (exit code {child.returncode}); "
+                           f"its message is above")
+    return load_tokenizer(out / "tokenizer.json")
+
+
+def _train_from_stdin(vocab_size: int, out: str, show_progress: bool):
+    """train_tokenizer's worker: BPE over the length-prefixed documents on stdin, saved through a
+    temporary file."""
+    import struct
+    from tokenizers import pre_tokenizers, trainers
+    stream = sys.stdin.buffer
+
+    def documents():
+        while (n := struct.unpack("<q", stream.read(8))[0]) >= 0:
+            yield stream.read(n).decode("utf-8")
     tok = new_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer=trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "tokenizer.json.tmp"
+    tok.train_from_iterator(documents(), trainer=trainer)
+    Path(out).mkdir(parents=True, exist_ok=True)  # only now: a corpus that fails to read leaves no folder
+    tmp = Path(out) / "tokenizer.json.tmp"
     tok.save(str(tmp))
-    tmp.replace(out / "tokenizer.json")
-    return tok
+    tmp.replace(Path(out) / "tokenizer.json")
 
 
 def load_tokenizer(path: Path):

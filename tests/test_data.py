@@ -71,6 +71,29 @@ def test_vocab_over_uint16_is_refused(tmp_path):
         D.write_shard(tmp_path / "x.bin", np.zeros(3, D.TOKEN_DTYPE), np.zeros(1, np.uint64), 70_000, "0" * 16, 3)
 
 
+def test_ctrl_c_during_tokenizer_training_stops_it_within_a_second(tmp_path):
+    """The BPE merges run in Rust for seconds after the last document is read: a Ctrl-C 0.3 s after
+    that raises KeyboardInterrupt within a second, stops the worker and writes no tokenizer."""
+    import os
+    import random
+    import signal
+    import threading
+    import time
+    rng = random.Random(0)
+    syllables = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    sent = {}
+
+    def docs():  # about 3 MB of made-up words: seconds of merging on a CPU
+        for _ in range(1500):
+            yield " ".join(rng.choice(syllables) + rng.choice(syllables) for _ in range(300))
+        sent["at"] = time.monotonic() + 0.3
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        tk.train_tokenizer(docs(), 16384, tmp_path, show_progress=False)
+    assert time.monotonic() - sent["at"] < 1.0
+    assert not (tmp_path / "tokenizer.json").exists()
+
+
 def test_a_corpus_path_gets_a_visible_cache_folder(tmp_path):
     """A relative path or glob names its cache folder without the leading dots that would hide it."""
     assert D.data_dir(D.DataConfig(corpus="../mycode/*.py", cache_dir=str(tmp_path)), VOCAB).name == f"mycode_.py-{VOCAB}"
