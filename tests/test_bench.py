@@ -173,7 +173,10 @@ def test_a_failing_rung_comes_back_as_skipped_with_the_reason():
 @pytest.mark.slow
 def test_every_study_runs_on_cpu(tmp_path, capsys):
     B.main(["--all", "--only", "textbook", "sdpa", "doc-mask", "flash", "--out", str(tmp_path)])
-    assert "no CUDA device: a smoke test of the code paths" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no CUDA device: a smoke test of the code paths" in out
+    assert out.rstrip().endswith(f"results: {', '.join(f'{s}.json' for s in B.STUDIES if s != 'loss_curves')} and "
+                                 f"their plots in {tmp_path}")
 
     def rows(study):
         return json.loads((tmp_path / f"{study}.json").read_text())["rows"]
