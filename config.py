@@ -56,6 +56,7 @@ class DataConfig:
     tokenizer_documents: int = 0  # documents the BPE trains on (0: the same as max_documents)
     shard_tokens: int = 100_000_000  # tokens per shard file (about 200 MB)
     cache_dir: str = ""  # tokenizers and shards; "" means $ONEGPU_CACHE or ./cache
+    tokenizer_file: str = ""  # a tokenizer.json to tokenize with instead of training one ("": train the corpus' own)
 
     def __post_init__(self):
         if not 0 <= self.val_fraction < 1:
@@ -110,6 +111,7 @@ class TrainConfig:
     skip_nonfinite: bool = False  # skip (and count) steps with a NaN/inf loss instead of stopping
     peak_tflops: float = 0.0  # dense BF16 peak for MFU; 0 looks the GPU up by name
     sample_tokens: int = 200  # tokens of text generated at the end of the run
+    tensorboard: bool = False  # also write the log's curves for TensorBoard, to <run>/tensorboard (pip install tensorboard)
     sample_prompt: str = "def "  # the text the end-of-run sample starts from (presets on English text: "The")
 
     def __post_init__(self):

@@ -62,7 +62,17 @@ def data_dir(cfg: DataConfig, vocab_size: int) -> Path:
     slug = re.sub(r"[^A-Za-z0-9.-]+", "_", cfg.corpus).strip("._-")[-60:].lstrip("._-")
     limited = cfg.max_documents and not (cfg.corpus == "stdlib" and cfg.max_documents >= len(tk.stdlib_files()))
     suffix = f"-{cfg.max_documents}docs" if limited else ""  # a limit the corpus does not reach changes nothing
+    if cfg.tokenizer_file:  # shards of another tokenizer (a checkpoint's) live apart from the corpus' own
+        suffix += f"-tok{tk.tokenizer_hash(given_tokenizer(cfg))[:8]}"
     return cache_root(cfg) / f"{slug}-{vocab_size}{suffix}"
+
+
+def given_tokenizer(cfg: DataConfig) -> Path:
+    path = Path(cfg.tokenizer_file).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data.tokenizer_file={cfg.tokenizer_file!r} does not exist: give a tokenizer.json, "
+                                f"or \"\" to train the corpus' own")
+    return path
 
 
 # --- Shard files ---------------------------------------------------------------------------
@@ -148,6 +158,11 @@ def ensure_tokenizer(cfg: DataConfig, vocab_size: int, log=print) -> Path:
     path = data_dir(cfg, vocab_size) / "tokenizer.json"
     if path.is_file():
         log(f"tokenizer: reusing {path}")
+        return path
+    if cfg.tokenizer_file:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(given_tokenizer(cfg), path)
+        log(f"tokenizer: {cfg.tokenizer_file} (data.tokenizer_file), copied to {path}")
         return path
     log(f"tokenizer: training a {vocab_size:,}-token byte-level BPE on {cfg.corpus} -> {path}")
     t0 = time.perf_counter()

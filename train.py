@@ -17,11 +17,13 @@ the loop, the summary.
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 import platform
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -565,6 +567,8 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
     if ckpt is not None and ckpt.step > total_steps(cfg.train):
         raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {total_steps(cfg.train)} steps asked for: "
                          f"pass --steps {ckpt.step} or more (or the matching --tokens) to resume it")
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(TENSORBOARD_MISSING)
     r = setup(cfg, rank, world, log=say)
     progress = resume_run(r, ckpt, run_dir, say) if ckpt is not None else start_run(r, run_dir)
     meter = announce(r, run_dir, say)
@@ -589,6 +593,7 @@ def start_run(r: Run, run_dir: Path) -> Progress:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "log.jsonl").write_text("")
         (run_dir / "summary.json").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)  # a fresh start draws fresh curves
     return Progress()
 
 
@@ -668,10 +673,45 @@ def save_checkpoint(r: Run, p: Progress, path: Path):
                 train_seconds=p.train_seconds)
 
 
-def write_log(r: Run, run_dir: Path, row: dict):
+def write_log(r: Run, run_dir: Path, row: dict, board: "Board | None" = None):
     if r.rank == 0:
         with open(run_dir / "log.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        if board is not None:
+            board.add(row)
+
+
+TENSORBOARD_MISSING = ("train.tensorboard needs the tensorboard package: pip install tensorboard (or pip install "
+                       "-e '.[tensorboard]'), or leave out --tensorboard")
+
+
+class Board:
+    """The run's curves for TensorBoard (train.tensorboard): every number of every log.jsonl row, under
+    <run>/tensorboard, step rows as train/<name> and evaluations as val/<name>. Off unless asked for:
+    a run should not change what it writes because a package happens to be installed.
+
+        tensorboard --logdir runs
+
+    A run resumed at step T purges what an earlier session logged after T (purge_step T + 1: the
+    evaluation at T itself is not run again), so each step is drawn once, from the session that
+    trained it last."""
+
+    def __init__(self, folder: Path, resumed_at: int | None):
+        from torch.utils.tensorboard import SummaryWriter  # installed: train() checked
+        self.writer = SummaryWriter(str(folder), purge_step=None if resumed_at is None else resumed_at + 1)
+
+    def add(self, row: dict):
+        section = "val" if any(k.startswith("val_") for k in row) else "train"
+        for key, value in row.items():
+            if key not in ("step", "skipped") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{section}/{key}", value, row["step"])
+            elif key == "lrs":
+                for role, lr in value.items():
+                    self.writer.add_scalar(f"lr/{role}", lr, row["step"])
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
 
 
 def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int | None, resumed: bool) -> Session:
@@ -687,6 +727,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
                disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
+    board = Board(run_dir / "tensorboard", p.step if resumed else None) if tcfg.tensorboard and r.rank == 0 else None
     stopper, session = Stopper(say), Session(first_step=p.step)
     last_saved = p.step if resumed else None
     try:
@@ -702,7 +743,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                     f"val bpb {session.last_eval['val_bpb']:.4f}"
                     + (f" | on plain 1,024-token windows {plain['val_loss']:.4f}" if r.plain_val_loader else ""))
                 write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
-                                       **session.last_eval})
+                                       **session.last_eval}, board)
             if fresh and (p.step % tcfg.ckpt_every == 0 or last_step):
                 save_checkpoint(r, p, ckpt_path)
                 last_saved = p.step
@@ -715,7 +756,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                                   f"{'unsized' if r.steps == UNSIZED else r.steps}; continue with --resume",
                                   planned=not stopper.signal)
             row = timed_step(r, p, session, next_batch, meter, ckpt_path, say)
-            write_log(r, run_dir, row)
+            write_log(r, run_dir, row, board)
             if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
                 size_steps(r, p, session, run_dir, say)
                 bar.total = r.steps
@@ -726,6 +767,8 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
             bar.update(1)
     finally:
         bar.close()
+        if board is not None:
+            board.close()
         try:  # still under the Stopper: a second signal while plotting quits in one line
             log_path = run_dir / "log.jsonl"
             if r.rank == 0 and log_path.exists() and log_path.stat().st_size:  # a plot even for a stopped run
@@ -772,7 +815,8 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
         session.rates.append(tok_s)
         session.step_seconds.append(dt)
         p.train_seconds += dt * (2 if p.step == session.first_step + 2 else 1)  # this step and the first one
-    return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": O.lr_at(p.step - 1, tcfg, r.steps),
+    lrs = {g.get("role", f"group{i}"): g["lr"] for i, g in enumerate(r.optimizer.param_groups)}  # as this step ran
+    return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": O.lr_at(p.step - 1, tcfg, r.steps), "lrs": lrs,
             "grad_norm": norm_value if tcfg.grad_clip else None, "window": windows[0], "tok_s": round(tok_s),
             "mfu": meter.mfu(tok_s, r.world),
             "peak_mem_gib": round(peak_memory_gib(r.device), 3), "step_s": round(dt, 4), "skipped": p.skipped,

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a module may import only modules to its left.
 LAYERS = ["kernels", "model", "generate", "tokenizer", "config", "optim", "data", "checkpoint", "train", "measure",
-          "recipes", "bench", "sample", "export"]
+          "recipes", "bench", "sample", "export", "evaluate"]
 
 
 def project_imports(module: str) -> set[str]:

@@ -15,6 +15,7 @@ import config as C
 import model as M
 import optim as O
 import train as TR
+from conftest import tiny_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -214,6 +215,35 @@ def test_plots_keep_the_legend_off_the_curves_and_give_each_line_its_own_colour(
     crossings = [line for line in ax.get_lines() if line.get_marker() == "o"]
     assert len(crossings) == 12  # runs 0-5 end at or below 1.5, runs 10-15 pass it at x = 1
     assert abs(crossings[0].get_xdata()[0] - 1.5) < 1e-9  # run 0: 2.0 at 1, 1.0 at 2
+
+
+def test_tensorboard_draws_each_step_once_across_a_resume(data_cfg, tmp_path):
+    """A run stopped at step 5 whose last checkpoint is then the one at step 4 (as after a crash): the
+    resumed session trains 5 and 6 again, and TensorBoard's reader finds every step once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = tiny_run_config(data_cfg, ckpt_every=2, tensorboard=True)
+    run = tmp_path / "run"
+    with pytest.raises(TR.Interrupted):
+        TR.train(cfg, run, stop_after=5, **QUIET)
+    (run / "ckpt.prev.pt").replace(run / "ckpt.pt")  # the checkpoint of step 4
+    TR.train(cfg, run, resume=True, **QUIET)
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("val/val_loss")] == [3, 6]
+    assert [e.step for e in events.Scalars("lr/matrices")] == [1, 2, 3, 4, 5, 6]
+    logged = {r["step"]: r["loss"] for r in TR.read_log(run / "log.jsonl") if "loss" in r}
+    assert [round(e.value, 4) for e in events.Scalars("train/loss")] == [round(logged[s], 4) for s in range(1, 7)]
+    assert {"train/tok_s", "train/grad_norm", "train/peak_mem_gib", "val/val_bpb"} <= set(events.Tags()["scalars"])
+
+
+def test_tensorboard_without_the_package_says_how_to_install_it(train_config, tmp_path, monkeypatch):
+    real = TR.importlib.util.find_spec
+    monkeypatch.setattr(TR.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name))
+    with pytest.raises(ValueError, match=r"train.tensorboard needs the tensorboard package: pip install tensorboard"):
+        TR.train(dataclasses.replace(train_config, train=dataclasses.replace(train_config.train, tensorboard=True)),
+                 tmp_path / "run", **QUIET)
 
 
 def test_help_after_config_shows_that_files_values():

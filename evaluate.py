@@ -1,0 +1,108 @@
+"""Evaluate checkpoints on the same validation tokens: loss and bits per byte, one table.
+
+    python evaluate.py runs/tiny                            # as the run evaluated itself
+    python evaluate.py runs/a runs/b --corpus python        # two runs on the python corpus' validation split
+    python evaluate.py runs/a --tokens 1048576 --context 512
+
+Each checkpoint is evaluated with its own model config and tokenizer, as train.py's evaluate() does
+at a run's evaluations: by default on its own corpus, its eval_tokens, micro-batch and context, with
+its document masks and sliding window, so the last logged validation loss comes back. --corpus
+evaluates on another corpus' validation split, tokenized with the checkpoint's tokenizer (prepared
+once, in a cache folder of its own: data.tokenizer_file). Losses compare between checkpoints of one
+tokenizer; bits per byte between any.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import checkpoint as CK
+import config as C
+import data as D
+import model as M
+import tokenizer as tk
+import train as TR
+
+ROOT = Path(__file__).resolve().parent
+
+
+def evaluation_data(ckpt: CK.Checkpoint, corpus: str | None) -> C.DataConfig:
+    """The data config to evaluate ckpt on: its own, or `corpus` tokenized with its tokenizer."""
+    own = ckpt.config.data
+    if corpus is None or corpus == own.corpus:
+        return own
+    _, tok_path = CK.tokenizer_for(ckpt, None)
+    return dataclasses.replace(own, corpus=corpus, tokenizer_file=str(tok_path), max_documents=0,
+                               tokenizer_documents=0)
+
+
+def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int | None = None,
+                        context: int | None = None, micro_batch: int | None = None, device: str = "auto",
+                        log=print) -> dict:
+    """One checkpoint's validation loss and bits per byte (see the module docstring for the defaults)."""
+    ckpt = CK.load(path, "cpu")
+    cfg = ckpt.config
+    mcfg, tcfg = cfg.model, cfg.train
+    T, B = context or mcfg.context, micro_batch or tcfg.micro_batch
+    if T > mcfg.context:
+        raise ValueError(f"--context {T} is longer than the checkpoint's model.context={mcfg.context}: give "
+                         f"{mcfg.context} or less")
+    data_cfg = evaluation_data(ckpt, corpus)
+    dev = C.pick_device(device)
+    tcfg = TR.cpu_fallbacks(tcfg, dev, log=lambda *a: None)
+    D.prepare(data_cfg, mcfg.vocab_size, log=log)
+    folder = D.data_dir(data_cfg, mcfg.vocab_size)
+    tok_path = folder / "tokenizer.json"
+    if tk.tokenizer_hash(tok_path) != ckpt.tokenizer_hash:
+        raise ValueError(f"{folder} was tokenized by another tokenizer than {ckpt.path}'s: evaluate on the corpus "
+                         f"the run trained on, or pass --corpus to tokenize one with the checkpoint's tokenizer")
+    doc_ids = tcfg.doc_mask and T == mcfg.context
+    loader = D.ShardLoader(D.shard_files(folder, "val"), batch=B, seq_len=T, vocab_size=mcfg.vocab_size,
+                           tokenizer_hash=ckpt.tokenizer_hash, shuffle=False, doc_ids=doc_ids, device=dev)
+    model = M.Llama(mcfg).to(dev)
+    model.load_state_dict(ckpt.model, strict=True)
+    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(tok_path)), device=dev, dtype=torch.float32)
+    n_batches = max(1, (tokens or tcfg.eval_tokens) // (B * T))
+    found = TR.evaluate(model, loader, n_batches, token_bytes, tcfg, dev, mcfg.windows())
+    return {"checkpoint": str(ckpt.path), "step": ckpt.step, "corpus": data_cfg.corpus,
+            "tokens": min(n_batches, len(loader)) * B * T, "context": T, **found}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| checkpoint | step | corpus | tokens | context | val loss | val bpb |", "|---|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['checkpoint']} | {r['step']} | {r['corpus']} | {r['tokens']:,} | {r['context']} | "
+              f"{r['val_loss']:.4f} | {r['val_bpb']:.4f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Validation loss and bits per byte of checkpoints on the same tokens.")
+    p.add_argument("ckpts", nargs="+", help="run folders (runs/NAME) or ckpt.pt files")
+    p.add_argument("--corpus", default=None, help="evaluate on this corpus' validation split, tokenized with each "
+                   "checkpoint's tokenizer (default: each checkpoint's own corpus)")
+    p.add_argument("--tokens", type=int, default=None, help="validation tokens (default: the run's eval_tokens)")
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: the run's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--out", default=str(ROOT / "results" / "eval.json"), help="JSON to write (default "
+                   "./results/eval.json)")
+    args = p.parse_args(argv)
+    try:
+        rows = [evaluate_checkpoint(path, args.corpus, args.tokens, args.context, args.micro_batch, args.device)
+                for path in args.ckpts]
+    except (FileNotFoundError, ValueError, D.ShardError) as e:
+        sys.exit(f"error: {e}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": "python evaluate.py " +
+                               " ".join(argv or sys.argv[1:]), "rows": rows}, indent=2))
+    print(f"{table(rows)}\n\n{out}")
+
+
+if __name__ == "__main__":
+    main()

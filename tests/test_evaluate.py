@@ -1,0 +1,55 @@
+"""evaluate.py: a checkpoint's validation loss as its run logged it, several checkpoints on the same
+tokens, another corpus through the checkpoint's tokenizer, and its refusals in one line."""
+
+import json
+
+import pytest
+
+import config as C
+import data as D
+import evaluate as EV
+import train as TR
+from conftest import tiny_run_config
+
+QUIET = dict(log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def two_runs(data_cfg, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    for name, steps in (("short", 3), ("longer", 6)):
+        TR.train(tiny_run_config(data_cfg, steps=steps, eval_every=3), runs / name, **QUIET)
+    return runs
+
+
+def test_a_checkpoint_evaluates_to_the_loss_its_run_logged(two_runs):
+    for name in ("short", "longer"):
+        logged = [r for r in TR.read_log(two_runs / name / "log.jsonl") if "val_loss" in r][-1]
+        found = EV.evaluate_checkpoint(two_runs / name, **QUIET)
+        assert found["step"] == logged["step"]
+        assert abs(found["val_loss"] - logged["val_loss"]) < 1e-4 and abs(found["val_bpb"] - logged["val_bpb"]) < 1e-4
+
+
+def test_two_checkpoints_compare_in_one_table_and_json(two_runs, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    EV.main([str(two_runs / "short"), str(two_runs / "longer"), "--tokens", "1024", "--out", str(out)])
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == [3, 6] and {r["tokens"] for r in rows} == {1024}
+    assert rows[1]["val_loss"] < rows[0]["val_loss"]  # six steps learn more than three
+    assert "\n| checkpoint | step | corpus | tokens | context | val loss | val bpb |\n" in printed
+    assert f"| {two_runs / 'longer' / 'ckpt.pt'} | 6 |" in printed
+
+
+def test_another_corpus_is_tokenized_with_the_checkpoints_tokenizer(two_runs, data_cfg):
+    found = EV.evaluate_checkpoint(two_runs / "short", corpus="stdlib", tokens=1024, **QUIET)
+    assert found["corpus"] == "stdlib" and found["val_loss"] > 0
+    ckpt = TR.CK.load(two_runs / "short")
+    folder = D.data_dir(EV.evaluation_data(ckpt, "stdlib"), ckpt.config.model.vocab_size)
+    assert folder.name.startswith("stdlib-") and f"-tok{ckpt.tokenizer_hash[:8]}" in folder.name
+    assert D.tk.tokenizer_hash(folder / "tokenizer.json") == ckpt.tokenizer_hash
+
+
+def test_a_context_longer_than_the_models_is_refused_in_one_line(two_runs):
+    with pytest.raises(SystemExit, match=r"^error: --context 100000 is longer than the checkpoint's model.context"):
+        EV.main([str(two_runs / "short"), "--context", "100000"])
