@@ -210,6 +210,25 @@ def tokenizer_for(ckpt: Checkpoint, override: str | Path | None = None):
     return tk.load_tokenizer(path), path
 
 
+def data_for(ckpt: Checkpoint, data: C.DataConfig) -> C.DataConfig:
+    """`data` tokenized with the checkpoint's tokenizer (evaluating it, or a run that starts from its
+    weights): as it is where it names the checkpoint's own data folder; otherwise with
+    data.tokenizer_file set to the checkpoint's tokenizer, so that its shards are written once, in a
+    folder of their own. A tokenizer_file given that is not the checkpoint's is refused."""
+    vocab = ckpt.config.model.vocab_size
+    if D.data_dir(data, vocab) == D.data_dir(ckpt.config.data, vocab):
+        return data
+    if data.tokenizer_file:
+        found = tk.tokenizer_hash(D.given_tokenizer(data))
+        if found != ckpt.tokenizer_hash:
+            raise CheckpointError(f"data.tokenizer_file={data.tokenizer_file!r} has hash {found}, but {ckpt.path} was "
+                                  f"trained with tokenizer {ckpt.tokenizer_hash}: leave data.tokenizer_file out, and "
+                                  f"the corpus is tokenized with the checkpoint's")
+        return data
+    _, path = tokenizer_for(ckpt)
+    return dataclasses.replace(data, tokenizer_file=str(path))
+
+
 # --- The HuggingFace format (export.py writes it; bench compares generation on it) ------------
 # Our model is a Llama with optional parts. Each combination maps onto the transformers class that
 # computes exactly it: RMSNorm, rotary embeddings in HF's "rotate half" layout (so q and k need no

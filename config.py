@@ -111,6 +111,7 @@ class TrainConfig:
     skip_nonfinite: bool = False  # skip (and count) steps with a NaN/inf loss instead of stopping
     peak_tflops: float = 0.0  # dense BF16 peak for MFU; 0 looks the GPU up by name
     sample_tokens: int = 200  # tokens of text generated at the end of the run
+    init_from: str = ""  # a run folder or ckpt.pt whose weights (and model config) a new run starts from
     tensorboard: bool = False  # also write the log's curves for TensorBoard, to <run>/tensorboard (pip install tensorboard)
     sample_prompt: str = "def "  # the text the end-of-run sample starts from (presets on English text: "The")
 

@@ -36,9 +36,7 @@ def evaluation_data(ckpt: CK.Checkpoint, corpus: str | None) -> C.DataConfig:
     own = ckpt.config.data
     if corpus is None or corpus == own.corpus:
         return own
-    _, tok_path = CK.tokenizer_for(ckpt, None)
-    return dataclasses.replace(own, corpus=corpus, tokenizer_file=str(tok_path), max_documents=0,
-                               tokenizer_documents=0)
+    return CK.data_for(ckpt, dataclasses.replace(own, corpus=corpus, max_documents=0, tokenizer_documents=0))
 
 
 def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int | None = None,

@@ -571,6 +571,8 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         raise ValueError(TENSORBOARD_MISSING)
     r = setup(cfg, rank, world, log=say)
     progress = resume_run(r, ckpt, run_dir, say) if ckpt is not None else start_run(r, run_dir)
+    if ckpt is None and cfg.train.init_from:
+        start_from(r, cfg.train.init_from, say)
     meter = announce(r, run_dir, say)
     session = run_loop(r, progress, meter, run_dir, stop_after, resumed=ckpt is not None)
     return summarize(r, progress, session, meter, run_dir, say)
@@ -936,6 +938,9 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     may change, each reported."""
     overrides = C.flag_overrides(args)
     if not (args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists()):
+        from_file = C.read_toml(args.config) if args.config else {}
+        if overrides.get("train__init_from") or from_file.get("train", {}).get("init_from"):
+            return init_config(args.config, from_file, overrides, log), None
         return C.load_config(args.config or DEFAULT_CONFIG, **overrides), None
     ckpt = CK.load(run_dir / "ckpt.pt")
     # What the user asked for: the file's settings (when --config is given) and the flags, resolved
@@ -964,6 +969,37 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
                                                                                        "train__tokens") else ""
         log(f"resume: {key.replace('__', '.')} {then!r} -> {now!r}{note}")
     return asked, dataclasses.replace(ckpt, config=asked)  # only [train] values differ from the saved config
+
+
+def init_config(config: str | None, from_file: dict, overrides: dict, log=print) -> C.Config:
+    """train.init_from: the config of a new run that starts from a checkpoint's weights. The model is the
+    checkpoint's: a shape setting the file or a flag gives must equal it. Data, schedule and optimizer
+    are the file's and the flags' over the checkpoint's run; the data is tokenized with the checkpoint's
+    tokenizer (checkpoint.data_for). Kernel switches may differ."""
+    given = {f"{s}__{k}": v for s, table in from_file.items() for k, v in table.items()} | overrides
+    src = CK.load(given["train__init_from"], "cpu")
+    asked = C.load_config(values=dataclasses.asdict(src.config), source=config or "flags", **given)
+    for name in M.SHAPE_FIELDS:
+        mine, theirs = getattr(asked.model, name), getattr(src.config.model, name)
+        if mine != theirs:
+            raise ValueError(f"--init-from {src.path}: model.{name} is {mine!r} here but {theirs!r} in the checkpoint, "
+                             f"whose weights fix the model: drop that setting (the model comes from the checkpoint)")
+    data = CK.data_for(src, asked.data)
+    if data.tokenizer_file and not asked.data.tokenizer_file:
+        log(f"init-from: {data.corpus} is tokenized with {src.path}'s tokenizer ({src.tokenizer_hash}), in "
+            f"{D.data_dir(data, asked.model.vocab_size)}")
+    return dataclasses.replace(asked, data=data, train=dataclasses.replace(asked.train, init_from=str(src.path)))
+
+
+def start_from(r: Run, path: str, say):
+    """Put the weights of the checkpoint at `path` (train.init_from) into a new run's model."""
+    src = CK.load(path, "cpu")
+    if src.tokenizer_hash != r.tokenizer_hash:
+        raise ValueError(f"--init-from {src.path} was trained with tokenizer {src.tokenizer_hash}, but this run's "
+                         f"corpus is tokenized with {r.tokenizer_hash}: leave data.tokenizer_file out, and the corpus "
+                         f"is tokenized with the checkpoint's")
+    r.raw.load_state_dict(src.model, strict=True)
+    say(f"weights: from {src.path} (its step {src.step}); data, schedule and optimizer start anew")
 
 
 def main(argv=None):

@@ -588,3 +588,47 @@ def test_a_warm_up_longer_than_half_the_run_is_shortened_and_said(train_config, 
     TR.train(cfg, tmp_path / "run", **QUIET)
     lrs = [row["lr"] for row in TR.read_log(tmp_path / "run" / "log.jsonl") if "loss" in row]
     assert lrs[-1] < max(lrs)  # it warmed down
+
+
+# --- Starting from a trained model (train.init_from) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(data_cfg, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    TR.train(tiny_run_config(data_cfg, steps=6), runs / "a", **QUIET)
+    return runs / "a"
+
+
+def new_run(trained, tmp_path, *flags):
+    TR.main(["--init-from", str(trained), "--corpus", "stdlib", "--max-documents", "40", "--steps", "2",
+             "--eval-every", "2", "--runs-dir", str(tmp_path), "--name", "b", "--sample-tokens", "0", *flags])
+    return tmp_path / "b"
+
+
+def test_init_from_continues_a_trained_model_on_another_corpus_with_its_tokenizer(trained, tmp_path, capsys):
+    run = new_run(trained, tmp_path)
+    out = capsys.readouterr().out
+    src = TR.CK.load(trained)
+    assert f"init-from: stdlib is tokenized with {src.path}'s tokenizer ({src.tokenizer_hash})" in out
+    assert f"weights: from {src.path} (its step 6)" in out
+    saved = json.loads((run / "config.json").read_text())["config"]
+    assert saved["train"]["init_from"] == str(src.path) and saved["model"] == dataclasses.asdict(src.config.model)
+    assert saved["data"]["corpus"] == "stdlib" and TR.CK.load(run).tokenizer_hash == src.tokenizer_hash
+    first = [r for r in TR.read_log(run / "log.jsonl") if "loss" in r][0]["loss"]
+    # a new model starts at ln(vocab) (its head is zero); six steps on the test corpus carry over to code
+    assert first < math.log(src.config.model.vocab_size) - 0.2
+
+
+def test_init_from_refuses_another_model_value_or_tokenizer_in_one_line(trained, tmp_path, data_cfg):
+    with pytest.raises(SystemExit, match=r"^error: --init-from .*ckpt.pt: model.n_layers is 3 here but 2 in the "
+                                         r"checkpoint, whose weights fix the model"):
+        new_run(trained, tmp_path, "--n-layers", "3")
+    other = tmp_path / "other.json"
+    other.write_text(tokenizer_file_of(trained).read_text() + " ")  # the same tokenizer, another hash
+    with pytest.raises(SystemExit, match=r"^error: data.tokenizer_file=.* has hash .* but .* was trained with tokenizer"):
+        new_run(trained, tmp_path, "--tokenizer-file", str(other))
+
+
+def tokenizer_file_of(run):
+    ckpt = TR.CK.load(run)
+    return TR.D.data_dir(ckpt.config.data, ckpt.config.model.vocab_size) / "tokenizer.json"
