@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-import config as C
 import data as D
 import evaluate as EV
 import train as TR
