@@ -241,9 +241,18 @@ def prepare(cfg: DataConfig, vocab_size: int, log=print, rebuild: bool = False) 
     new = not folder.exists()
     try:
         return _prepare(cfg, vocab_size, folder, log, rebuild)
-    except Exception:  # not on Ctrl-C: a finished tokenizer.json is worth keeping for the next try
-        if new:
-            shutil.rmtree(folder, ignore_errors=True)
+    except Exception:
+        # A first prepare that fails leaves nothing behind but a tokenizer it trained (minutes of work,
+        # and the next prepare's); on Ctrl-C everything written so far stays.
+        if new and folder.exists():
+            kept = {"tokenizer.json", "tokenizer.trained.json"}
+            for path in folder.iterdir():
+                if path.name not in kept:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if not any(folder.iterdir()):
+                folder.rmdir()
+            else:
+                log(f"shards: the prepare failed; the tokenizer it trained is kept in {folder} for the next one")
         raise
 
 

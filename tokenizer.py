@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -105,8 +106,13 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def hub_documents(name: str, limit: int | None = None) -> Iterator[str]:
-    """Stream a HuggingFace dataset. With no network this fails at once with one clear message."""
+HUB_RETRY_WAITS = (2, 4, 8, 16, 32)  # seconds before each retry of a broken hub stream: about a minute in all
+
+
+def hub_documents(name: str, limit: int | None = None, warn=print) -> Iterator[str]:
+    """Stream a HuggingFace dataset. With no network this fails at once with one clear message; a
+    stream that breaks part way is opened again after a pause (HUB_RETRY_WAITS) and goes on from the
+    record it reached, each retry named in one line."""
     path, config, split, field = HUB[name]
     local = (f"download its files elsewhere and pass them as a local corpus, e.g. --corpus "
              f"'/path/to/files/*.parquet' --text-field {field} (or use --corpus stdlib, which needs no network)")
@@ -114,14 +120,25 @@ def hub_documents(name: str, limit: int | None = None) -> Iterator[str]:
         raise CorpusError(f"corpus {name!r} streams {path} from the HuggingFace hub, which cannot be reached "
                           f"(offline, or HF_HUB_OFFLINE is set): {local}")
     import datasets
-    try:
-        stream = datasets.load_dataset(path, config, split=split, streaming=True)
-        yield from _texts(stream, field, f"{path} ({name})", limit)
-    except CorpusError:
-        raise
-    except Exception as e:  # the hub raises many types for "offline"; all mean the same here
-        raise CorpusError(f"could not stream {path} from the HuggingFace hub ({type(e).__name__}: "
-                          f"{str(e)[:200]}): {local}") from None
+
+    def records():
+        done = 0
+        for retry, wait in enumerate((0, *HUB_RETRY_WAITS)):
+            if wait:
+                warn(f"hub: {path} broke after {done:,} records ({type(error).__name__}: {str(error)[:120]}); "
+                     f"retry {retry} of {len(HUB_RETRY_WAITS)} in {wait} s")
+                time.sleep(wait)
+            try:
+                stream = datasets.load_dataset(path, config, split=split, streaming=True)
+                for record in stream.skip(done) if done else stream:
+                    done += 1
+                    yield record
+                return
+            except Exception as e:  # the hub raises many types for a dropped connection; all mean the same here
+                error = e
+        raise CorpusError(f"could not stream {path} from the HuggingFace hub after {len(HUB_RETRY_WAITS)} retries "
+                          f"({type(error).__name__}: {str(error)[:200]}): {local}")
+    yield from _texts(records(), field, f"{path} ({name})", limit, warn)
 
 
 def local_files(pattern: str) -> list[Path]:
@@ -229,7 +246,7 @@ def documents(corpus: str, text_field: str = "text", limit: int | None = None, w
     elif corpus == "python":
         docs = python_documents(warn)
     elif corpus in HUB:
-        docs = hub_documents(corpus, limit)
+        docs = hub_documents(corpus, limit, warn)
     else:
         docs = local_documents(corpus, text_field, warn)  # the limit applies below
     empty = True

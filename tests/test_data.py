@@ -94,6 +94,63 @@ def test_ctrl_c_during_tokenizer_training_stops_it_within_a_second(tmp_path):
     assert not (tmp_path / "tokenizer.json").exists()
 
 
+def test_a_prepare_that_fails_after_its_tokenizer_keeps_the_tokenizer(tmp_path, monkeypatch):
+    """The shard pass fails (a stream that breaks for good): the BPE trained before it is kept, no
+    shard is, and the next prepare reuses that tokenizer."""
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"d{i}.txt").write_text(f"document {i} " + "words and more words " * 40)
+    cfg = D.DataConfig(corpus=str(corpus / "*.txt"), cache_dir=str(tmp_path / "cache"))
+    real = D.tk.documents
+    monkeypatch.setattr(D.tk, "documents", lambda *a, **k: (_ for _ in ()).throw(D.tk.CorpusError("stream broke")))
+    monkeypatch.setattr(D.tk, "train_documents", lambda *a, **k: real(cfg.corpus))
+    with pytest.raises(D.tk.CorpusError, match="stream broke"):
+        D.prepare(cfg, VOCAB, log=lambda *a: None)
+    folder = D.data_dir(cfg, VOCAB)
+    assert sorted(p.name for p in folder.iterdir()) == ["tokenizer.json", "tokenizer.trained.json"]
+    monkeypatch.setattr(D.tk, "documents", real)
+    said = []
+    D.prepare(cfg, VOCAB, log=said.append)
+    assert said[0] == f"tokenizer: reusing {folder / 'tokenizer.json'}"
+
+
+class BreakingStream:
+    """A datasets streaming dataset of 10 records whose connection drops after `drop_at` of them, the
+    first `drops` times it is opened."""
+    opened = 0
+
+    def __init__(self, drops: int, drop_at: int = 4, start: int = 0):
+        self.drops, self.drop_at, self.start = drops, drop_at, start
+
+    def skip(self, n):
+        return BreakingStream(self.drops, self.drop_at, self.start + n)
+
+    def __iter__(self):
+        BreakingStream.opened += 1
+        for i in range(self.start, 10):
+            if BreakingStream.opened <= self.drops and i == self.drop_at:
+                raise ConnectionError("Connection reset by peer")
+            yield {"text": f"story {i}"}
+
+
+@pytest.mark.parametrize("drops", [2, 9])
+def test_a_broken_hub_stream_goes_on_from_its_record_or_gives_up_in_one_line(monkeypatch, drops):
+    import datasets
+    BreakingStream.opened = 0
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: BreakingStream(drops))
+    monkeypatch.setattr(tk, "hub_reachable", lambda: True)
+    monkeypatch.setattr(tk.time, "sleep", lambda s: None)
+    said = []
+    if drops > len(tk.HUB_RETRY_WAITS):
+        with pytest.raises(tk.CorpusError, match=r"could not stream .* after 5 retries \(ConnectionError: Connection"):
+            list(tk.hub_documents("tinystories", warn=said.append))
+        return
+    assert list(tk.hub_documents("tinystories", warn=said.append)) == [f"story {i}" for i in range(10)]
+    assert said[0].startswith("hub: roneneldan/TinyStories broke after 4 records (ConnectionError: Connection reset")
+    assert said[1].endswith("retry 2 of 5 in 4 s") and len(said) == 2
+
+
 def test_a_corpus_path_gets_a_visible_cache_folder(tmp_path):
     """A relative path or glob names its cache folder without the leading dots that would hide it."""
     assert D.data_dir(D.DataConfig(corpus="../mycode/*.py", cache_dir=str(tmp_path)), VOCAB).name == f"mycode_.py-{VOCAB}"
