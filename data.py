@@ -16,6 +16,7 @@ seeded order without replacement, with an exact resumable cursor.
 """
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -203,13 +204,16 @@ class _ShardWriter:
         self.folder, self.split, self.cfg, self.vocab_size, self.tok_hash = folder, split, cfg, vocab_size, tok_hash
         self.parts, self.starts, self.n, self.bytes, self.files = [], [], 0, 0, []
 
-    def add(self, ids: np.ndarray, n_bytes: int):
+    def add(self, ids: np.ndarray, n_bytes: int) -> bool:
+        """Add one document's tokens; True when that filled a shard and it was written."""
         self.starts.append(self.n)
         self.parts.append(ids)
         self.n += len(ids)
         self.bytes += n_bytes
         if self.n >= self.cfg.shard_tokens:
             self.flush()
+            return True
+        return False
 
     def flush(self):
         if not self.parts:
@@ -219,6 +223,78 @@ class _ShardWriter:
                     self.vocab_size, self.tok_hash, self.bytes)
         self.files.append(path.name)
         self.parts, self.starts, self.n, self.bytes = [], [], 0, 0
+
+    def pending(self) -> dict:
+        """The documents not yet in a shard, as arrays (saved with the progress of a prepare)."""
+        tokens = np.concatenate(self.parts) if self.parts else np.zeros(0, TOKEN_DTYPE)
+        return {"tokens": tokens, "ends": np.cumsum([len(p) for p in self.parts], dtype=np.int64),
+                "bytes": np.array(self.bytes)}
+
+    def restore(self, files: list[str], pending: dict):
+        self.files = list(files)
+        self.parts = list(np.split(pending["tokens"], pending["ends"][:-1])) if len(pending["ends"]) else []
+        self.starts = [0, *pending["ends"][:-1].tolist()] if self.parts else []
+        self.n, self.bytes = len(pending["tokens"]), int(pending["bytes"])
+
+
+# A prepare records its progress after every train shard: the documents read so far, the shards
+# written, and the validation documents not yet in a shard (val.pending.<documents>.npz). A prepare
+# that broke (a dropped hub stream, Ctrl-C, a full disk) goes on from there the next time, with the
+# same shards an unbroken one writes.
+PROGRESS = "progress.json"
+BATCH_BYTES = 16 << 20  # text tokenized per encode_batch call (all cores)
+
+
+def save_progress(folder: Path, key: dict, documents: int, source_bytes: int, writers: dict):
+    pending = folder / f"val.pending.{documents}.npz"
+    with open(pending.with_suffix(".tmp"), "wb") as f:
+        np.savez(f, **writers["val"].pending())
+    pending.with_suffix(".tmp").replace(pending)
+    state = {**key, "documents": documents, "source_bytes": source_bytes, "train": writers["train"].files,
+             "val": writers["val"].files, "val_pending": pending.name}
+    tmp = folder / (PROGRESS + ".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(folder / PROGRESS)
+    for old in folder.glob("val.pending.*.npz"):  # only now: the progress above no longer names them
+        if old != pending:
+            old.unlink()
+
+
+def load_progress(folder: Path, key: dict, vocab_size: int, tok_hash: str) -> dict | None:
+    """The progress of an earlier prepare of the same corpus, tokenizer and sharding, with every shard it
+    names present and sound; None otherwise."""
+    try:
+        state = json.loads((folder / PROGRESS).read_text())
+        if any(state.get(k) != v for k, v in key.items()):
+            return None
+        for name in state["train"] + state["val"]:
+            read_header(folder / name, vocab_size, tok_hash)
+        with np.load(folder / state["val_pending"]) as pending:
+            state["pending"] = {k: pending[k] for k in ("tokens", "ends", "bytes")}
+        return state
+    except (OSError, KeyError, ValueError, json.JSONDecodeError, ShardError):
+        return None
+
+
+def go_on(folder: Path, key: dict, vocab_size: int, tok_hash: str, writers: dict, log) -> tuple[int, int]:
+    """(documents, source bytes) an earlier prepare of the same key finished, its shards and pending
+    validation documents put back into writers; (0, 0) and a clean folder when there is none."""
+    progress = load_progress(folder, key, vocab_size, tok_hash)
+    if progress is None:
+        clear_progress(folder)
+        return 0, 0
+    empty = {"tokens": np.zeros(0, TOKEN_DTYPE), "ends": np.zeros(0, np.int64), "bytes": np.array(0)}
+    writers["train"].restore(progress["train"], empty)
+    writers["val"].restore(progress["val"], progress["pending"])
+    log(f"shards: going on from document {progress['documents']:,} of an earlier prepare "
+        f"({len(progress['train'])} train shard(s) kept, their headers checked)")
+    return progress["documents"], progress["source_bytes"]
+
+
+def clear_progress(folder: Path):
+    (folder / PROGRESS).unlink(missing_ok=True)
+    for path in folder.glob("val.pending.*"):
+        path.unlink()
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -246,13 +322,18 @@ def prepare(cfg: DataConfig, vocab_size: int, log=print, rebuild: bool = False) 
         # and the next prepare's); on Ctrl-C everything written so far stays.
         if new and folder.exists():
             kept = {"tokenizer.json", "tokenizer.trained.json"}
+            progress = folder / PROGRESS
+            if progress.exists():  # and what the next prepare goes on from
+                state = json.loads(progress.read_text())
+                kept |= {PROGRESS, state["val_pending"], *state["train"], *state["val"]}
             for path in folder.iterdir():
                 if path.name not in kept:
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
             if not any(folder.iterdir()):
                 folder.rmdir()
             else:
-                log(f"shards: the prepare failed; the tokenizer it trained is kept in {folder} for the next one")
+                log(f"shards: the prepare failed; what it finished (the tokenizer, and shards in {PROGRESS}) is "
+                    f"kept in {folder} for the next one")
         raise
 
 
@@ -291,18 +372,24 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     manifest_path.unlink(missing_ok=True)
     eot = tok.token_to_id(tk.EOT)
     writers = {s: _ShardWriter(folder, s, cfg, vocab_size, tok_hash) for s in ("train", "val")}
-    log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")
+    key = {"source": source, "tokenizer_hash": tok_hash, "val_fraction": cfg.val_fraction,
+           "shard_tokens": cfg.shard_tokens, "max_documents": cfg.max_documents}
     t0, total_bytes, index, hashed = time.perf_counter(), 0, 0, tk.split_by_hash(cfg.corpus)
-    docs = tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None, warn=log)
+    if not rebuild:
+        index, total_bytes = go_on(folder, key, vocab_size, tok_hash, writers, log)
+    log(f"shards: tokenizing {cfg.corpus} with {os.cpu_count()} threads -> {folder}")
+    docs = itertools.islice(tk.documents(cfg.corpus, cfg.text_field, cfg.max_documents or None, warn=log), index, None)
     bar = tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=None)  # None: no bar in a log file
-    for batch in _batches(docs, max_bytes=16 << 20):
+    for batch in _batches(docs, max_bytes=BATCH_BYTES):
         # encode_batch runs on all cores (Rust threads), so no process pool is needed.
         for doc, enc in zip(batch, tok.encode_batch(batch)):
             n_bytes = len(doc.encode("utf-8"))
             split = "val" if tk.is_val(index, cfg.val_fraction, doc if hashed else None) else "train"
-            writers[split].add(np.array(enc.ids + [eot], dtype=TOKEN_DTYPE), n_bytes)
+            full = writers[split].add(np.array(enc.ids + [eot], dtype=TOKEN_DTYPE), n_bytes)
             total_bytes += n_bytes
             index += 1
+            if full and split == "train":
+                save_progress(folder, key, index, total_bytes, writers)
             bar.update(n_bytes)
     bar.close()
     for w in writers.values():
@@ -319,6 +406,7 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     tmp = manifest_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_path)
+    clear_progress(folder)
     log(f"shards: {index:,} documents, {total_bytes / 1e6:.1f} MB -> {manifest['train_tokens']:,} train + "
         f"{manifest['val_tokens']:,} val tokens in {seconds:.1f} s ({manifest['mb_per_s']} MB/s, "
         f"{total_bytes / (manifest['train_tokens'] + manifest['val_tokens']):.2f} bytes/token)")

@@ -122,7 +122,7 @@ def hub_documents(name: str, limit: int | None = None, warn=print) -> Iterator[s
     import datasets
 
     def records():
-        done = 0
+        done, error = 0, None
         for retry, wait in enumerate((0, *HUB_RETRY_WAITS)):
             if wait:
                 warn(f"hub: {path} broke after {done:,} records ({type(error).__name__}: {str(error)[:120]}); "

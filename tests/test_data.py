@@ -115,6 +115,43 @@ def test_a_prepare_that_fails_after_its_tokenizer_keeps_the_tokenizer(tmp_path, 
     assert said[0] == f"tokenizer: reusing {folder / 'tokenizer.json'}"
 
 
+def test_a_prepare_that_broke_part_way_goes_on_to_the_shards_of_an_unbroken_one(tmp_path, monkeypatch):
+    """A local .jsonl corpus read through `datasets`, whose stream breaks after 60% of its documents:
+    the tokenizer and the train shards written so far are kept, and the next prepare goes on from the
+    last of them to shards byte for byte those of a prepare that never broke."""
+    corpus = tmp_path / "c.jsonl"
+    rng = np.random.default_rng(3)
+    words = ["".join(rng.choice(list("abcdefgh"), rng.integers(2, 7))) for _ in range(200)]
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 120))}) + "\n" for _ in range(200)))
+    cfgs = [D.DataConfig(corpus=str(corpus), shard_tokens=4000, val_fraction=0.1, cache_dir=str(tmp_path / name))
+            for name in ("whole", "broken")]
+    D.prepare(cfgs[0], VOCAB, log=lambda *a: None)
+    real, calls = D.tk.documents, []
+
+    def breaks(*a, **k):  # the tokenizer's read (the first) goes through; the shards' read breaks
+        calls.append(1)
+        for i, doc in enumerate(real(*a, **k)):
+            if len(calls) > 1 and i == 120:
+                raise D.tk.CorpusError("could not stream: the connection dropped")
+            yield doc
+    monkeypatch.setattr(D.tk, "documents", breaks)
+    monkeypatch.setattr(D, "BATCH_BYTES", 2000)  # a few documents per batch, so shards are written before the break
+    with pytest.raises(D.tk.CorpusError, match="connection dropped"):
+        D.prepare(cfgs[1], VOCAB, log=lambda *a: None)
+    folder = D.data_dir(cfgs[1], VOCAB)
+    kept = sorted(p.name for p in folder.iterdir())
+    assert "tokenizer.json" in kept and "progress.json" in kept and "train_00000.bin" in kept
+    monkeypatch.setattr(D.tk, "documents", real)
+    said = []
+    D.prepare(cfgs[1], VOCAB, log=said.append)
+    assert any(line.startswith("shards: going on from document ") for line in said)
+    whole = D.data_dir(cfgs[0], VOCAB)
+    names = sorted(p.name for p in whole.glob("*.bin"))
+    assert len(names) > 4 and names == sorted(p.name for p in folder.glob("*.bin"))
+    assert all((whole / n).read_bytes() == (folder / n).read_bytes() for n in names)
+    assert not (folder / "progress.json").exists() and not list(folder.glob("val.pending.*"))
+
+
 class BreakingStream:
     """A datasets streaming dataset of 10 records whose connection drops after `drop_at` of them, the
     first `drops` times it is opened."""
