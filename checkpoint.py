@@ -50,6 +50,7 @@ class Checkpoint:
     rngs: list  # one rng_state() per rank
     tokenizer_hash: str
     train_seconds: float = 0.0  # training time so far (train.Progress); 0 in checkpoints from before it
+    scaler: dict | None = None  # the fp16 gradient scaler's state (train.fp16), None without it
 
     def build_model(self) -> M.Llama:
         model = M.Llama(self.config.model)
@@ -89,11 +90,11 @@ def set_rng_state(state: dict):
 # --- Save ----------------------------------------------------------------------------------
 
 def save(path: Path, *, model: dict, optimizer: dict, step: int, tokens: int, skipped: int, loaders: list,
-         rngs: list, config: C.Config, tokenizer_hash: str, train_seconds: float = 0.0):
+         rngs: list, config: C.Config, tokenizer_hash: str, train_seconds: float = 0.0, scaler: dict | None = None):
     """Write atomically: a crash or a full disk mid-write leaves the previous checkpoint intact."""
     state = {"format": FORMAT, "model": model, "optimizer": optimizer, "step": step, "tokens": tokens,
              "skipped": skipped, "loaders": list(loaders), "rngs": list(rngs), "config": config.to_dict(),
-             "tokenizer_hash": tokenizer_hash, "train_seconds": float(train_seconds)}
+             "tokenizer_hash": tokenizer_hash, "train_seconds": float(train_seconds), "scaler": scaler}
     tmp = path.with_name(path.name + ".tmp")
     prev, prev_tmp = path.with_name("ckpt.prev.pt"), path.with_name("ckpt.prev.pt.tmp")
     try:
@@ -173,7 +174,7 @@ def load(path: str | Path, device="cpu", **overrides) -> Checkpoint:
                           step=int(state["step"]), tokens=int(state["tokens"]), skipped=int(state["skipped"]),
                           loaders=list(state["loaders"]), rngs=list(state["rngs"]),
                           tokenizer_hash=str(state["tokenizer_hash"]),
-                          train_seconds=float(state.get("train_seconds", 0.0)))
+                          train_seconds=float(state.get("train_seconds", 0.0)), scaler=state.get("scaler"))
     except KeyError as e:
         raise CheckpointError(f"{path}: checkpoint lacks {e.args[0]!r}: it was not written by onegpu's "
                               f"train.py or is damaged") from None

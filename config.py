@@ -99,6 +99,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tf32: bool = False  # TF32 tensor-core matmuls for float32 (CUDA)
     bf16: bool = False  # bfloat16 autocast; float32 master weights and optimizer (CUDA)
+    fp16: bool = False  # float16 autocast with a gradient scaler instead (GPUs without bf16; set for them by itself)
     compile: bool = False  # torch.compile the model
     compile_mode: CompileMode = "default"  # torch.compile mode, or coordinate-descent (default + kernel tuning)
     optimizer: Literal["fused", "foreach", "for-loop"] = "foreach"  # AdamW implementation

@@ -146,10 +146,27 @@ def set_precision(cfg: C.TrainConfig):
 
 
 def autocast(cfg: C.TrainConfig, device: torch.device):
-    """BF16 autocast: matmuls in bfloat16, weights, gradients and AdamW state stay float32."""
-    if cfg.bf16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+    """BF16 autocast: matmuls in bfloat16, weights, gradients and AdamW state stay float32. FP16 (train.fp16)
+    wins over it where both are on: float16 matmuls, whose gradients a GradScaler keeps in range."""
+    if cfg.fp16 or cfg.bf16:
+        return torch.autocast(device.type, dtype=torch.float16 if cfg.fp16 else torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def half_precision(cfg: C.TrainConfig, device: torch.device, log=print) -> C.TrainConfig:
+    """bf16 on a GPU without it (before Ampere: T4, V100, RTX 20) becomes fp16 with a gradient scaler,
+    as nanochat does by compute capability; said in one line."""
+    if (cfg.bf16 and not cfg.fp16 and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported(including_emulation=False)):
+        log(f"note: {torch.cuda.get_device_name(device)} has no bf16 tensor cores: training in fp16 with a gradient "
+            f"scaler instead (--no-bf16 --no-fp16 for float32)")
+        return dataclasses.replace(cfg, fp16=True)
+    return cfg
+
+
+def inner_optimizers(optimizer) -> list:
+    """The torch optimizers behind train_step's optimizer (Muon and AdamW, or AdamW alone)."""
+    return list(optimizer.optimizers) if isinstance(optimizer, O.Optimizers) else [optimizer]
 
 
 def compile_args(mode: C.CompileMode) -> dict:
@@ -194,6 +211,7 @@ class Run:
     # Plain causal windows of PLAIN_CONTEXT tokens from the same validation split, where the run trains on
     # something else (a longer context or document masks): the loss every recipe can be compared by.
     plain_val_loader: D.ShardLoader | None = None
+    scaler: torch.amp.GradScaler | None = None  # train.fp16's gradient scaler
 
 
 def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens_dir: Path | None = None) -> Run:
@@ -205,7 +223,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     if dist.is_initialized() and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    tcfg = cpu_fallbacks(cfg.train, device, say)
+    tcfg = half_precision(cpu_fallbacks(cfg.train, device, say), device, say)
     cfg = dataclasses.replace(cfg, train=tcfg)
     if cfg.model.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
@@ -251,8 +269,9 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
                                       **{**loader_args, "seq_len": PLAIN_CONTEXT, "doc_ids": False})
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
     raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
+    scaler = torch.amp.GradScaler(device.type) if tcfg.fp16 else None
     return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
-               accum, steps, tok_path, tok_hash, source, plain_val)
+               accum, steps, tok_path, tok_hash, source, plain_val, scaler)
 
 
 # --- The step ------------------------------------------------------------------------------
@@ -271,12 +290,14 @@ def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows
 
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
-               momentum: float | None = None, windows: tuple[int, int] = (0, 0)):
+               momentum: float | None = None, windows: tuple[int, int] = (0, 0), scaler=None):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
     lr: the scheduled AdamW rate (each group runs at its lr_ratio of it); momentum: Muon's at this
-    step (None: as configured); windows: the sliding windows (long, short) at this step (window_at)."""
+    step (None: as configured); windows: the sliding windows (long, short) at this step (window_at).
+    scaler: fp16's GradScaler: the loss is scaled before backward, the gradients unscaled before
+    clipping, and a step whose gradients overflowed is skipped by the scaler (its norm comes back inf)."""
     O.set_step_rates(optimizer, lr, momentum)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
@@ -294,16 +315,26 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
         sync = i == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with contextlib.nullcontext() if sync else model.no_sync():
             loss = forward_loss(model, batch, cfg, device, windows) / accum  # mean over the whole step
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach()
+    if scaler is not None:
+        for opt in inner_optimizers(optimizer):
+            scaler.unscale_(opt)
     if cfg.grad_clip:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     else:  # no clipping: the norm is not computed (nanochat measured clipping at +2% time for no gain)
         grad_norm = torch.zeros((), device=device)
-    if cfg.skip_nonfinite and not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)):
+    # Under fp16 an overflowed gradient is the scaler's to skip (it lowers its scale in update()).
+    finite = torch.isfinite(loss_sum) & (torch.isfinite(grad_norm) if scaler is None else True)
+    if cfg.skip_nonfinite and not bool(finite):
         optimizer.zero_grad(set_to_none=not keep_grads)
         return loss_sum, grad_norm
-    optimizer.step()
+    if scaler is not None:
+        for opt in inner_optimizers(optimizer):
+            scaler.step(opt)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=not keep_grads)
     return loss_sum, grad_norm
 
@@ -608,6 +639,8 @@ def resume_run(r: Run, ckpt: CK.Checkpoint, run_dir: Path, say) -> Progress:
                          f"resume with the same number of processes")
     r.raw.load_state_dict(ckpt.model, strict=True)
     O.load_state(r.optimizer, ckpt.optimizer)  # the moments from the checkpoint, the hyperparameters from the config
+    if r.scaler is not None and ckpt.scaler is not None:  # fp16's loss scale goes on where it was
+        r.scaler.load_state_dict(ckpt.scaler)
     r.train_loader.load_state_dict(ckpt.loaders[r.rank])
     CK.set_rng_state(ckpt.rngs[r.rank])
     progress = Progress(ckpt.step, ckpt.tokens, ckpt.skipped, ckpt.train_seconds)
@@ -650,7 +683,8 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
               else f"{r.steps} steps = {r.steps * tcfg.batch_tokens:,} tokens")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {tcfg.micro_batch} seq x {m.context} tokens x {r.accum} accumulation "
         f"x {r.world} rank(s); {length}")
-    say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16} compile={tcfg.compile}"
+    say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16 and not tcfg.fp16} fp16={tcfg.fp16}"
+        f"{' (gradient scaler)' if tcfg.fp16 else ''} compile={tcfg.compile}"
         f"{'(' + tcfg.compile_mode + ')' if tcfg.compile else ''} adamw={tcfg.optimizer} pin={tcfg.pin} "
         f"activation_checkpointing={tcfg.activation_checkpointing} recompute_mlp={tcfg.recompute_mlp} "
         f"doc_mask={tcfg.doc_mask}")
@@ -672,7 +706,7 @@ def save_checkpoint(r: Run, p: Progress, path: Path):
     if r.rank == 0:
         CK.save(path, model=r.raw.state_dict(), optimizer=r.optimizer.state_dict(), step=p.step, tokens=p.tokens,
                 skipped=p.skipped, loaders=loaders, rngs=rngs, config=r.cfg, tokenizer_hash=r.tokenizer_hash,
-                train_seconds=p.train_seconds)
+                train_seconds=p.train_seconds, scaler=r.scaler.state_dict() if r.scaler is not None else None)
 
 
 def write_log(r: Run, run_dir: Path, row: dict, board: "Board | None" = None):
@@ -788,7 +822,8 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
     try:
         windows = r.cfg.model.windows() if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
-                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg), windows)
+                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg), windows,
+                                     r.scaler)
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
@@ -799,7 +834,11 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
             f"stays {tcfg.batch_tokens:,} tokens through more accumulation), --fused-loss or "
             f"--activation-checkpointing") from None
     dt = time.perf_counter() - t0
-    if not math.isfinite(loss_value) or not math.isfinite(norm_value):
+    if r.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value):
+        p.skipped += 1  # fp16's gradients overflowed: the scaler skipped the step and halved its scale
+        say(f"step {p.step}: fp16 gradients overflowed; the scaler skipped the step and lowered its scale to "
+            f"{r.scaler.get_scale():g}")
+    elif not math.isfinite(loss_value) or not math.isfinite(norm_value):
         if not tcfg.skip_nonfinite:
             raise SystemExit(f"loss is {loss_value} (gradient norm {norm_value}) at step {p.step}: stopping; "
                              f"{CK.keep_before(ckpt_path, p.step)}. Lower train.lr, or pass "

@@ -53,8 +53,13 @@ RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embed
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10})
 
 
-@pytest.mark.parametrize("recipe, stop", [(({}, {}), 3), (TODAYS_RECIPE, 4), (RECORD_RECIPE, 3)],
-                         ids=["article", "muon-mid-warm-down", "record-mid-window-schedule"])
+# fp16 with its gradient scaler (the path of GPUs without bf16), which CPU autocast runs too: the
+# scaler's state is in the checkpoint and goes on from it.
+FP16_RECIPE = (TODAYS_RECIPE[0], {**TODAYS_RECIPE[1], "fp16": True})
+
+
+@pytest.mark.parametrize("recipe, stop", [(({}, {}), 3), (TODAYS_RECIPE, 4), (RECORD_RECIPE, 3), (FP16_RECIPE, 3)],
+                         ids=["article", "muon-mid-warm-down", "record-mid-window-schedule", "fp16-scaler"])
 def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop):
     model, train = recipe
     train_config = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, **model),
@@ -73,6 +78,20 @@ def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop):
         assert [r["window"] for r in TR.read_log(split / "log.jsonl") if "loss" in r] == [16, 32, 32, 32, 48, 48]
     a, b = weights(straight), weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if train.get("fp16"):
+        assert CK.load(split).scaler == CK.load(straight).scaler and CK.load(split).scaler["scale"] > 0
+
+
+def test_fp16_trains_with_its_scaler_and_says_so(train_config, tmp_path):
+    lines = []
+    cfg = dataclasses.replace(train_config, train=dataclasses.replace(train_config.train, fp16=True, steps=12))
+    summary = TR.train(cfg, tmp_path / "run", log=lines.append)
+    curve = losses(tmp_path / "run")
+    assert all(math.isfinite(v) for v in curve) and curve[-1] < curve[0] - 0.5
+    assert math.isfinite(summary["val_loss"])
+    assert any("fp16=True (gradient scaler)" in line for line in lines)
+    saved = CK.load(tmp_path / "run").scaler
+    assert set(saved) >= {"scale", "growth_factor", "backoff_factor", "_growth_tracker"}
 
 
 def test_checkpoint_carries_its_context(train_config, tmp_path):
