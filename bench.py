@@ -192,99 +192,10 @@ def cpu_sized(rung: ME.Rung, preset: str | None) -> ME.Rung:
     return dataclasses.replace(small, overrides={**overrides, "train__batch_tokens": 2 * 4 * context})
 
 
-def cpu_skip(rung: ME.Rung) -> str | None:
-    """Why a rung is not measured on CPU, or None. CPU numbers are a smoke test of the code
-    (setup() turns the CUDA-only settings off on CPU, and says so)."""
-    o = rung.overrides
-    if o.get("model__attention") in M.SDPA_BACKENDS:
-        return "SDPA backends are CUDA kernels"
-    if o.get("train__compile"):  # the ladder is cumulative: every rung from compile on carries it
-        return "a GPU rung (torch.compile and what is added after it): the CPU smoke test does not time it"
-    return None
-
-
-# --- Running plans ---------------------------------------------------------------------------
-
-class Journal:
-    """The rungs one study has measured so far, in results/<study>.partial.json, rewritten after
-    each rung: a study stopped part-way (Ctrl-C, a lost machine, a time limit) keeps what it
-    measured, and `bench.py --resume` reuses those rows instead of measuring them again. A rung
-    is reused only with the same name, preset, settings and steps; one that timed out is measured
-    again. The file is removed when the study completes (results/<study>.json is then written)."""
-
-    def __init__(self, path: Path, header: dict, resume: bool):
-        self.path, self.header, self.kept, self.measured = path, header, {}, []
-        if not path.exists():
-            return
-        earlier = json.loads(path.read_text())
-        if not resume:
-            print(f"note: starting over; `--resume` would reuse the {len(earlier['measured'])} rungs in {path}")
-            return
-        for key in ("preset", "device", "batch_tokens"):
-            if earlier.get(key) != header.get(key):
-                raise ValueError(f"{path} was measured with {key}={earlier.get(key)!r}, this run has "
-                                 f"{header.get(key)!r}: drop --resume, or pass --out with another folder")
-        self.kept = {e["key"]: e["row"] for e in earlier["measured"]
-                     if not e["row"].get("skipped", "").startswith("timed out")}
-
-    @staticmethod
-    def key(rung: ME.Rung) -> str:
-        return json.dumps([rung.name, rung.preset, rung.overrides, rung.timed_steps], sort_keys=True)
-
-    def measure(self, rung: ME.Rung, timeout: int) -> dict:
-        key = self.key(rung)
-        if key in self.kept:
-            print(f"  kept from {self.path.name}", flush=True)
-            row = self.kept[key]
-        else:
-            row = ME.run_in_subprocess(rung, timeout).row()
-        self.measured.append({"key": key, "row": row})
-        self.path.write_text(json.dumps({**self.header, "measured": self.measured}, indent=2, default=str))
-        return row
-
-    def done(self):
-        self.path.unlink(missing_ok=True)
-
-
-def run(rungs: list[ME.Rung], cuda: bool, timeout: int, journal: Journal | None = None,
-        repeats: int = 1) -> list[dict]:
-    """Each rung in its own process, one row per rung. repeats > 1 measures the whole list that many
-    times in turn (A B C, A B C, ...), so a clock that drifts while the card warms touches every
-    rung alike; each rung's row is then its median run (median_row)."""
-    for r in rungs:  # every rung's config is checked before the first one runs
-        r.config()
-    runs = {r.name: [] for r in rungs}
-    for i in range(repeats):
-        for base in rungs:
-            r = base if repeats == 1 else dataclasses.replace(base, name=f"{base.name} (run {i + 1} of {repeats})")
-            reason = None if cuda else cpu_skip(r)
-            print(f"rung: {r.name} ...", flush=True)
-            if reason:
-                row = ME.Result(rung=r.name, micro_batch=r.config().train.micro_batch, skipped=reason).row()
-            else:
-                row = journal.measure(r, timeout) if journal else ME.run_in_subprocess(r, timeout).row()
-            if not row.get("micro_batch"):  # a rung that failed before measuring: its setting, not 0
-                row["micro_batch"] = r.config().train.micro_batch
-            runs[base.name].append(row)
-    return [rows[0] if repeats == 1 else median_row(name, rows) for name, rows in runs.items()]
-
-
-def median_row(name: str, rows: list[dict]) -> dict:
-    """One rung's repeated runs as one row: the run with the median tok/s (the lower of the middle
-    two for an even count), its runs counted and their spread, (fastest - slowest) / median. Two
-    settings whose difference is inside both spreads are not told apart by this measurement."""
-    measured = sorted((r for r in rows if r.get("tok_s")), key=lambda r: r["tok_s"])
-    if not measured:
-        return {**rows[-1], "rung": name}
-    middle = measured[(len(measured) - 1) // 2]
-    return {**middle, "rung": name, "runs": len(measured),
-            "runs_spread": (measured[-1]["tok_s"] - measured[0]["tok_s"]) / middle["tok_s"]}
-
-
-def largest_fitting(make, sizes, cuda: bool, timeout: int, journal: Journal | None = None) -> dict:
+def largest_fitting(make, sizes, cuda: bool, timeout: int, journal: ME.Journal | None = None) -> dict:
     """The first of sizes (largest first) whose rung runs."""
     for mb in sizes:
-        row = run([make(mb)], cuda, timeout, journal)[0]
+        row = ME.run([make(mb)], cuda, timeout, journal)[0]
         if "skipped" not in row:
             return row
         print(f"  micro-batch {mb}: {row['skipped']}", flush=True)
@@ -292,7 +203,7 @@ def largest_fitting(make, sizes, cuda: bool, timeout: int, journal: Journal | No
 
 
 def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int,
-           journal: Journal | None = None) -> list[dict]:
+           journal: ME.Journal | None = None) -> list[dict]:
     context = C.preset(preset).model.context
     base = {"train__batch_tokens": batch_tokens}
     fits = [mb for mb in (64, 32, 16, 8, 4, 2, 1) if batch_tokens % (mb * context) == 0]
@@ -301,32 +212,32 @@ def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int,
     mb = first.get("micro_batch", 4)
     rest = ladder_rungs(preset, mb, steps, base)[1:]
     if not cuda:  # the ladder's settings are CUDA settings: the CPU smoke test stops at its first rung
-        return [first] + [{"rung": r.name, "skipped": cpu_skip(r) or "CUDA-only setting"}
+        return [first] + [{"rung": r.name, "skipped": ME.cpu_skip(r) or "CUDA-only setting"}
                           for r in rest + ladder_tail(preset, mb, steps, base)]
-    rows = [first] + run(rest, cuda, timeout, journal)
+    rows = [first] + ME.run(rest, cuda, timeout, journal)
     best = rows[-1]
     for size in (16, 32, 64, 128, 256, 512):
         if size <= mb or batch_tokens % (size * context):
             continue
-        row = run([ME.Rung(f"micro-batch {size}", preset, {**base, **FAST, "train__micro_batch": size}, steps)],
+        row = ME.run([ME.Rung(f"micro-batch {size}", preset, {**base, **FAST, "train__micro_batch": size}, steps)],
                   cuda, timeout, journal)[0]
         rows.append(row)
         if "skipped" in row:
             break
         if row["tok_s"] > best.get("tok_s", 0):
             best = row
-    return rows + run(ladder_tail(preset, best.get("micro_batch", mb), steps, base), cuda, timeout, journal)
+    return rows + ME.run(ladder_tail(preset, best.get("micro_batch", mb), steps, base), cuda, timeout, journal)
 
 
 def micro_batch_study(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int, ac: bool = False,
-                      start: int = 1, journal: Journal | None = None) -> list[dict]:
+                      start: int = 1, journal: ME.Journal | None = None) -> list[dict]:
     """Doubling micro-batches from start until one no longer fits (or the step cannot be split further)."""
     rows, size = [], start
     context = C.preset(preset).model.context
     limit = 1024 if cuda else 4
     while size <= limit:
         name = f"micro-batch {size}{' +AC' if ac else ''}"
-        row = run([ME.Rung(name, preset, {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens,
+        row = ME.run([ME.Rung(name, preset, {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens,
                                            "train__micro_batch": size, "train__activation_checkpointing": ac},
                            steps)], True, timeout, journal)[0]  # compile off on CPU: every size runs there too
         rows.append(row)
@@ -347,12 +258,12 @@ def memory_line(rows: list[dict]) -> dict | None:
 
 
 def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cuda, timeout,
-                                   journal: Journal | None = None) -> list[dict]:
+                                   journal: ME.Journal | None = None) -> list[dict]:
     """Recomputation's cost at equal micro-batch: none, only each block's norm + SwiGLU
     (recompute_mlp), whole blocks; then how far the micro-batch can grow with whole-block
     recomputation: that sweep starts at the compared size, so its first row is the comparison."""
     base = {**FAST, "train__compile": cuda, "train__batch_tokens": batch_tokens, "train__micro_batch": micro_batch}
-    plain = run([ME.Rung(f"micro-batch {micro_batch}", preset, base, steps),
+    plain = ME.run([ME.Rung(f"micro-batch {micro_batch}", preset, base, steps),
                  ME.Rung(f"micro-batch {micro_batch} +recompute MLP", preset, {**base, "train__recompute_mlp": True},
                          steps)], True, timeout, journal)
     return plain + micro_batch_study(preset, batch_tokens, steps, cuda, timeout, ac=True, start=micro_batch,
@@ -660,8 +571,8 @@ def plan_study(args, argv):
               f"batch 4, 2 timed steps, no compile); CPU numbers say nothing about a GPU", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    journal = Journal(out / f"plan-{args.plan.stem}.partial.json", {"plan": str(args.plan)}, args.resume)
-    rows = run(rungs, cuda, args.timeout, journal, args.repeats)
+    journal = ME.Journal(out / f"plan-{args.plan.stem}.partial.json", {"plan": str(args.plan)}, args.resume)
+    rows = ME.run(rungs, cuda, args.timeout, journal, args.repeats)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     (out / f"plan-{args.plan.stem}.json").write_text(json.dumps(
         {"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
@@ -716,7 +627,7 @@ class Study:
     out: Path
     device_name: str
     results: dict  # the JSON written beside each study's table
-    journal: Journal | None = None
+    journal: ME.Journal | None = None
 
 
 def curves(s: Study) -> list[dict]:
@@ -733,11 +644,11 @@ def curves(s: Study) -> list[dict]:
 STUDY_TABLE = {
     "ladder": (lambda s: ladder(s.preset, s.batch_tokens, s.steps, s.cuda, s.args.timeout, s.journal),
                "tok_s", "tokens / s"),
-    "kernels": (lambda s: run(kernel_rungs(s.preset, s.mb, s.steps, {"train__batch_tokens": s.batch_tokens}), s.cuda,
+    "kernels": (lambda s: ME.run(kernel_rungs(s.preset, s.mb, s.steps, {"train__batch_tokens": s.batch_tokens}), s.cuda,
                               s.args.timeout, s.journal, s.args.repeats), "tok_s", "tokens / s"),
-    "attention": (lambda s: run(attention_rungs(s.preset, s.mb, s.steps, s.args.only), s.cuda, s.args.timeout,
+    "attention": (lambda s: ME.run(attention_rungs(s.preset, s.mb, s.steps, s.args.only), s.cuda, s.args.timeout,
                                 s.journal, s.args.repeats), "tok_s", "tokens / s"),
-    "compile_modes": (lambda s: run(compile_mode_rungs(s.preset, s.mb, s.steps), s.cuda, s.args.timeout, s.journal,
+    "compile_modes": (lambda s: ME.run(compile_mode_rungs(s.preset, s.mb, s.steps), s.cuda, s.args.timeout, s.journal,
                                     s.args.repeats), "tok_s", "tokens / s"),
     "micro_batch_sweep": (lambda s: micro_batch_study(s.preset, s.batch_tokens, s.steps, s.cuda, s.args.timeout,
                                                       journal=s.journal), "tok_s", "tokens / s"),
@@ -785,7 +696,7 @@ def run_studies(args, chosen: list[str], argv):
                       **roof})
     tables = []
     for study in chosen:
-        s.journal = Journal(s.out / f"{study}.partial.json", {"preset": preset, "device": device_name,
+        s.journal = ME.Journal(s.out / f"{study}.partial.json", {"preset": preset, "device": device_name,
                                                                "batch_tokens": s.batch_tokens}, args.resume)
         measure, value, label = STUDY_TABLE[study]
         rows = measure(s)

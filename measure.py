@@ -3,8 +3,9 @@ up by train.py's own setup(), timed over full optimizer steps of train.py's own 
 with the GPU's clock and the kernels that ran; also an optimizer update, a matmul, a decode step
 and a generation (onegpu's and transformers').
 
-bench.py decides which rungs a study compares; this module measures one. Each rung runs in a
-fresh process (so one rung's compilation, allocator state or crash cannot touch the next):
+bench.py decides which rungs a study compares; this module measures them (run(), with a journal
+that an interrupted study resumes from) and one rung at a time. Each rung runs in a fresh process
+(so one rung's compilation, allocator state or crash cannot touch the next):
 
     python measure.py RUNG.json RESULT.json
 
@@ -390,6 +391,96 @@ def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batch
                          "decode_tok_s": batch * (new_tokens - 1) / (total - first), "warmup_s": round(warm, 1),
                          "same_greedy_tokens": f"{same}/{new_tokens}", "transformers": transformers.__version__})
     return rows
+
+
+# --- Running a study's rungs (bench.py decides which) ----------------------------------------
+
+class Journal:
+    """The rungs one study has measured so far, in results/<study>.partial.json, rewritten after
+    each rung: a study stopped part-way (Ctrl-C, a lost machine, a time limit) keeps what it
+    measured, and `bench.py --resume` reuses those rows instead of measuring them again. A rung
+    is reused only with the same name, preset, settings and steps; one that timed out is measured
+    again. The file is removed when the study completes (results/<study>.json is then written)."""
+
+    def __init__(self, path: Path, header: dict, resume: bool):
+        self.path, self.header, self.kept, self.measured = path, header, {}, []
+        if not path.exists():
+            return
+        earlier = json.loads(path.read_text())
+        if not resume:
+            print(f"note: starting over; `--resume` would reuse the {len(earlier['measured'])} rungs in {path}")
+            return
+        for key in ("preset", "device", "batch_tokens"):
+            if earlier.get(key) != header.get(key):
+                raise ValueError(f"{path} was measured with {key}={earlier.get(key)!r}, this run has "
+                                 f"{header.get(key)!r}: drop --resume, or pass --out with another folder")
+        self.kept = {e["key"]: e["row"] for e in earlier["measured"]
+                     if not e["row"].get("skipped", "").startswith("timed out")}
+
+    @staticmethod
+    def key(rung: Rung) -> str:
+        return json.dumps([rung.name, rung.preset, rung.overrides, rung.timed_steps], sort_keys=True)
+
+    def measure(self, rung: Rung, timeout: int) -> dict:
+        key = self.key(rung)
+        if key in self.kept:
+            print(f"  kept from {self.path.name}", flush=True)
+            row = self.kept[key]
+        else:
+            row = run_in_subprocess(rung, timeout).row()
+        self.measured.append({"key": key, "row": row})
+        self.path.write_text(json.dumps({**self.header, "measured": self.measured}, indent=2, default=str))
+        return row
+
+    def done(self):
+        self.path.unlink(missing_ok=True)
+
+
+def run(rungs: list[Rung], cuda: bool, timeout: int, journal: Journal | None = None,
+        repeats: int = 1) -> list[dict]:
+    """Each rung in its own process, one row per rung. repeats > 1 measures the whole list that many
+    times in turn (A B C, A B C, ...), so a clock that drifts while the card warms touches every
+    rung alike; each rung's row is then its median run (median_row)."""
+    for r in rungs:  # every rung's config is checked before the first one runs
+        r.config()
+    runs = {r.name: [] for r in rungs}
+    for i in range(repeats):
+        for base in rungs:
+            r = base if repeats == 1 else dataclasses.replace(base, name=f"{base.name} (run {i + 1} of {repeats})")
+            reason = None if cuda else cpu_skip(r)
+            print(f"rung: {r.name} ...", flush=True)
+            if reason:
+                row = Result(rung=r.name, micro_batch=r.config().train.micro_batch, skipped=reason).row()
+            else:
+                row = journal.measure(r, timeout) if journal else run_in_subprocess(r, timeout).row()
+            if not row.get("micro_batch"):  # a rung that failed before measuring: its setting, not 0
+                row["micro_batch"] = r.config().train.micro_batch
+            runs[base.name].append(row)
+    return [rows[0] if repeats == 1 else median_row(name, rows) for name, rows in runs.items()]
+
+
+def median_row(name: str, rows: list[dict]) -> dict:
+    """One rung's repeated runs as one row: the run with the median tok/s (the lower of the middle
+    two for an even count), its runs counted and their spread, (fastest - slowest) / median. Two
+    settings whose difference is inside both spreads are not told apart by this measurement."""
+    measured = sorted((r for r in rows if r.get("tok_s")), key=lambda r: r["tok_s"])
+    if not measured:
+        return {**rows[-1], "rung": name}
+    middle = measured[(len(measured) - 1) // 2]
+    return {**middle, "rung": name, "runs": len(measured),
+            "runs_spread": (measured[-1]["tok_s"] - measured[0]["tok_s"]) / middle["tok_s"]}
+
+
+def cpu_skip(rung: Rung) -> str | None:
+    """Why a rung is not measured on CPU, or None. CPU numbers are a smoke test of the code
+    (setup() turns the CUDA-only settings off on CPU, and says so)."""
+    o = rung.overrides
+    if o.get("model__attention") in M.SDPA_BACKENDS:
+        return "SDPA backends are CUDA kernels"
+    if o.get("train__compile"):  # the ladder is cumulative: every rung from compile on carries it
+        return "a GPU rung (torch.compile and what is added after it): the CPU smoke test does not time it"
+    return None
+
 
 
 # --- The generation study (bench.py --generate) ------------------------------------------------------------------------------

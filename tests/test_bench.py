@@ -51,19 +51,19 @@ def test_repeats_measure_the_whole_plan_in_turn_and_report_each_rungs_median(mon
     order, rates = [], iter([100.0, 200.0, 90.0, 260.0, 110.0, 230.0])
     monkeypatch.setattr(ME, "run_in_subprocess",
                         lambda rung, timeout: order.append(rung.name) or ME.Result(rung.name, 4, tok_s=next(rates)))
-    rows = B.run([ME.Rung("a", "tiny"), ME.Rung("b", "tiny")], cuda=True, timeout=10, repeats=3)
+    rows = ME.run([ME.Rung("a", "tiny"), ME.Rung("b", "tiny")], cuda=True, timeout=10, repeats=3)
     assert order == [f"{n} (run {i} of 3)" for i in (1, 2, 3) for n in "ab"]  # A B, A B, A B
     assert [(r["rung"], r["tok_s"], r["runs"]) for r in rows] == [("a", 100.0, 3), ("b", 230.0, 3)]
     assert rows[0]["runs_spread"] == pytest.approx(0.2) and rows[1]["runs_spread"] == pytest.approx(60 / 230)
     assert "| a | 4 | 100.00 | 3 | 20.0% |" in B.simple_table(rows)
     skipped = [{"rung": f"c (run {i} of 2)", "skipped": "out of memory"} for i in (1, 2)]
-    assert B.median_row("c", skipped) == {"rung": "c", "skipped": "out of memory"}
+    assert ME.median_row("c", skipped) == {"rung": "c", "skipped": "out of memory"}
 
 
 def test_a_misspelled_rung_setting_fails_before_anything_runs():
     rung = ME.Rung("typo", "tiny", {"train__micro_batchs": 4})
     with pytest.raises(ValueError, match=r"unknown key\(s\) train\.micro_batchs"):
-        B.run([ME.Rung("fine", "tiny"), rung], cuda=False, timeout=10)
+        ME.run([ME.Rung("fine", "tiny"), rung], cuda=False, timeout=10)
 
 
 def test_an_interrupted_study_resumes_from_its_journal(tmp_path, monkeypatch):
@@ -78,16 +78,16 @@ def test_an_interrupted_study_resumes_from_its_journal(tmp_path, monkeypatch):
     monkeypatch.setattr(ME, "run_in_subprocess", fake_measure)
     path, header = tmp_path / "ladder.partial.json", {"preset": "tiny", "device": "cpu", "batch_tokens": 64}
     rungs = [ME.Rung("a", "tiny", {"train__micro_batch": 2}), ME.Rung("slow", "tiny")]
-    B.run(rungs, cuda=True, timeout=1, journal=B.Journal(path, header, resume=False))
+    ME.run(rungs, cuda=True, timeout=1, journal=ME.Journal(path, header, resume=False))
     assert measured == ["a", "slow"] and len(json.loads(path.read_text())["measured"]) == 2
     changed = ME.Rung("a", "tiny", {"train__micro_batch": 4})
-    rows = B.run(rungs + [changed], cuda=True, timeout=1, journal=B.Journal(path, header, resume=True))
+    rows = ME.run(rungs + [changed], cuda=True, timeout=1, journal=ME.Journal(path, header, resume=True))
     assert measured == ["a", "slow", "slow", "a"] and rows[0]["tok_s"] == 100.0
-    B.run(rungs[:1], cuda=True, timeout=1, journal=B.Journal(path, header, resume=False))
+    ME.run(rungs[:1], cuda=True, timeout=1, journal=ME.Journal(path, header, resume=False))
     assert measured[-1] == "a"
     with pytest.raises(ValueError, match="preset='tiny'.*drop --resume"):
-        B.Journal(path, {**header, "preset": "22m"}, resume=True)
-    B.Journal(path, header, resume=False).done()
+        ME.Journal(path, {**header, "preset": "22m"}, resume=True)
+    ME.Journal(path, header, resume=False).done()
     assert not path.exists()
 
 
@@ -95,7 +95,7 @@ def test_attention_plan_is_a_model_setting():
     rungs = B.attention_rungs("tiny", 4, 1, only=["textbook", "doc-mask"])
     assert [r.name for r in rungs] == ["textbook eager", "textbook compiled", "doc-mask eager", "doc-mask compiled"]
     assert rungs[0].config().model.attention == "textbook" and rungs[2].config().train.doc_mask
-    assert B.cpu_skip(B.attention_rungs("tiny", 4, 1, only=["flash"])[0]) == "SDPA backends are CUDA kernels"
+    assert ME.cpu_skip(B.attention_rungs("tiny", 4, 1, only=["flash"])[0]) == "SDPA backends are CUDA kernels"
 
 
 def test_memory_line_recovers_a_known_fit():
