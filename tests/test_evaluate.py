@@ -40,12 +40,15 @@ def test_two_checkpoints_compare_in_one_table_and_json(two_runs, tmp_path, capsy
     assert f"| {two_runs / 'longer' / 'ckpt.pt'} | 6 |" in printed
 
 
-def test_another_corpus_is_tokenized_with_the_checkpoints_tokenizer(two_runs, data_cfg):
-    found = EV.evaluate_checkpoint(two_runs / "short", corpus="stdlib", tokens=1024, **QUIET)
-    assert found["corpus"] == "stdlib" and found["val_loss"] > 0
+def test_another_corpus_is_tokenized_with_the_checkpoints_tokenizer(two_runs, tmp_path):
+    for i in range(40):  # a corpus of its own: code, where the run trained on made-up words
+        (tmp_path / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + len(str(x))\n" * 20)
+    corpus = str(tmp_path / "*.py")
+    found = EV.evaluate_checkpoint(two_runs / "short", corpus=corpus, tokens=1024, **QUIET)
+    assert found["corpus"] == corpus and found["val_loss"] > 0
     ckpt = TR.CK.load(two_runs / "short")
-    folder = D.data_dir(EV.evaluation_data(ckpt, "stdlib"), ckpt.config.model.vocab_size)
-    assert folder.name.startswith("stdlib-") and f"-tok{ckpt.tokenizer_hash[:8]}" in folder.name
+    folder = D.data_dir(EV.evaluation_data(ckpt, corpus), ckpt.config.model.vocab_size)
+    assert f"-tok{ckpt.tokenizer_hash[:8]}" in folder.name
     assert D.tk.tokenizer_hash(folder / "tokenizer.json") == ckpt.tokenizer_hash
 
 
