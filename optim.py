@@ -94,12 +94,14 @@ class Muon(torch.optim.Optimizer):
     counts its stacked parts have (None: the matrix is one part). Per part of shape (A, B):
         buf = momentum * buf + grad;   update = grad + momentum * buf (Nesterov)
         p  -= lr * max(1, A/B) ** 0.5 * orthogonalize(update)  (after decoupled weight decay)
+    The group's `tall_scale` False drops the max(1, A/B) ** 0.5: every part then steps at lr.
     ns_dtype: the iteration's dtype; None means bfloat16 on CUDA, float32 elsewhere (a CPU's
     bfloat16 matmuls are slow). Tests pass float64 to compare with the published algorithm."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_dtype: torch.dtype | None = None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=None))
+                 ns_dtype: torch.dtype | None = None, tall_scale: bool = True):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=None,
+                                      tall_scale=tall_scale))
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
             for p in group["params"]:
@@ -125,7 +127,8 @@ class Muon(torch.optim.Optimizer):
             for (A, B), parts in by_shape.items():
                 # max(1, A/B) ** 0.5: a tall part's orthogonal update has a smaller RMS; this keeps
                 # every part's step the same size (Jordan's scaling, torch's adjust_lr_fn "original")
-                ortho = orthogonalize(torch.stack(parts), dtype) * max(1.0, A / B) ** 0.5
+                scale = max(1.0, A / B) ** 0.5 if group["tall_scale"] else 1.0
+                ortho = orthogonalize(torch.stack(parts), dtype) * scale
                 for part, o in zip(parts, ortho):
                     part.copy_(o)  # a view of its parameter's update: written in place
             for p, update in updates:
@@ -245,5 +248,6 @@ def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
                                    "role": "matrices"}, *adamw_groups(groups, cfg)], **adam)
     muon = Muon([{"params": matrices, "lr_ratio": cfg.muon_lr / cfg.lr, "role": "matrices",
                   "splits": [stacked_rows(n, p, model.cfg) for n, p in groups["matrices"]]}],
-                lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay)
+                lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay,
+                tall_scale=cfg.muon_tall_scale)
     return Optimizers(muon, torch.optim.AdamW(adamw_groups(groups, cfg), **adam))

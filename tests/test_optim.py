@@ -155,3 +155,18 @@ def test_muon_and_adamw_state_round_trips():
     with pytest.raises(ValueError, match="not Muon \\+ AdamW: resume with the optimizer the run was started with"):
         again.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
     assert math.isclose(again.param_groups[0]["lr"], 0.02)
+
+
+def test_muon_tall_scale_steps_a_tall_matrix_sqrt_rows_over_cols_further():
+    """A 4:1 matrix (the MLP up-projection's shape) moves twice as far with tall_scale as without
+    (modded-nanogpt's record steps every matrix at lr); a square one the same either way."""
+    moved = {}
+    for tall_scale in (True, False):
+        torch.manual_seed(0)
+        tall, square = torch.nn.Parameter(torch.randn(64, 16)), torch.nn.Parameter(torch.randn(16, 16))
+        opt = O.Muon([tall, square], lr=0.1, ns_dtype=torch.float64, tall_scale=tall_scale)
+        before = tall.detach().clone(), square.detach().clone()
+        tall.grad, square.grad = torch.randn(64, 16), torch.randn(16, 16)
+        opt.step()
+        moved[tall_scale] = [(p.detach() - b).norm().item() for p, b in zip((tall, square), before)]
+    assert abs(moved[True][0] / moved[False][0] - 2.0) < 1e-6 and abs(moved[True][1] - moved[False][1]) < 1e-9
