@@ -77,6 +77,24 @@ def test_no_paragraph_of_the_docs_restates_the_one_before_it():
     assert doubled == []
 
 
+# What the text said about defaults that have since changed (issue: text about the old defaults): the
+# fused SwiGLU as the default, recompute_mlp as SwiGLU's, a function under the wrong module.
+OLD_DEFAULTS = [r"fused_swiglu \(the default", r"on by default for the SwiGLU MLP", r"fused AdamW and SwiGLU, bf16",
+                r"recompute each block's norm \+ SwiGLU", r"\bmodel\.decode_one\b"]
+
+
+def test_no_text_describes_the_old_defaults():
+    """The code and README say what runs today; the ladder's table in PERFORMANCE.md names the
+    preset it was measured on (the article's model), so its command reproduces it."""
+    import re
+    texts = [*ROOT.glob("*.py"), ROOT / "README.md"]
+    found = [f"{p.name}: {m.group(0)}" for p in texts for pattern in OLD_DEFAULTS
+             for m in re.finditer(pattern, p.read_text())]
+    assert found == []
+    performance = (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    assert "`python bench.py --ladder --preset 88m-gpt3`" in performance
+
+
 def test_what_bench_reports_is_timed_in_measure_only():
     """One owner of the clocks bench's numbers come from (measure.py's timed, gpu_seconds and
     median_and_spread): bench.py and recipes.py decide what to run and read results."""
