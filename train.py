@@ -976,16 +976,15 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     a flag gives must equal it (the same command plus --resume always works), and [train] values
     may change, each reported."""
     overrides = C.flag_overrides(args)
+    from_file = C.read_toml(args.config) if args.config else {}
+    given = {f"{s}__{k}": v for s, table in from_file.items() for k, v in table.items()} | overrides
     if not (args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists()):
-        from_file = C.read_toml(args.config) if args.config else {}
-        if overrides.get("train__init_from") or from_file.get("train", {}).get("init_from"):
-            return init_config(args.config, from_file, overrides, log), None
+        if given.get("train__init_from"):
+            return init_config(args.config, given, log), None
         return C.load_config(args.config or DEFAULT_CONFIG, **overrides), None
     ckpt = CK.load(run_dir / "ckpt.pt")
     # What the user asked for: the file's settings (when --config is given) and the flags, resolved
     # on the checkpoint's config, so that fields they leave out compare equal.
-    from_file = C.read_toml(args.config) if args.config else {}
-    given = {f"{s}__{k}": v for s, table in from_file.items() for k, v in table.items()} | overrides
     asked = C.load_config(values=dataclasses.asdict(ckpt.config), source=args.config or "flags", **given)
     saved = ckpt.config.train
     if asked.train.seconds and asked.train.seconds == saved.seconds and not asked.train.steps and saved.steps:
@@ -1010,12 +1009,11 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     return asked, dataclasses.replace(ckpt, config=asked)  # only [train] values differ from the saved config
 
 
-def init_config(config: str | None, from_file: dict, overrides: dict, log=print) -> C.Config:
-    """train.init_from: the config of a new run that starts from a checkpoint's weights. The model is the
-    checkpoint's: a shape setting the file or a flag gives must equal it. Data, schedule and optimizer
-    are the file's and the flags' over the checkpoint's run; the data is tokenized with the checkpoint's
-    tokenizer (checkpoint.data_for). Kernel switches may differ."""
-    given = {f"{s}__{k}": v for s, table in from_file.items() for k, v in table.items()} | overrides
+def init_config(config: str | None, given: dict, log=print) -> C.Config:
+    """train.init_from: the config of a new run that starts from a checkpoint's weights. given: the --config
+    file's settings and the flags, as load_config overrides. The model is the checkpoint's: a shape setting
+    given must equal it. Data, schedule and optimizer are the given ones over the checkpoint's run; the data
+    is tokenized with the checkpoint's tokenizer (checkpoint.data_for). Kernel switches may differ."""
     src = CK.load(given["train__init_from"], "cpu")
     asked = C.load_config(values=dataclasses.asdict(src.config), source=config or "flags", **given)
     for name in M.SHAPE_FIELDS:
