@@ -257,6 +257,9 @@ def hf_architecture(cfg: M.ModelConfig) -> tuple[str, str]:
             raise ValueError(f"model.{name}={getattr(cfg, name)!r}: no transformers class computes it with this "
                              f"architecture, so this checkpoint cannot be exported (train without --{name.replace('_', '-')} "
                              f"to export)")
+    if cfg.skip_attn_layer != -1:
+        raise ValueError(f"model.skip_attn_layer={cfg.skip_attn_layer}: no transformers class has a layer without "
+                         f"attention, so this checkpoint cannot be exported (train with --skip-attn-layer -1 to export)")
     return HF_CLASSES[(cfg.mlp, cfg.qk_norm)]
 
 

@@ -112,7 +112,7 @@ class GraphDecoder:
     def __call__(self, model, token, pos, length: int | None = None):
         """Logits after `token` at `pos` (length, the tokens so far, is what eager decoding reads;
         the graph always reads the whole cache)."""
-        key = (token.shape[0], model.blocks[0].attn.cache.k.data_ptr())
+        key = (token.shape[0], model.attentions()[0].cache.k.data_ptr())
         if key not in self.graphs:
             self.graphs[key] = self.capture(token, pos)
         graph, token_in, pos_in, logits = self.graphs[key]
@@ -133,7 +133,7 @@ class GraphDecoder:
         step = self.step(token.shape[0])
         window = self.model.cfg.context
         # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
-        saved = [(b.attn.cache.k.clone(), b.attn.cache.v.clone()) for b in self.model.blocks]
+        saved = [(a.cache.k.clone(), a.cache.v.clone()) for a in self.model.attentions()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
@@ -143,9 +143,9 @@ class GraphDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = step(self.model, token_in, pos_in, window)
-        for b, (k, v) in zip(self.model.blocks, saved):
-            b.attn.cache.k.copy_(k)
-            b.attn.cache.v.copy_(v)
+        for a, (k, v) in zip(self.model.attentions(), saved):
+            a.cache.k.copy_(k)
+            a.cache.v.copy_(v)
         return graph, token_in, pos_in, logits
 
 

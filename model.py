@@ -40,9 +40,12 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 # between runs of the same checkpoint.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
-                "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows")
-# The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is generation's).
-TRAINING_FAST_PATHS = ("fused_loss", "fused_swiglu", "bf16_residual", "fp8")
+                "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
+                "skip_attn_layer")
+# The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
+# generation's): switch -> the name tables give it. fast_path_applies says which a model can run.
+TRAINING_FAST_PATHS = {"fused_loss": "fused loss", "fused_swiglu": "fused SwiGLU", "bf16_residual": "bf16 residual",
+                       "fp8": "fp8", "fp8_head": "fp8 head"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -73,12 +76,14 @@ class ModelConfig:
     attn_gate: bool = False  # each head's output times sigmoid(a gate of the block input's first 12 channels)
     attn_window: int = 0  # sliding-window attention: a query sees itself and the attn_window - 1 keys before it (0: all)
     short_windows: bool = False  # half the window on all layers but every fourth and the last (record #28's long-short)
+    skip_attn_layer: int = -1  # this layer has no attention, only its MLP (record #28: layer 7 of 12); -1: none
     attention: AttentionKind = "sdpa"  # attention kernel in training
     # Fast paths: each computes what its plain path does (within rounding) and is off here, so that a
     # config that does not name it, and a checkpoint from before it existed, runs the plain path; the
     # presets in configs/ turn on the ones measured to pay (docs/PERFORMANCE.md, training speed).
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
+    fp8_head: bool = False  # the untied output head's training matmuls in FP8, its gradient at a fixed scale
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
@@ -129,6 +134,15 @@ class ModelConfig:
             raise ValueError(f"model.short_windows halves model.attn_window on most layers, but attn_window="
                              f"{self.attn_window} hides nothing in a context of {self.context}: set attn_window "
                              f"below the context, or --no-short-windows")
+        if self.skip_attn_layer != -1 and not 0 < self.skip_attn_layer < self.n_layers:
+            raise ValueError(f"model.skip_attn_layer={self.skip_attn_layer} is not a layer after the first of "
+                             f"{self.n_layers}: pick one in [1, {self.n_layers - 1}] (modded-nanogpt: 7 of 12), or -1 for none")
+        if self.skip_attn_layer != -1 and self.value_table(self.skip_attn_layer) is not None:
+            raise ValueError(f"model.skip_attn_layer={self.skip_attn_layer} is a layer that mixes a value embedding "
+                             f"into its attention (model.value_embeds={self.value_embeds}): pick a middle layer")
+        if self.fp8_head and (self.tie_embeddings or self.fused_loss):
+            raise ValueError("model.fp8_head runs the untied head's matmul in FP8: it needs --no-tie-embeddings and "
+                             "--no-fused-loss (the fused loss has its own head), or use --no-fp8-head")
         if self.mlp not in ("swiglu", "relu2"):
             raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
@@ -150,6 +164,10 @@ class ModelConfig:
         (long on layers 0, 4, 7 and 11 of 12, its layer 7 without attention), after Gemma 2: a few long
         layers carry the far context, the rest look nearby at half the cost."""
         return self.short_windows and layer % 4 != 0 and layer != self.n_layers - 1
+
+    def attends(self, layer: int) -> bool:
+        """Whether layer `layer` has attention (all but skip_attn_layer)."""
+        return layer != self.skip_attn_layer
 
     def windows(self, window: int | None = None) -> tuple[int, int]:
         """(long, short): the windows of the long and the short layers when the long ones see `window`
@@ -175,6 +193,19 @@ def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
     if cfg.fused_swiglu and device.type == "cuda" and not K.device_supported(device):
         return replace(cfg, fused_swiglu=False)
     return cfg
+
+
+def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
+    """Whether training fast path `name` runs for cfg's architecture (a GPU that has it aside): the fused
+    SwiGLU for the SwiGLU MLP alone, the fused loss for a head without a soft-cap, the FP8 head for an
+    untied head outside the fused loss."""
+    if name == "fused_swiglu":
+        return cfg.mlp == "swiglu"
+    if name == "fused_loss":
+        return not cfg.logit_softcap and not cfg.fp8_head
+    if name == "fp8_head":
+        return not cfg.tie_embeddings and not cfg.fused_loss
+    return True
 
 
 def swiglu_hidden(d: int, multiple_of: int = 256) -> int:
@@ -373,6 +404,14 @@ def flex_block_mask(doc_ids, window: int, T: int, device):
 # weights use e4m3 (more mantissa), gradients e5m2 (more range), as in NVIDIA's Transformer
 # Engine recipe. Master weights, optimizer state and everything outside the block matmuls stay
 # as they were.
+#
+# The output head (fp8_head) is the largest matmul of a small model, and its gradient the largest
+# tensor: (tokens, vocab), 2 GiB in bf16 for 32,768 tokens of a 32,768 vocabulary. Finding its
+# absolute maximum would read it once more, so the head scales it by a bound known in advance
+# instead, as modded-nanogpt's FP8 head does with its fixed grad_s: the gradient of a mean
+# cross-entropy over n tokens with respect to one logit, (softmax - one-hot) / n (a soft-cap's slope
+# is at most 1), lies within 1/n. Its x and w are small enough to scale from their maxima as above.
+# The head runs its forward and input gradient in FP8 and its weight gradient in the output dtype.
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -389,32 +428,48 @@ def col_major(t):
     return t.t().contiguous().t()
 
 
+def to_fp8_within(t, dtype, bound: float):
+    """to_fp8 for a tensor known to lie within +-bound: scaled by that bound, not by its maximum."""
+    top = torch.finfo(dtype).max
+    scale = torch.full((), bound / top, device=t.device, dtype=torch.float32)
+    return (t.float() * (top / bound)).clamp(-top, top).to(dtype), scale
+
+
 class FP8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, out_dtype):
+    def forward(ctx, x, weight, out_dtype, grad_bound=None):
         x8, sx = to_fp8(x, E4M3)  # x: (N, d_in)
         w8, sw = to_fp8(weight, E4M3)  # weight: (d_out, d_in)
-        ctx.save_for_backward(x8, sx, w8, sw)
-        ctx.dtypes = x.dtype, weight.dtype
+        # The head keeps x as the output dtype for its weight gradient (see backward), the blocks x8.
+        ctx.save_for_backward(x8, sx, w8, sw, x.to(out_dtype) if grad_bound is not None else None)
+        ctx.dtypes, ctx.grad_bound = (x.dtype, weight.dtype), grad_bound
         return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        x8, sx, w8, sw = ctx.saved_tensors
+        x8, sx, w8, sw, x_low = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        g8, sg = to_fp8(grad, E5M2)  # grad: (N, d_out)
+        # grad: (N, d_out), scaled by its maximum or by a bound the caller knows (the head's)
+        g8, sg = to_fp8(grad, E5M2) if ctx.grad_bound is None else to_fp8_within(grad, E5M2, ctx.grad_bound)
         grad_x = torch._scaled_mm(g8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
+        if x_low is not None:
+            # The head's weight gradient multiplies over the tokens, and Hopper's FP8 matmul wants that
+            # axis contiguous in both operands: the (tokens, vocab) gradient transposed, a copy of the
+            # largest tensor, which Inductor fused into the loss kernel at three times its time (one H200,
+            # docs/LOG.md). In the output dtype the gradient is read as it lies.
+            return grad_x, (grad.t() @ x_low).to(w_dtype), None, None
         grad_w = torch._scaled_mm(g8.t().contiguous(), col_major(x8), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def fp8_linear(x, weight):
+def fp8_linear(x, weight, grad_bound: float | None = None):
     """F.linear(x, weight) with FP8 operands. x: (..., d_in); weight: (d_out, d_in). The output
-    has autocast's dtype inside autocast, x's dtype outside it."""
+    has autocast's dtype inside autocast, x's dtype outside it. grad_bound: where the output's
+    gradient is known to lie within +-grad_bound (None: scaled by its maximum)."""
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
-        y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype)
+        y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype, grad_bound)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -579,8 +634,11 @@ class ReLU2(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, layer)
+        # skip_attn_layer's block is its MLP alone: modded-nanogpt measured one attention fewer as
+        # no loss at 12 layers, and it saves that layer's attention and its two matmuls.
+        attends = cfg.attends(layer)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if attends else None
+        self.attn = Attention(cfg, layer) if attends else None
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = ReLU2(cfg) if cfg.mlp == "relu2" else SwiGLU(cfg)
         self.x0_mix = nn.Parameter(torch.empty(2)) if cfg.x0_mix else None  # (a, b), from (1, 0)
@@ -590,7 +648,8 @@ class Block(nn.Module):
         embedding (or None)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
-        x = x + self.attn(self.attn_norm(x), at, ve)
+        if self.attn is not None:
+            x = x + self.attn(self.attn_norm(x), at, ve)
         if recompute_mlp:  # keep only x for the backward pass: the norm, the up-projection (w13 or w1) and
             # the activation are recomputed there, one extra up-projection matmul (Llama.recompute_mlp)
             return x + torch.utils.checkpoint.checkpoint(self.mlp_branch, x, use_reentrant=False)
@@ -752,11 +811,14 @@ class Llama(nn.Module):
         """Give every layer a KVCache for `batch` sequences (see KVCache). A cache of the same
         size and dtype is kept, not reallocated: a captured CUDA graph holds its address."""
         device, dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
-        for block in self.blocks:
-            cache = block.attn.cache
+        for attn in self.attentions():
+            cache = attn.cache
             if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:
-                block.attn.cache = KVCache(batch, self.cfg.n_kv_heads, self.cfg.context, self.cfg.head_dim,
-                                           device, dtype)
+                attn.cache = KVCache(batch, self.cfg.n_kv_heads, self.cfg.context, self.cfg.head_dim, device, dtype)
+
+    def attentions(self) -> list:
+        """The blocks' attention modules (a skip_attn_layer block has none), first layer first."""
+        return [block.attn for block in self.blocks if block.attn is not None]
 
     def forward(self, idx, targets=None, doc_ids=None, block_mask=None, pos=None, window: int | None = None,
                 attn_window: int | None = None, short_window: int | None = None, short_block_mask=None):
@@ -817,7 +879,12 @@ class Llama(nn.Module):
         x = self.norm(x)
         if targets is not None and self.cfg.fused_loss:
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten())
-        logits = F.linear(x, self.output_weight())
+        if targets is not None and self.cfg.fp8_head and torch.is_grad_enabled():
+            # Training only (evaluation and decoding keep the plain head): d loss / d logits of the
+            # mean over targets.numel() tokens lies within 1 / targets.numel() (see the FP8 section).
+            logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel())
+        else:
+            logits = F.linear(x, self.output_weight())
         if targets is None:
             return softcap(logits, self.cfg.logit_softcap)
         # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.
@@ -842,11 +909,12 @@ def param_count(cfg: ModelConfig) -> int:
     mlp = (2 if cfg.mlp == "relu2" else 3) * d * cfg.ffn_hidden  # w1, (w3,) w2
     attn += cfg.n_heads * GATE_CHANNELS if cfg.attn_gate else 0
     block = attn + mlp + 2 * d + (2 if cfg.x0_mix else 0)  # two RMSNorm gains (and the x0 mix)
+    attention_free = (attn + d) * (cfg.skip_attn_layer != -1)  # skip_attn_layer's attention and its norm
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     value = cfg.value_embeds * (cfg.vocab_size * kv + 2 * 2)  # a table and two layers' (a, b) each
     skips = cfg.n_layers // 2 if cfg.unet_skips else 0
-    return embed + cfg.n_layers * block + d + head + value + skips
+    return embed + cfg.n_layers * block - attention_free + d + head + value + skips
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
@@ -860,7 +928,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
     lookups = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
     lookups += cfg.value_embeds * cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim
     long, short = cfg.windows()
-    reach = sum(min(T, 2 * w) if w else T for w in (short if cfg.short_layer(i) else long for i in range(cfg.n_layers)))
+    reach = sum(min(T, 2 * w) if w else T
+                for w in (short if cfg.short_layer(i) else long for i in range(cfg.n_layers) if cfg.attends(i)))
     return 6 * (param_count(cfg) - lookups) + 12 * cfg.n_heads * cfg.head_dim * reach
 
 

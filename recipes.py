@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,15 @@ def _record_shape(base: C.Config, micro_batch: int) -> dict:
             "model__value_embeds": min(3, layers // 2)}
 
 
+def _attention_free_layer(base: C.Config, micro_batch: int) -> dict:
+    """modded's layer 7 of 12 without attention: at the record shape's depth the layer 7/12 of the way
+    down, kept off the first and last layers that take value tables (none where no middle layer is left)."""
+    shape = _record_shape(base, micro_batch)
+    layers, tables = shape["model__n_layers"], shape["model__value_embeds"]
+    layer = min(layers - tables - 1, max(tables, 1, round(7 * layers / 12)))
+    return {"model__skip_attn_layer": layer} if layer >= max(tables, 1) else {}
+
+
 RECORD_CHAIN = (
     ("+ untied zero head, embed-norm, soft-cap 15", {"model__tie_embeddings": False, "model__embed_norm": True,
                                                      "model__logit_softcap": 15.0}),
@@ -134,6 +144,9 @@ RECORD_CHAIN = (
     ("+ sliding window, growing", _growing_window),
     ("+ long-short windows", {"model__short_windows": True}),
     ("+ the record's shape (126m: 12 layers, 6 heads of 128)", _record_shape),
+    ("+ no attention in one middle layer (126m: layer 7)", _attention_free_layer),
+    ("+ FP8 head", {"model__fp8_head": True}),
+    ("+ pinned copies", {"train__pin": True}),
 )
 # The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
@@ -566,16 +579,15 @@ def plot(curves: dict, title: str, path: Path, target: float | None = None):
 
 # --- Loss curves: the same run with each fast path and without (bench.py --loss-curves) -----
 
-CURVE_LABELS = {"fused_loss": "fused loss", "fused_swiglu": "fused SwiGLU", "bf16_residual": "bf16 residual",
-                "fp8": "fp8"}
-
-
 def curves_plan(preset: str) -> list[Recipe]:
-    """The plain model (every training fast path off), each fast path alone on it, then the preset as
-    its file has it: a fast path may change speed, not what the model learns beyond bfloat16 noise."""
+    """The plain model (every training fast path off), each fast path that applies to the preset's model
+    alone on it, then the preset as its file has it: a fast path may change speed, not what the model
+    learns beyond bfloat16 noise."""
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
+    base = dataclasses.replace(C.preset(preset).model, **dict.fromkeys(M.TRAINING_FAST_PATHS, False))
     return [Recipe("plain", preset, "curves", plain),
-            *[Recipe(CURVE_LABELS[s], preset, "curves", {**plain, f"model__{s}": True}) for s in M.TRAINING_FAST_PATHS],
+            *[Recipe(label, preset, "curves", {**plain, f"model__{s}": True})
+              for s, label in M.TRAINING_FAST_PATHS.items() if M.fast_path_applies(s, base)],
             Recipe("defaults", preset, "curves")]
 
 

@@ -225,9 +225,13 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         torch.cuda.set_device(device)
     tcfg = half_precision(cpu_fallbacks(cfg.train, device, say), device, say)
     cfg = dataclasses.replace(cfg, train=tcfg)
-    if cfg.model.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
-                         f"which {torch.cuda.get_device_name(device)} lacks: use --no-fp8")
+    for name in ("fp8", "fp8_head"):
+        if getattr(cfg.model, name) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"model.{name} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
+                             f"which {torch.cuda.get_device_name(device)} lacks: use --no-{name.replace('_', '-')}")
+    if cfg.model.fp8_head and tcfg.fp16:
+        raise ValueError("model.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
+                         "overflow: use --no-fp8-head with --fp16")
     model_cfg = M.for_device(cfg.model, device)
     if model_cfg != cfg.model:
         say(f"note: the fused SwiGLU needs Triton and a GPU of compute capability 8.0 (Ampere) or newer, so "
@@ -666,10 +670,11 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
         f"QK-norm {m.qk_norm}, {'tied' if m.tie_embeddings else 'untied'} head, soft-cap {m.logit_softcap or 'off'}, "
         f"{meter.flops_tok / 1e6:,.1f} MFLOPs/token, attention {m.attention}, fused loss {m.fused_loss}, fused SwiGLU "
         f"{m.fused_swiglu and m.mlp == 'swiglu' and device.type == 'cuda'}, bf16 residual "
-        f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}")
+        f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}, fp8 head {m.fp8_head}")
     parts = [name for name, on in (("embed-norm", m.embed_norm), (f"{m.value_embeds} value embeddings", m.value_embeds),
                                     ("U-net skips", m.unet_skips), ("x0 mix", m.x0_mix), ("truncated RoPE", m.rope_truncate),
                                     ("attention gate", m.attn_gate),
+                                    (f"no attention in layer {m.skip_attn_layer}", m.skip_attn_layer != -1),
                                     (f"window {m.attn_window}" + (f", {m.windows()[1]} on short layers" if m.short_windows
                                                                   else ""), m.attn_window)) if on]
     if parts:

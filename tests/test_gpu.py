@@ -18,13 +18,14 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def loss_and_grads(compiled: bool, seed: int, **switches):
-    """BF16 loss and gradients of one micro-batch, for the plain model and with `switches` on."""
+def loss_and_grads(compiled: bool, seed: int, base: dict | None = None, **switches):
+    """BF16 loss and gradients of one micro-batch, for the plain model and with `switches` on (both
+    with the settings in base)."""
     idx, targets = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     out = []
     for on in (False, True):
         torch.manual_seed(0)
-        model = M.Llama(M.ModelConfig(**CFG, **{**PLAIN, **{k: v and on for k, v in switches.items()}})).cuda()
+        model = M.Llama(M.ModelConfig(**CFG, **{**PLAIN, **(base or {}), **{k: v and on for k, v in switches.items()}})).cuda()
         run = torch.compile(model) if compiled else model
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = run(idx, targets)
@@ -112,9 +113,18 @@ def test_fp8_block_matmuls_stay_close_to_bf16(compiled):
         assert rel(out[1][1][name], grad) < 0.15, name
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_head_stays_close_to_bf16(compiled):
+    """The FP8 head (its gradient at the fixed bound 1/n) against the bf16 head, with the soft-cap."""
+    out = loss_and_grads(compiled, seed=4, base=dict(tie_embeddings=False, logit_softcap=15.0), fp8_head=True)
+    assert abs(out[0][0].item() - out[1][0].item()) < 1e-2 * out[0][0].item()
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 0.15, name
+
+
 RECORD = dict(mlp="relu2", qk_norm=True, zero_init=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0,
               value_embeds=1, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384,
-              short_windows=True)
+              short_windows=True, fp8_head=True)
 
 
 def test_flex_block_mask_matches_the_boolean_mask_with_documents_and_a_window():

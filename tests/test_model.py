@@ -187,15 +187,85 @@ def test_short_windows_halve_the_window_on_all_but_every_fourth_and_the_last_lay
     assert seen == [3]
 
 
+def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
+    """skip_attn_layer: that block adds only its MLP branch (after its x0 mix); the others keep attention;
+    the parameters and FLOPs drop by that layer's attention; a value-table layer or the first is refused."""
+    parts = dict(qk_norm=True, value_embeds=1, x0_mix=True, attn_gate=True, n_layers=4, skip_attn_layer=2)
+    cfg = M.ModelConfig(**{**SMALL, **parts})
+    model = small_model(**parts)
+    assert [b.attn is None for b in model.blocks] == [False, False, True, False] and model.blocks[2].attn_norm is None
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) < M.param_count(
+        M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": -1}))
+    block = model.blocks[2]
+    with torch.no_grad():
+        block.x0_mix.copy_(torch.tensor([0.75, 0.5]))
+        x, x0 = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
+        mixed = 0.75 * x + 0.5 * x0
+        torch.testing.assert_close(block(x, None, x0), mixed + block.mlp_branch(mixed), rtol=0, atol=0)
+    full = M.flops_per_token(M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": -1}))
+    # wqkv, wo, the gate, the q/k norm and attention norm gains, then the keys: 6N + 12 H hd T
+    per_layer_attention = 6 * (64 * (64 + 2 * 32) + 64 * 64 + 4 * 12 + 2 * 16 + 64) + 12 * 4 * 16 * 32
+    assert full - M.flops_per_token(cfg) == per_layer_attention
+    for layer, message in ((0, "is not a layer after the first"), (4, "is not a layer after the first"),
+                           (3, "mixes a value embedding")):
+        with pytest.raises(ValueError, match=message):
+            M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": layer})
+
+
+def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypatch):
+    """fp8_head: the training loss and gradients stay within FP8 rounding of the plain head; the head's
+    gradient is scaled by its bound 1/n, n the tokens of the mean, and a gradient far below e5m2's range
+    survives that scaling where a bound of 1 would flush it; without gradients (evaluation) the plain
+    head runs, bit for bit."""
+    bounds = []
+    fp8_linear = M.fp8_linear
+    monkeypatch.setattr(M, "fp8_linear", lambda x, w, grad_bound=None: bounds.append(grad_bound) or fp8_linear(x, w, grad_bound))
+    parts = dict(tie_embeddings=False, logit_softcap=15.0)
+    plain, fp8 = small_model(torch.float32, **parts), small_model(torch.float32, **parts, fp8_head=True)
+    with torch.no_grad():
+        for model in (plain, fp8):
+            model.head.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
+    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(plain(idx, targets), fp8(idx, targets))
+    grads = []
+    for model in (plain, fp8):
+        model.train()
+        loss = model(idx, targets)
+        loss.backward()
+        grads.append((loss.detach(), model.head.weight.grad, model.embed.weight.grad))
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+    (l0, h0, e0), (l1, h1, e1) = grads
+    assert abs(l1 - l0) < 0.02 and rel(h1, h0) < 0.12 and rel(e1, e0) < 0.12
+    assert l1 != l0 and bounds == [1 / 128]  # it really ran in FP8, its gradient bounded by 1 / (4 x 32 tokens)
+    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(16, 32)
+    tiny = 1e-11 * torch.randn(64, 16)  # far below e5m2's smallest subnormal, 1.5e-5, unless scaled up
+    for bound, close in ((1e-10, True), (1.0, False)):
+        x.grad = None
+        fp8_linear(x, w, grad_bound=bound).backward(tiny)
+        assert (rel(x.grad, tiny @ w) < 0.15) == close
+    # the bound: each logit's gradient within 1/n, and the scaled e5m2 values use the top of the range
+    g = torch.softmax(torch.randn(128, 97), -1) / 128
+    g8, scale = M.to_fp8_within(g, M.E5M2, 1 / 128)
+    assert g8.float().abs().max() <= torch.finfo(M.E5M2).max and rel(g8.float() * scale, g) < 0.15
+    with pytest.raises(ValueError, match="model.fp8_head runs the untied head"):
+        M.ModelConfig(**SMALL, fp8_head=True)
+
+
 def test_flops_per_token_count_matmuls_and_the_windows_keys():
     """6N over the weights that multiply (no lookup tables) plus 12*H*Q per layer times the keys it
     may see, min(T, 2w) with a window w: configs/126m-record.toml at 8,192 tokens, written out."""
     cfg = C.preset("126m-record").model
     d, L, H, hd, V, f = 768, 12, 6, 128, 32768, 3072
-    matmuls = L * (4 * d * d + 2 * d * f + 12 * H) + V * d  # blocks (q, k, v, o, the MLP, the gate) and the head
-    scalars = L * (2 * d + 2 * hd + 2) + d + L // 2 + 3 * 2 * 2  # gains, x0 mixes, final norm, skips, v mixes
-    long_layers = 4  # 0, 4, 8 and 11
-    attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers) * 2 * 896)
+    # blocks (q, k, v, o, the MLP, the gate) and the head; layer 7 has no attention (its q, k, v, o and gate)
+    matmuls = L * (4 * d * d + 2 * d * f + 12 * H) - (4 * d * d + 12 * H) + V * d
+    # gains (two norms, q/k norms; layer 7 has neither its attention norm nor q/k norms), x0 mixes,
+    # final norm, skips, v mixes
+    scalars = L * (2 * d + 2 * hd + 2) - (d + 2 * hd) + d + L // 2 + 3 * 2 * 2
+    long_layers = 4  # 0, 4, 8 and 11; layer 7, short, has no attention
+    attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
     assert M.flops_per_token(cfg) == 6 * (matmuls + scalars) + attention
 
 
@@ -331,8 +401,9 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
 
 
 @pytest.mark.parametrize("windowed, parts", [(False, {}), (True, {}), (True, RECORD_PARTS),
-                                             (True, {**RECORD_PARTS, "n_layers": 3, "short_windows": True})],
-                         ids=["whole-cache", "written-so-far", "record-parts", "short-windows"])
+                                             (True, {**RECORD_PARTS, "n_layers": 3, "short_windows": True}),
+                                             (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1})],
+                         ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions

@@ -220,6 +220,15 @@ def test_export_refuses_each_record_part_in_one_line_naming_it(loaded, tmp_path,
     assert not (tmp_path / "hf").exists()
 
 
+def test_export_refuses_a_layer_without_attention_in_one_line(loaded, tmp_path):
+    ckpt, _, tok_path, _ = loaded
+    part = dataclasses.replace(ckpt, config=dataclasses.replace(
+        ckpt.config, model=dataclasses.replace(ckpt.config.model, skip_attn_layer=1)))
+    with pytest.raises(ValueError, match=r"^model\.skip_attn_layer=1: no transformers class .* --skip-attn-layer -1 to export"):
+        E.export(part, tok_path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_todays_recipe_decodes_the_same_with_and_without_the_cache():
     """ReLU², QK-norm (its norms run before the cache write) and an untied, soft-capped head: the KV
     cache's greedy tokens equal the full recomputation's, as for the article's model."""
