@@ -244,7 +244,7 @@ def rope_tables(head_dim: int, length: int, theta: float, truncate: bool = False
     # Computed on the CPU in float64 whatever the default device: exact, and cheap on "meta".
     if truncate:
         rotated = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
-        inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - head_dim // 4, dtype=torch.float64)])
+        inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - head_dim // 4, dtype=torch.float64, device="cpu")])
     else:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float64, device="cpu"), inv_freq)  # (length, head_dim/2)

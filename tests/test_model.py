@@ -254,6 +254,16 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
         M.ModelConfig(**SMALL, fp8_head=True)
 
 
+def test_the_record_preset_has_the_record_holders_parameter_count():
+    """configs/126m-record.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
+    attention-free layer 7 and untied head included, and the module's tensors agree with param_count."""
+    cfg = C.preset("126m-record").model
+    with torch.device("meta"):
+        model = M.Llama(cfg)
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_426_562
+    assert model.blocks[7].attn is None and len(model.attentions()) == 11
+
+
 def test_flops_per_token_count_matmuls_and_the_windows_keys():
     """6N over the weights that multiply (no lookup tables) plus 12*H*Q per layer times the keys it
     may see, min(T, 2w) with a window w: configs/126m-record.toml at 8,192 tokens, written out."""
