@@ -24,12 +24,18 @@ differs in two ways, each for a reason:
   - parts of equal shape are orthogonalised together, as one batched matmul per Newton-Schulz
     step, where torch's loop launches about 15 kernels per matrix (an 88m model has 40 of them).
 For a matrix that is not split, the update equals torch.optim.Muon's (tests/test_optim.py).
+
+Under torchrun every rank holds the same all-reduced gradients, so each would orthogonalise every
+matrix again. With `shared` (train.muon_shared, the default) each rank orthogonalises a 1/world share
+of each shape's parts and the ranks all-gather the results, as modded-nanogpt splits its Muon work;
+the update is the one-process update (a test with two gloo processes).
 """
 
 import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 import config as C
 import model as M
@@ -89,6 +95,18 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7) -> tor
     return (x if wide else x.mT).to(g.dtype)
 
 
+def orthogonalize_shared(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """orthogonalize(g, dtype) with the work split over the ranks of the process group: rank r
+    iterates on parts [r * k, (r + 1) * k) of the n (k = n / world rounded up; zero matrices pad
+    the last share, and stay zero), then every rank gathers all of them. g: (n, rows, cols)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    k = -(-g.shape[0] // world)
+    padded = torch.cat([g, g.new_zeros(k * world - g.shape[0], *g.shape[1:])]) if k * world > g.shape[0] else g
+    gathered = torch.empty_like(padded)
+    dist.all_gather(list(gathered.chunk(world)), orthogonalize(padded[rank * k:(rank + 1) * k], dtype).contiguous())
+    return gathered[:g.shape[0]]
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters. Each group may give `splits`: a list, one per parameter, of the row
     counts its stacked parts have (None: the matrix is one part). Per part of shape (A, B):
@@ -96,13 +114,15 @@ class Muon(torch.optim.Optimizer):
         p  -= lr * max(1, A/B) ** 0.5 * orthogonalize(update)  (after decoupled weight decay)
     The group's `tall_scale` False drops the max(1, A/B) ** 0.5: every part then steps at lr.
     ns_dtype: the iteration's dtype; None means bfloat16 on CUDA, float32 elsewhere (a CPU's
-    bfloat16 matmuls are slow). Tests pass float64 to compare with the published algorithm."""
+    bfloat16 matmuls are slow). Tests pass float64 to compare with the published algorithm.
+    shared: in a process group of several ranks, split the iteration over them (orthogonalize_shared);
+    every rank must then step with the same gradients, as DDP's all-reduce leaves them."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_dtype: torch.dtype | None = None, tall_scale: bool = True):
+                 ns_dtype: torch.dtype | None = None, tall_scale: bool = True, shared: bool = True):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=None,
                                       tall_scale=tall_scale))
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.shared = ns_dtype, shared
         for group in self.param_groups:
             for p in group["params"]:
                 assert p.dim() == 2, f"Muon updates matrices only, got a parameter of shape {tuple(p.shape)}"
@@ -124,11 +144,13 @@ class Muon(torch.optim.Optimizer):
             if not updates:
                 continue
             dtype = self.ns_dtype or (torch.bfloat16 if updates[0][0].is_cuda else torch.float32)
+            split = self.shared and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            iterate = orthogonalize_shared if split else orthogonalize
             for (A, B), parts in by_shape.items():
                 # max(1, A/B) ** 0.5: a tall part's orthogonal update has a smaller RMS; this keeps
                 # every part's step the same size (Jordan's scaling, torch's adjust_lr_fn "original")
                 scale = max(1.0, A / B) ** 0.5 if group["tall_scale"] else 1.0
-                ortho = orthogonalize(torch.stack(parts), dtype) * scale
+                ortho = iterate(torch.stack(parts), dtype) * scale
                 for part, o in zip(parts, ortho):
                     part.copy_(o)  # a view of its parameter's update: written in place
             for p, update in updates:
@@ -249,5 +271,5 @@ def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
     muon = Muon([{"params": matrices, "lr_ratio": cfg.muon_lr / cfg.lr, "role": "matrices",
                   "splits": [stacked_rows(n, p, model.cfg) for n, p in groups["matrices"]]}],
                 lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay,
-                tall_scale=cfg.muon_tall_scale)
+                tall_scale=cfg.muon_tall_scale, shared=cfg.muon_shared)
     return Optimizers(muon, torch.optim.AdamW(adamw_groups(groups, cfg), **adam))
