@@ -71,23 +71,28 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
             ME.Rung("+torch.compile", preset, {**o, **FP32, **FAST}, steps)]
 
 
-# What each fused kernel, the bf16 residual stream and Inductor's kernel tuning switch on: the
-# ladder's tail adds them one after another, the kernels study each alone.
-FAST_PATHS = {"+fused loss": {"model__fused_loss": True}, "+fused SwiGLU": {"model__fused_swiglu": True},
-              "+bf16 residual": {"model__bf16_residual": True}}
 COMPILE_TUNING = {"+coordinate descent": {"train__compile_mode": "coordinate-descent"},
                   "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
-KERNEL_SWITCHES = {**FAST_PATHS, **COMPILE_TUNING}
+# FP8 block matmuls come after compile tuning in the ladder: they measured slower at every preset
+# (docs/LOG.md, "The new rungs on three presets"), so the rungs before them stay free of them.
+LAST_FAST_PATHS = ("fp8",)
+
+
+def fast_paths(preset: str, last: bool = False) -> dict:
+    """"+label" -> the setting, for each training fast path of model.TRAINING_FAST_PATHS that the
+    preset's model can run (model.fast_path_applies): the ladder's and the kernels study's rungs.
+    last: the ones the ladder adds after compile tuning instead (LAST_FAST_PATHS)."""
+    model = dataclasses.replace(C.preset(preset).model, **dict.fromkeys(M.TRAINING_FAST_PATHS, False))
+    return {f"+{label}": {f"model__{s}": True} for s, label in M.TRAINING_FAST_PATHS.items()
+            if M.fast_path_applies(s, model) and (s in LAST_FAST_PATHS) == last}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
-    """After the best micro-batch is found: fused AdamW, pinned copies, the fused loss, the fused
-    SwiGLU, the bf16 residual stream, compile tuning (coordinate descent, then max-autotune, which
-    includes it), FP8 block matmuls; each rung keeps the settings of the ones before it. FP8 comes
-    last: it measured slower at every preset (docs/LOG.md, "The new rungs on three presets"), so the rungs before
-    it stay free of it, and the last rung shows whether it pays on top of the rest."""
+    """After the best micro-batch is found: fused AdamW, pinned copies, the fast paths the preset can
+    run (fast_paths), compile tuning (coordinate descent, then max-autotune, which includes it), FP8
+    block matmuls; each rung keeps the settings of the ones before it."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
-                *KERNEL_SWITCHES.items(), ("+fp8 matmuls", {"model__fp8": True})]
+                *fast_paths(preset).items(), *COMPILE_TUNING.items(), *fast_paths(preset, last=True).items()]
     rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
     for name, setting in settings:
         overrides = {**overrides, **setting}
@@ -118,7 +123,7 @@ def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
     minutes at 88m."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
     alone = lambda switches: [ME.Rung(name, preset, {**o, **s}, steps) for name, s in switches.items()]  # noqa: E731
-    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *alone(FAST_PATHS),
+    return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps), *alone(fast_paths(preset)),
             ME.Rung("the preset's defaults", preset, {**o, **preset_kernels(preset)}, steps), *alone(COMPILE_TUNING)]
 
 

@@ -45,7 +45,8 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 # The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
 # generation's): switch -> the name tables give it. fast_path_applies says which a model can run.
 TRAINING_FAST_PATHS = {"fused_loss": "fused loss", "fused_swiglu": "fused SwiGLU", "bf16_residual": "bf16 residual",
-                       "fp8": "fp8", "fp8_head": "fp8 head"}
+                       "fp8": "fp8 matmuls", "fp8_head": "fp8 head"}
+GENERATION_FAST_PATHS = {"fused_decode": "fused decode"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -196,9 +197,12 @@ def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
 
 
 def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
-    """Whether training fast path `name` runs for cfg's architecture (a GPU that has it aside): the fused
+    """Whether fast path `name` runs for cfg's architecture (a GPU that has it aside): the fused
     SwiGLU for the SwiGLU MLP alone, the fused loss for a head without a soft-cap, the FP8 head for an
-    untied head outside the fused loss."""
+    untied head outside the fused loss, the fused decode for a model without a sliding window (its
+    kernel reads the whole cache)."""
+    if name == "fused_decode":
+        return not cfg.windowed
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
     if name == "fused_loss":
@@ -533,7 +537,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.short = cfg.short_layer(layer)  # attends over the short window (Attend's short_* fields)
         self.kind = cfg.attention
-        self.fused_decode = cfg.fused_decode and not cfg.windowed  # the decode kernel reads the whole cache
+        self.fused_decode = cfg.fused_decode and fast_path_applies("fused_decode", cfg)  # it reads the whole cache
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.

@@ -118,3 +118,45 @@ def test_the_wheel_lists_every_module_on_disk():
     import tomllib
     listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
     assert sorted(listed) == sorted(p.stem for p in ROOT.glob("*.py"))
+
+
+# --- Fast paths: one list (model.TRAINING_FAST_PATHS, GENERATION_FAST_PATHS), each with its switch, its
+# plain twin and its tests against that twin: on CPU (the plain twin or the Triton interpreter) and on a GPU.
+AGREEMENT = {
+    "fused_loss": ["test_model.py::test_fused_loss_equals_plain_loss_and_gradients",
+                   "test_gpu.py::test_fused_kernels_match_plain_in_bf16"],
+    "fused_swiglu": ["test_kernels.py::test_fused_swiglu_matches_the_plain_path_forward_and_backward",
+                     "test_gpu.py::test_fused_kernels_match_plain_in_bf16"],
+    "bf16_residual": ["test_model.py::test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float32",
+                      "test_gpu.py::test_fused_kernels_match_plain_in_bf16"],
+    "fp8": ["test_model.py::test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients",
+            "test_gpu.py::test_fp8_block_matmuls_stay_close_to_bf16"],
+    "fp8_head": ["test_model.py::test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly",
+                 "test_gpu.py::test_fp8_head_stays_close_to_bf16"],
+    "fused_decode": ["test_kernels.py::test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token",
+                     "test_gpu.py::test_fused_decode_step_matches_the_plain_path_in_bf16"],
+}
+
+
+def test_every_fast_path_has_a_switch_off_by_default_and_its_agreement_tests():
+    import dataclasses
+    import model as M
+    import train as TR
+    assert set(AGREEMENT) == set(M.TRAINING_FAST_PATHS) | set(M.GENERATION_FAST_PATHS)
+    defaults = {f.name: f.default for f in dataclasses.fields(M.ModelConfig)}
+    flags = {o for a in TR.build_parser()._actions for o in a.option_strings}
+    for name, tests in AGREEMENT.items():
+        assert defaults[name] is False, name  # a config that does not name it runs the plain path
+        assert {f"--{name.replace('_', '-')}", f"--no-{name.replace('_', '-')}"} <= flags, name
+        for test in tests:
+            module, function = test.split("::")
+            assert f"def {function}(" in (ROOT / "tests" / module).read_text(), test
+
+
+def test_no_preset_names_a_fast_path_that_does_not_run_for_it():
+    import config as C
+    import model as M
+    for preset in C.preset_names():
+        cfg = C.preset(preset).model
+        on = [s for s in AGREEMENT if getattr(cfg, s)]
+        assert all(M.fast_path_applies(s, cfg) for s in on), (preset, [s for s in on if not M.fast_path_applies(s, cfg)])
