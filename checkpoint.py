@@ -257,6 +257,9 @@ def hf_architecture(cfg: M.ModelConfig) -> tuple[str, str]:
             raise ValueError(f"model.{name}={getattr(cfg, name)!r}: no transformers class computes it with this "
                              f"architecture, so this checkpoint cannot be exported (train without --{name.replace('_', '-')} "
                              f"to export)")
+    if cfg.attn_scale:
+        raise ValueError(f"model.attn_scale={cfg.attn_scale}: transformers' Llama-family classes scale attention by "
+                         f"1/sqrt(head size), so this checkpoint cannot be exported (train with --attn-scale 0 to export)")
     if cfg.skip_attn_layer != -1:
         raise ValueError(f"model.skip_attn_layer={cfg.skip_attn_layer}: no transformers class has a layer without "
                          f"attention, so this checkpoint cannot be exported (train with --skip-attn-layer -1 to export)")

@@ -93,25 +93,25 @@ if AVAILABLE:
 
     @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache"))
     def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                    v_cache: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
         """One new token's attention, fused: RoPE on q and k, k and v written into the caches at
-        pos, softmax(q k^T / sqrt(hd)) v over positions 0..pos. qkv: (B, 1, H + 2 Hkv, hd), the
-        QKV projection's output; cos, sin: (hd,) for position pos; k_cache, v_cache: (B, Hkv, S,
-        hd); pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile calls it as one
+        pos, softmax(q k^T * scale) v over positions 0..pos (scale: 1/sqrt(hd) for Llama's).
+        qkv: (B, 1, H + 2 Hkv, hd), the QKV projection's output; cos, sin: (hd,) for position pos;
+        k_cache, v_cache: (B, Hkv, S, hd); pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile calls it as one
         opaque step of the compiled decode, and the CUDA graph captures its launch."""
         B, _, n, D = qkv.shape
         Hkv = k_cache.shape[1]
         H = n - 2 * Hkv
         out = qkv.new_empty(B, 1, H, D)
         _decode_step_kernel[(B, Hkv)](
-            qkv, cos, sin, k_cache, v_cache, out, pos, D ** -0.5, qkv.stride(0), qkv.stride(2),
+            qkv, cos, sin, k_cache, v_cache, out, pos, scale, qkv.stride(0), qkv.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(2),
             H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D, BLOCK=BLOCK_KEYS,
             num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
     @decode_step.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pos):  # shapes for tracing
+    def _(qkv, cos, sin, k_cache, v_cache, pos, scale):  # shapes for tracing
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 

@@ -41,7 +41,7 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
-                "skip_attn_layer")
+                "skip_attn_layer", "attn_scale")
 # The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
 # generation's): switch -> the name tables give it. fast_path_applies says which a model can run.
 TRAINING_FAST_PATHS = {"fused_loss": "fused loss", "fused_swiglu": "fused SwiGLU", "bf16_residual": "bf16 residual",
@@ -78,6 +78,7 @@ class ModelConfig:
     attn_window: int = 0  # sliding-window attention: a query sees itself and the attn_window - 1 keys before it (0: all)
     short_windows: bool = False  # half the window on all layers but every fourth and the last (record #28's long-short)
     skip_attn_layer: int = -1  # this layer has no attention, only its MLP (record #28: layer 7 of 12); -1: none
+    attn_scale: float = 0.0  # the attention logits' scale; 0: 1/sqrt(head_dim) (modded-nanogpt's: 0.12 at head 128)
     attention: AttentionKind = "sdpa"  # attention kernel in training
     # Fast paths: each computes what its plain path does (within rounding) and is off here, so that a
     # config that does not name it, and a checkpoint from before it existed, runs the plain path; the
@@ -128,6 +129,8 @@ class ModelConfig:
         if self.attn_gate and self.d_model < GATE_CHANNELS:
             raise ValueError(f"model.attn_gate reads {GATE_CHANNELS} channels, more than d_model={self.d_model}: "
                              f"use --no-attn-gate or a wider model")
+        if self.attn_scale < 0:
+            raise ValueError(f"model.attn_scale must be >= 0 (0: 1/sqrt(head size)), got {self.attn_scale}")
         if self.attn_window < 0:
             raise ValueError(f"model.attn_window must be >= 0 (0: attend over the whole context), got "
                              f"{self.attn_window}")
@@ -266,35 +269,37 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def textbook_attention(q, k, v, mask=None):
+def textbook_attention(q, k, v, mask=None, scale: float | None = None):
     """Attention written out: full scores, a boolean mask, softmax in float32, K/V copied per
     query head. The reference the fused kernels are measured against. mask: (Tq, Tk) or None
-    for causal."""
+    for causal; scale: the scores' (None: 1/sqrt(head size), as SDPA's)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     Tq, Tk = q.shape[2], k.shape[2]
     if mask is None:
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * (scale or q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None, window: int = 0):
+def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None, window: int = 0,
+              scale: float | None = None):
     """Causal attention in training and evaluation (Tq == Tk): the one place the kernel is chosen.
 
     q: (B, H, T, hd); k, v: (B, Hkv, T, hd) with H a multiple of Hkv (grouped-query heads are
     passed natively: no copies of K/V). doc_ids: (B, T) document index per token, to keep packed
     documents from attending into each other. window: a query sees at most this many keys, itself
     included (0: all before it). block_mask: FlexAttention's mask for doc_ids and window, built
-    once per micro-batch on CUDA (see mask_inputs); without it they become a boolean mask."""
+    once per micro-batch on CUDA (see mask_inputs); without it they become a boolean mask.
+    scale: the scores' scale (None: 1/sqrt(hd))."""
     if block_mask is not None:
-        return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True, scale=scale)
     if doc_ids is not None or window:
         mask = doc_mask(doc_ids, window, q.shape[2], q.device)[:, None]  # (B or 1, 1, T, T)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     if kind == "textbook":
-        return textbook_attention(q, k, v)
+        return textbook_attention(q, k, v, scale=scale)
     if kind in SDPA_BACKENDS and q.is_cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         # Entered here, inside the model, so that torch.compile traces the backend choice too.
@@ -302,12 +307,12 @@ def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None, win
             if kind == "efficient":  # this kernel refuses enable_gqa: give it K/V per query head
                 group = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
 
 
-def cached_attention(q, k, v, mask):
+def cached_attention(q, k, v, mask, scale: float | None = None):
     """Attention of Tq new tokens over the cache. q: (B, H, Tq, hd); k, v: (B, Hkv, S, hd) with S
     the cache positions read; mask: (Tq, S) booleans, True where a query may look.
 
@@ -323,17 +328,17 @@ def cached_attention(q, k, v, mask):
     if Tq > 1:  # one decoded token's (1, S) mask broadcasts over the G folded rows as it is
         mask = mask.repeat(G, 1)
     if q.is_cuda:
-        y = decode_attention_matmuls(q, k, v, mask)
+        y = decode_attention_matmuls(q, k, v, mask, scale)
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return y.reshape(B, H, Tq, hd)
 
 
-def decode_attention_matmuls(q, k, v, mask):
-    """softmax(q k^T / sqrt(hd), masked) v for a few queries. With a handful of queries a fused
+def decode_attention_matmuls(q, k, v, mask, scale: float | None = None):
+    """softmax(q k^T * scale, masked) v for a few queries (scale None: 1/sqrt(hd)). With a handful of queries a fused
     attention kernel runs one thread block per (batch, kv head) down all the keys; a matmul
     spreads the keys over the whole GPU (the decode step is latency-bound, not FLOP-bound)."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * (scale or q.shape[-1] ** -0.5)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(v.dtype) @ v
 
@@ -537,6 +542,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.short = cfg.short_layer(layer)  # attends over the short window (Attend's short_* fields)
         self.kind = cfg.attention
+        self.scale = cfg.attn_scale or None  # None: each kernel's own 1/sqrt(head size)
         self.fused_decode = cfg.fused_decode and fast_path_applies("fused_decode", cfg)  # it reads the whole cache
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
@@ -582,7 +588,8 @@ class Attention(nn.Module):
             # backward pass: with gradients on, the plain path runs.
             if self.q_norm is not None or ve is not None:  # the kernel takes q, k, v as they go into RoPE
                 qkv = torch.cat(self.split_heads(qkv, ve), dim=2)
-            y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos)  # (B, 1, H, hd)
+            y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
+                              self.scale or self.head_dim ** -0.5)  # (B, 1, H, hd)
             return self.wo(self.gated(y, x).reshape(B, T, -1))
         q, k, v = self.split_heads(qkv, ve)  # (B, T, heads, hd)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
@@ -591,11 +598,13 @@ class Attention(nn.Module):
             k, v = self.cache.update(pos, k, v)
             mask = at.short_cache_mask if self.short else at.cache_mask
             read = mask.shape[1]
-            y = cached_attention(q, k[:, :, :read].to(q.dtype), v[:, :, :read].to(q.dtype), mask)
+            y = cached_attention(q, k[:, :, :read].to(q.dtype), v[:, :, :read].to(q.dtype), mask, self.scale)
         elif self.short:
-            y = attention(q, k, v, self.kind, doc_ids=at.doc_ids, block_mask=at.short_block_mask, window=at.short_window)
+            y = attention(q, k, v, self.kind, doc_ids=at.doc_ids, block_mask=at.short_block_mask, window=at.short_window,
+                          scale=self.scale)
         else:
-            y = attention(q, k, v, self.kind, doc_ids=at.doc_ids, block_mask=at.block_mask, window=at.window)
+            y = attention(q, k, v, self.kind, doc_ids=at.doc_ids, block_mask=at.block_mask, window=at.window,
+                          scale=self.scale)
         return self.wo(self.gated(y.transpose(1, 2), x).reshape(B, T, -1))
 
 

@@ -675,6 +675,7 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     ("U-net skips", m.unet_skips), ("x0 mix", m.x0_mix), ("truncated RoPE", m.rope_truncate),
                                     ("attention gate", m.attn_gate),
                                     (f"no attention in layer {m.skip_attn_layer}", m.skip_attn_layer != -1),
+                                    (f"attention scale {m.attn_scale:g}", m.attn_scale),
                                     (f"window {m.attn_window}" + (f", {m.windows()[1]} on short layers" if m.short_windows
                                                                   else ""), m.attn_window)) if on]
     if parts:

@@ -11,9 +11,12 @@ import model as M
 
 
 def decode_check():
-    """The fused decode step against RoPE, the cache write and two matmuls, float16."""
+    """The fused decode step against RoPE, the cache write and two matmuls, float16; one case at
+    modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at 1/sqrt(64)."""
     g = torch.Generator().manual_seed(0)
-    for B, H, Hkv, S, pos in [(1, 12, 4, 1024, 17), (2, 2, 1, 512, 300), (1, 6, 2, 256, 255), (1, 1, 1, 128, 0)]:
+    llama = 64 ** -0.5
+    for B, H, Hkv, S, pos, scale in [(1, 12, 4, 1024, 17, llama), (2, 2, 1, 512, 300, 0.12), (1, 6, 2, 256, 255, llama),
+                                     (1, 1, 1, 128, 0, llama)]:
         qkv = torch.randn(B, 1, H + 2 * Hkv, 64, generator=g).half()
         cos, sin = (t[pos:pos + 1].half() for t in M.rope_tables(64, S, 10000.0))
         k_cache, v_cache = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
@@ -23,9 +26,10 @@ def decode_check():
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0].half()
         mask = (torch.arange(S) <= pos)[None, :]
-        reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask)
+        reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask,
+                                               scale)
         k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
-        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]))
+        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale)
         err = (out.float().reshape(reference.shape) - reference).abs().max().item()
         assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, err)
         assert torch.equal(k_cache[:, :, pos], k_ref[:, :, pos]) and torch.equal(v_cache[:, :, pos], v_ref[:, :, pos])
@@ -36,8 +40,8 @@ def decode_check():
     qkv, caches = torch.randn(2, 1, 4, 64, generator=g).half(), torch.randn(2, 2, 1, 256, 64, generator=g).half()
     caches = torch.cat([caches, caches.clone()])  # two copies of the same k and v caches
     cos, sin = torch.randn(64, generator=g).half(), torch.randn(64, generator=g).half()
-    out = step(qkv, cos, sin, caches[0], caches[1], torch.tensor([150]))
-    assert torch.equal(out, K.decode_step(qkv, cos, sin, caches[2], caches[3], torch.tensor([150])))
+    out = step(qkv, cos, sin, caches[0], caches[1], torch.tensor([150]), 64 ** -0.5)
+    assert torch.equal(out, K.decode_step(qkv, cos, sin, caches[2], caches[3], torch.tensor([150]), 64 ** -0.5))
     assert torch.equal(caches[0][:, :, 150], caches[2][:, :, 150])  # the cache write survives tracing
 
     # Inside the model (fused_decode): the same logits as the plain path, prefill then 20 decode steps.

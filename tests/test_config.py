@@ -105,6 +105,7 @@ MODEL_OUT_OF_RANGE = {
     "logit_softcap": (-1.0, r"model\.logit_softcap must be >= 0"),
     "value_embeds": (2, r"model\.value_embeds=2 is out of range"),  # 2 layers hold one table each side
     "attn_window": (-1, r"model\.attn_window must be >= 0"),
+    "attn_scale": (-0.1, r"model\.attn_scale must be >= 0"),
     "skip_attn_layer": (2, r"model\.skip_attn_layer=2 is not a layer after the first of 2"),
 }
 

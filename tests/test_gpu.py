@@ -79,7 +79,8 @@ def test_fused_decode_step_matches_the_plain_path_in_bf16():
         k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0]
         reference = M.decode_attention_matmuls(q.reshape(2, Hkv, H // Hkv, 64), k_ref, v_ref,
                                                (torch.arange(S, device="cuda") <= pos)[None, :])
-        out = K.decode_step(qkv, cos[0].bfloat16(), sin[0].bfloat16(), k_cache, v_cache, torch.tensor([pos], device="cuda"))
+        out = K.decode_step(qkv, cos[0].bfloat16(), sin[0].bfloat16(), k_cache, v_cache, torch.tensor([pos], device="cuda"),
+                            64 ** -0.5)
         assert rel(out.reshape(reference.shape), reference) < 1e-2, pos
         assert rel(k_cache[:, :, pos], k_ref[:, :, pos]) < 1e-2 and torch.equal(v_cache[:, :, pos].float(), v_ref[:, :, pos])
 
@@ -124,7 +125,7 @@ def test_fp8_head_stays_close_to_bf16(compiled):
 
 RECORD = dict(mlp="relu2", qk_norm=True, zero_init=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0,
               value_embeds=1, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384,
-              short_windows=True, fp8_head=True)
+              short_windows=True, fp8_head=True, attn_scale=0.12)
 
 
 def test_flex_block_mask_matches_the_boolean_mask_with_documents_and_a_window():

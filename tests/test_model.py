@@ -187,6 +187,27 @@ def test_short_windows_halve_the_window_on_all_but_every_fourth_and_the_last_lay
     assert seen == [3]
 
 
+def test_the_attention_scale_multiplies_the_scores_in_every_attention_path():
+    """attn_scale: 1/sqrt(head size) is the plain model exactly; another scale changes the output, the
+    same in the textbook scores, SDPA with and without a mask, and the cache's matmuls (modded: 0.12)."""
+    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(5))
+    plain, same, other = (small_model(attn_scale=s) for s in (0.0, 16 ** -0.5, 0.4))
+    with torch.no_grad():
+        assert torch.equal(plain(idx), same(idx)) and not torch.allclose(plain(idx), other(idx))
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 9, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    written = M.textbook_attention(q, k, v, scale=0.4)  # its softmax in float32: agreement to float32's digits
+    close = dict(rtol=1e-5, atol=1e-6)
+    for kind in ("sdpa", "textbook"):
+        torch.testing.assert_close(M.attention(q, k, v, kind, scale=0.4), written, **close)
+    one_document = torch.zeros(2, 9, dtype=torch.long)  # the boolean-mask path
+    torch.testing.assert_close(M.attention(q, k, v, doc_ids=one_document, scale=0.4), written, **close)
+    torch.testing.assert_close(M.decode_attention_matmuls(q, k, v, mask, 0.4), written, **close)
+    torch.testing.assert_close(M.cached_attention(q, k, v, mask, 0.4), written, **close)
+    assert not torch.allclose(M.textbook_attention(q, k, v), written)
+
+
 def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
     """skip_attn_layer: that block adds only its MLP branch (after its x0 mix); the others keep attention;
     the parameters and FLOPs drop by that layer's attention; a value-table layer or the first is refused."""
@@ -412,8 +433,10 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
 
 @pytest.mark.parametrize("windowed, parts", [(False, {}), (True, {}), (True, RECORD_PARTS),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "short_windows": True}),
-                                             (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1})],
-                         ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free"])
+                                             (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1}),
+                                             (True, {"attn_scale": 0.4, "attn_window": 6})],
+                         ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
+                              "attention-scale"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions

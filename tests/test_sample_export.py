@@ -220,11 +220,14 @@ def test_export_refuses_each_record_part_in_one_line_naming_it(loaded, tmp_path,
     assert not (tmp_path / "hf").exists()
 
 
-def test_export_refuses_a_layer_without_attention_in_one_line(loaded, tmp_path):
+@pytest.mark.parametrize("setting, value, message", [
+    ("skip_attn_layer", 1, r"^model\.skip_attn_layer=1: no transformers class .* --skip-attn-layer -1 to export"),
+    ("attn_scale", 0.12, r"^model\.attn_scale=0\.12: transformers' Llama-family .* --attn-scale 0 to export")])
+def test_export_refuses_an_attention_free_layer_or_scale_in_one_line(loaded, tmp_path, setting, value, message):
     ckpt, _, tok_path, _ = loaded
     part = dataclasses.replace(ckpt, config=dataclasses.replace(
-        ckpt.config, model=dataclasses.replace(ckpt.config.model, skip_attn_layer=1)))
-    with pytest.raises(ValueError, match=r"^model\.skip_attn_layer=1: no transformers class .* --skip-attn-layer -1 to export"):
+        ckpt.config, model=dataclasses.replace(ckpt.config.model, **{setting: value})))
+    with pytest.raises(ValueError, match=message):
         E.export(part, tok_path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
