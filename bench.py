@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -309,31 +310,43 @@ def loader_study(preset: str, micro_batch: int) -> list[dict]:
                 for doc_ids in (False, True)]
 
 
-def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None) -> list[dict]:
-    """Time per kernel class over 2 micro-batches and one optimizer step, and the rate of the
-    classes whose FLOPs are known (matmul: 6N per token; attention: PaLM's 12LHQT). switches: the
-    model switches to profile with on (none: the compiled BF16 base)."""
-    context = C.preset(preset).model.context
+def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None,
+                  corpus: str | None = None) -> list[dict]:
+    """Time per kernel class over 2 micro-batches and one optimizer step, at the sliding window the
+    preset ends its schedule with, and the rate of the classes whose FLOPs are known (matmul: 6N per
+    token over the weights that multiply; attention: PaLM's 12LHQT, a window's layer at min(T, 2w)
+    keys). The last row is the GPU's idle time: the same step's median wall time less its kernels'.
+    switches: the model switches to profile with on (none: the compiled BF16 base). corpus: profile
+    on that prepared corpus, documents as it trains on them (None: random tokens, no corpus needed)."""
+    base = C.preset(preset)
+    context = base.model.context
+    data = RE.fixed_settings(base, 0, corpus, micro_batch) if corpus else {}
+    data = {k: v for k, v in data.items() if k.startswith("data__")}
     rung = ME.Rung("profile", preset, {**FAST, "train__compile": cuda, "train__micro_batch": micro_batch,
                                        "train__batch_tokens": 2 * micro_batch * context,
                                        "train__optimizer": "fused" if cuda else "foreach",
-                                       **(switches or {})}, 1)
+                                       **data, **(switches or {})}, 1)
     with tempfile.TemporaryDirectory() as workdir:
-        r = TR.setup(rung.config(), log=lambda *a, **k: None, random_tokens_dir=Path(workdir))
+        r = TR.setup(rung.config(), log=lambda *a, **k: None, random_tokens_dir=None if corpus else Path(workdir))
+        windows = r.cfg.model.windows()
         step = lambda: TR.train_step(r.model, r.optimizer, r.train_loader.next_batch, 2, r.cfg.train,  # noqa: E731
-                                     r.device, 1e-4)[0].item()
+                                     r.device, 1e-4, windows=windows)[0].item()
         step()  # warm-up and compile
+        wall_ms = 1000 * statistics.median(ME.timed(step, r.device)[1] for _ in range(3))
         names = ME.kernel_times(step, r.device)
     classes, top = {}, {}
     for name, ms in sorted(names.items(), key=lambda kv: -kv[1]):
         label = ME.kernel_class(name)
         classes[label] = classes.get(label, 0.0) + ms
         top.setdefault(label, []).append(f"{ms:.2f} ms {name[:100]}")
-    total = sum(classes.values())
     mcfg = r.cfg.model
     tokens = 2 * micro_batch * context
-    flops = {"matmul": 6 * M.param_count(mcfg) * tokens,
-             "attention": 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * context * tokens}
+    matmul = 6 * M.multiplied_params(mcfg)
+    flops = {"matmul": matmul * tokens, "attention": (M.flops_per_token(mcfg) - matmul) * tokens}
+    if cuda:  # on a CPU the profile's times are the CPU's own, nested and overlapping: no idle time to read
+        classes["GPU idle (wall less kernels)"] = max(0.0, wall_ms - sum(classes.values()))
+        top["GPU idle (wall less kernels)"] = [f"{wall_ms:.2f} ms wall, median of 3 steps"]
+    total = sum(classes.values())
     # top_kernels (in the JSON): enough of each class's largest kernels to see where its time goes
     return [{"rung": c, "ms": round(ms, 2), "share": ms / total,
              "tflops": flops[c] / (ms / 1000) / 1e12 if c in flops and ms > 0 else None, "top_kernels": top[c][:15]}
@@ -519,7 +532,8 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
     recipes.add_argument("--tokens", type=int, default=None, metavar="N",
                          help="training tokens per rung (default: the preset's full budget)")
     recipes.add_argument("--corpus", default=None, metavar="NAME_OR_GLOB",
-                         help=f"corpus ({here}: {'python' if cuda else 'stdlib'})")
+                         help=f"corpus ({here}: {'python' if cuda else 'stdlib'}); with --profile, profile on this "
+                              f"prepared corpus, its documents as training masks them (default: random tokens)")
     other = p.add_argument_group("--generate, --loss-curves and --budget")
     other.add_argument("--new-tokens", type=int, default=500, metavar="N", help="--generate: tokens each run decodes "
                        f"({here}: {500 if cuda else 40})")
@@ -663,7 +677,7 @@ STUDY_TABLE = {
     "optimizer": (lambda s: optimizer_study(s.preset, s.cuda), "update_ms", "ms per update"),
     "loader": (lambda s: loader_study(s.preset, s.mb), "cpu_us", "CPU microseconds per micro-batch"),
     "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in M.TRAINING_FAST_PATHS
-                                                                 if getattr(s.args, m)}),
+                                                                 if getattr(s.args, m)}, s.args.corpus),
                 "ms", "ms per 2 micro-batches"),
     "generate": (lambda s: ME.generate_study(s.preset, s.cuda,
                                              s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),

@@ -930,6 +930,14 @@ def param_count(cfg: ModelConfig) -> int:
     return embed + cfg.n_layers * block - attention_free + d + head + value + skips
 
 
+def multiplied_params(cfg: ModelConfig) -> int:
+    """The parameters that multiply the activations: all but the lookup tables (an untied input
+    embedding and the value embeddings), which a token only indexes."""
+    lookups = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    lookups += cfg.value_embeds * cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim
+    return param_count(cfg) - lookups
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token, PaLM appendix B: 6N for the weights that multiply (2 forward, 4
     backward) plus 12 * L * H * Q * T for attention's two weightless matmuls (the full T x T square,
@@ -938,12 +946,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
     window of w keys counts as T = min(T, 2w), the same square with its masked half; what a document
     mask hides is not known in advance and still counts."""
     T = cfg.context if seq_len is None else seq_len
-    lookups = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    lookups += cfg.value_embeds * cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim
     long, short = cfg.windows()
     reach = sum(min(T, 2 * w) if w else T
                 for w in (short if cfg.short_layer(i) else long for i in range(cfg.n_layers) if cfg.attends(i)))
-    return 6 * (param_count(cfg) - lookups) + 12 * cfg.n_heads * cfg.head_dim * reach
+    return 6 * multiplied_params(cfg) + 12 * cfg.n_heads * cfg.head_dim * reach
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:

@@ -322,3 +322,16 @@ def test_budget_matches_the_laptop_article():
     b = B.budget("88m", 88_096_512, 29_508)  # "What a Laptop Can Train": 88m at 29,508 tok/s
     assert b.tokens == 1_761_930_240 and f"{b.flops:.1e}" == "9.3e+17"
     assert round(b.hours, 1) == 16.6 and round(b.tokens_per_param_8h) == 10 and round(b.tokens_per_param_48h) == 58
+
+
+def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(data_cfg, monkeypatch):
+    """--profile --corpus: the micro-batches come from the corpus (document ids and all), the step runs
+    at the preset's last window, and a CPU, whose profile times nest, reports no idle time."""
+    monkeypatch.setattr(RE, "fixed_settings", lambda *a: {"data__corpus": data_cfg.corpus, "data__cache_dir": data_cfg.cache_dir,
+                                                          "data__val_fraction": data_cfg.val_fraction})
+    seen, step = [], TR.train_step
+    monkeypatch.setattr(TR, "train_step", lambda *a, **k: seen.append((len(a[2]()), k["windows"])) or step(*a, **k))
+    rows = B.profile_study("tiny", 2, False, {"model__vocab_size": 512, "model__context": 64, "model__attn_window": 32,
+                                              "train__doc_mask": True}, corpus="the test corpus")
+    assert set(seen) == {(3, (32, 0))}  # (x, y, document ids) from the corpus; the long window 32
+    assert abs(sum(r["share"] for r in rows) - 1) < 1e-6 and not any("idle" in r["rung"] for r in rows)
