@@ -172,23 +172,30 @@ def test_muon_tall_scale_steps_a_tall_matrix_sqrt_rows_over_cols_further():
     assert abs(moved[True][0] / moved[False][0] - 2.0) < 1e-6 and abs(moved[True][1] - moved[False][1]) < 1e-9
 
 
+def two_muon_steps() -> list[torch.Tensor]:
+    """Muon's two steps on 9 float64 matrices of three shapes, one of them stacked, with seeded
+    gradients: what each gloo rank runs below, and the one-process reference."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 6)] * 5 + [(6, 10)] * 3 + [(14, 6)]  # the last stacks parts of 8 and 6 rows
+    params = [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in shapes]
+    opt = O.Muon([{"params": params, "splits": [None] * 8 + [[8, 6]]}], lr=0.05, ns_dtype=torch.float64)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        opt.step()
+    return [p.detach() for p in params]
+
+
 SHARED_MUON = '''
 import sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:3]
 import optim as O
+from test_optim import two_muon_steps
 dist.init_process_group("gloo")
 iterated = []  # the stack sizes this rank orthogonalised
 inner = O.orthogonalize
 O.orthogonalize = lambda g, dtype: iterated.append(g.shape[0]) or inner(g, dtype)
-g = torch.Generator().manual_seed(0)
-shapes = [(8, 6)] * 5 + [(6, 10)] * 3 + [(14, 6)]  # the last stacks parts of 8 and 6 rows
-params = [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in shapes]
-opt = O.Muon([{"params": params, "splits": [None] * 8 + [[8, 6]]}], lr=0.05, ns_dtype=torch.float64)
-for step in range(2):
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
-    opt.step()
-torch.save({"params": [p.detach() for p in params], "iterated": iterated}, f"{sys.argv[2]}/rank{dist.get_rank()}.pt")
+torch.save({"params": two_muon_steps(), "iterated": iterated}, f"{sys.argv[3]}/rank{dist.get_rank()}.pt")
 '''
 
 
@@ -196,28 +203,25 @@ def test_two_gloo_ranks_share_muons_iteration_and_equal_one_process(tmp_path):
     """optim.Muon under a process group of two gloo ranks: each rank orthogonalises half of each
     shape's parts (rounded up; 6 parts of (8, 6) with the stacked one's first part, 3 of (6, 10))
     and all-gathers the rest; the parameters after two steps equal the one-process update."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
     script = tmp_path / "shared_muon.py"
     script.write_text(SHARED_MUON)
-    root = str(Path(O.__file__).resolve().parent)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29541",
-                           str(script), root, str(tmp_path)], capture_output=True, text=True,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    import socket
+    here = Path(__file__).resolve().parent
+    with socket.socket() as free:  # a port nothing else holds (a fixed one may still linger from an earlier run)
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                           str(script), str(here.parent), str(here), str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     # each step, each rank: 3 of the 6 parts of (8, 6), 2 of the 3 of (6, 10) (one of them padding on
     # rank 1), and the one (6, 6) part or its padding; one process would iterate on 6, 3 and 1
     assert [r["iterated"] for r in ranks] == [[3, 2, 1, 3, 2, 1]] * 2
-    g = torch.Generator().manual_seed(0)
-    shapes = [(8, 6)] * 5 + [(6, 10)] * 3 + [(14, 6)]
-    params = [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in shapes]
-    opt = O.Muon([{"params": params, "splits": [None] * 8 + [[8, 6]]}], lr=0.05, ns_dtype=torch.float64)
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
-        opt.step()
     for r in ranks:
-        for mine, one in zip(r["params"], params):
-            torch.testing.assert_close(mine, one.detach(), rtol=1e-12, atol=1e-12)
+        for mine, one in zip(r["params"], two_muon_steps()):
+            torch.testing.assert_close(mine, one, rtol=1e-12, atol=1e-12)
