@@ -50,7 +50,7 @@ def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
     for capability, expected in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert K.device_supported(torch.device("cuda")) is expected
-        # fused_swiglu is on in the presets; where Triton cannot run, train.setup builds the model
+        # fused_swiglu is on in the SwiGLU presets; where Triton cannot run, train.setup builds the model
         # without it and says so in one line (generation never uses it: no gradients).
         assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cuda")).fused_swiglu is expected
     assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cpu")).fused_swiglu  # CPU: SwiGLU's own check
