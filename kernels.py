@@ -1,7 +1,7 @@
 """Fused GPU kernels, each the fast twin of plain PyTorch code in model.py that stays the
 reference, the CPU path and the fallback.
 
-decode_step: one new token's attention in one Triton kernel (RoPE, KV-cache write, attention).
+decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, KV-cache write, attention).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 
 Why decode_step: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
@@ -12,9 +12,12 @@ kernels per layer (RoPE on q, RoPE on k with its cache write, the v cache write,
 the weighted sum of values); this is one. It reads the position from a tensor, so a CUDA graph
 replays it at every position, and it stops there instead of reading a masked window. Measured
 (`python bench.py --generate`, batch 1): 132 kernels became 88, and with Inductor's max-autotune
-decoding went from 2,861 to 3,342 tok/s.
+decoding went from 2,861 to 3,342 tok/s. Today's recipe norms q and k before RoPE: in the kernel too,
+where the plain path would run the norms as kernels of their own and concatenate q, k and v again
+(not yet measured on a GPU).
 
-Why swiglu (on in the presets, for the SwiGLU MLP only, since it measured +3.3-3.5% on an H200; today's ReLU² presets do not run it): see the comment above its kernels.
+Why swiglu (on in the article's SwiGLU presets, since it measured +3.3-3.5% on an H200; today's ReLU²
+presets do not run it): see the comment above its kernels.
 
 Triton ships with PyTorch's CUDA builds. Without it (PyTorch's CPU wheels) AVAILABLE is False
 and model.Attention keeps the plain path. TRITON_INTERPRET=1 runs the kernel on CPU tensors,
@@ -22,6 +25,7 @@ which is how tests/test_kernels.py checks it without a GPU.
 """
 
 import os
+from typing import Optional  # a custom op infers its schema: Optional[Tensor] reads as Tensor? on every torch since 2.4
 
 import torch
 
@@ -42,14 +46,15 @@ SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the pre
 if AVAILABLE:
 
     @triton.jit
-    def _decode_step_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr, pos_ptr, scale,
+    def _decode_step_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr, pos_ptr, qg_ptr, kg_ptr, scale, eps,
                             s_qkv_b, s_qkv_h, s_c_b, s_c_h, s_c_s, s_o_b, s_o_h,
                             H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                            D: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per (sequence, kv head): RoPE on its G query heads and its new key, the new
-        key and value written to the cache at pos, then attention over positions 0..pos with an
-        online softmax in float32 (running max m, running sum l, rescaled accumulator). The new
-        token's own key and value come from registers, so nothing written here is read back."""
+                            D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
+        """One program per (sequence, kv head): with QK_NORM, RMSNorm with the gains at qg_ptr and kg_ptr
+        on its G query heads and its new key; RoPE on them; the new key and value written to the cache
+        at pos, then attention over positions 0..pos with an online softmax in float32 (running max m,
+        running sum l, rescaled accumulator). The new token's own key and value come from registers, so
+        nothing written here is read back."""
         b, h = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr)
         g, d = tl.arange(0, G_PAD), tl.arange(0, D)
@@ -61,12 +66,20 @@ if AVAILABLE:
         sin = tl.load(sin_ptr + d).to(tl.float32) * sign
         token = qkv_ptr + b * s_qkv_b  # (H + 2 HKV, D): this token's q heads, k heads, v heads
         heads = (h * G + g)[:, None] * s_qkv_h
-        q = (tl.load(token + heads + d[None, :], mask=rows, other=0.0).to(tl.float32) * cos[None, :]
-             + tl.load(token + heads + partner[None, :], mask=rows, other=0.0).to(tl.float32) * sin[None, :])
-        q = q.to(qkv_ptr.dtype.element_ty)
+        q_own = tl.load(token + heads + d[None, :], mask=rows, other=0.0).to(tl.float32)
+        q_partner = tl.load(token + heads + partner[None, :], mask=rows, other=0.0).to(tl.float32)
         k_row = token + (H + h) * s_qkv_h
-        k_new = (tl.load(k_row + d).to(tl.float32) * cos + tl.load(k_row + partner).to(tl.float32) * sin)
-        k_new = k_new.to(kc_ptr.dtype.element_ty)
+        k_own, k_partner = tl.load(k_row + d).to(tl.float32), tl.load(k_row + partner).to(tl.float32)
+        if QK_NORM:  # x / rms(x) * gain, each head over its D channels, as model.RMSNorm in float32
+            q_scale = 1.0 / tl.sqrt(tl.sum(q_own * q_own, axis=1) / D + eps)  # (G_PAD,)
+            qg, qg_partner = tl.load(qg_ptr + d).to(tl.float32), tl.load(qg_ptr + partner).to(tl.float32)
+            q_own = q_own * q_scale[:, None] * qg[None, :]
+            q_partner = q_partner * q_scale[:, None] * qg_partner[None, :]
+            k_scale = 1.0 / tl.sqrt(tl.sum(k_own * k_own, axis=0) / D + eps)
+            k_own = k_own * k_scale * tl.load(kg_ptr + d).to(tl.float32)
+            k_partner = k_partner * k_scale * tl.load(kg_ptr + partner).to(tl.float32)
+        q = (q_own * cos[None, :] + q_partner * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+        k_new = (k_own * cos + k_partner * sin).to(kc_ptr.dtype.element_ty)
         v_new = tl.load(token + (H + HKV + h) * s_qkv_h + d).to(vc_ptr.dtype.element_ty)
         cache = b * s_c_b + h * s_c_h
         tl.store(kc_ptr + cache + pos * s_c_s + d, k_new)
@@ -93,25 +106,28 @@ if AVAILABLE:
 
     @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache"))
     def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-        """One new token's attention, fused: RoPE on q and k, k and v written into the caches at
-        pos, softmax(q k^T * scale) v over positions 0..pos (scale: 1/sqrt(hd) for Llama's).
-        qkv: (B, 1, H + 2 Hkv, hd), the QKV projection's output; cos, sin: (hd,) for position pos;
-        k_cache, v_cache: (B, Hkv, S, hd); pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile calls it as one
-        opaque step of the compiled decode, and the CUDA graph captures its launch."""
+                    v_cache: torch.Tensor, pos: torch.Tensor, scale: float, q_gain: Optional[torch.Tensor] = None,
+                    k_gain: Optional[torch.Tensor] = None, eps: float = 0.0) -> torch.Tensor:
+        """One new token's attention, fused: QK-norm (given its gains q_gain and k_gain, (hd,) each,
+        and eps), RoPE on q and k, k and v written into the caches at pos, softmax(q k^T * scale) v
+        over positions 0..pos (scale: 1/sqrt(hd) for Llama's). qkv: (B, 1, H + 2 Hkv, hd), the QKV
+        projection's output; cos, sin: (hd,) for position pos; k_cache, v_cache: (B, Hkv, S, hd);
+        pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile calls it as one opaque
+        step of the compiled decode, and the CUDA graph captures its launch."""
         B, _, n, D = qkv.shape
         Hkv = k_cache.shape[1]
         H = n - 2 * Hkv
         out = qkv.new_empty(B, 1, H, D)
+        norm = q_gain is not None
         _decode_step_kernel[(B, Hkv)](
-            qkv, cos, sin, k_cache, v_cache, out, pos, scale, qkv.stride(0), qkv.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(2),
-            H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D, BLOCK=BLOCK_KEYS,
-            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+            qkv, cos, sin, k_cache, v_cache, out, pos, q_gain if norm else qkv, k_gain if norm else qkv, scale, eps,
+            qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+            out.stride(2), H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D,
+            BLOCK=BLOCK_KEYS, QK_NORM=norm, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
     @decode_step.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pos, scale):  # shapes for tracing
+    def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain=None, k_gain=None, eps=0.0):  # shapes for tracing
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 

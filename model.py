@@ -583,13 +583,16 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         if (pos is not None and self.fused_decode and self.cache.fusable and not torch.is_grad_enabled()
                 and K.decode_step_supported(qkv, self.cache.k)):
-            # One new token: RoPE, the cache write and attention over positions 0..pos in one
-            # Triton kernel (kernels.decode_step), tested against the plain path below. It has no
+            # One new token: QK-norm, RoPE, the cache write and attention over positions 0..pos in
+            # one Triton kernel (kernels.decode_step), tested against the plain path below. It has no
             # backward pass: with gradients on, the plain path runs.
-            if self.q_norm is not None or ve is not None:  # the kernel takes q, k, v as they go into RoPE
+            norm = {}
+            if ve is not None:  # the kernel takes v as it goes into attention: mix in the value embedding first
                 qkv = torch.cat(self.split_heads(qkv, ve), dim=2)
+            elif self.q_norm is not None:
+                norm = dict(q_gain=self.q_norm.weight, k_gain=self.k_norm.weight, eps=self.q_norm.eps)
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
-                              self.scale or self.head_dim ** -0.5)  # (B, 1, H, hd)
+                              self.scale or self.head_dim ** -0.5, **norm)  # (B, 1, H, hd)
             return self.wo(self.gated(y, x).reshape(B, T, -1))
         q, k, v = self.split_heads(qkv, ve)  # (B, T, heads, hd)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)

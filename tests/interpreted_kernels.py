@@ -11,17 +11,20 @@ import model as M
 
 
 def decode_check():
-    """The fused decode step against RoPE, the cache write and two matmuls, float16; one case at
-    modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at 1/sqrt(64)."""
+    """The fused decode step against QK-norm, RoPE, the cache write and two matmuls, float16; one case at
+    modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at 1/sqrt(64); two with QK-norm."""
     g = torch.Generator().manual_seed(0)
     llama = 64 ** -0.5
-    for B, H, Hkv, S, pos, scale in [(1, 12, 4, 1024, 17, llama), (2, 2, 1, 512, 300, 0.12), (1, 6, 2, 256, 255, llama),
-                                     (1, 1, 1, 128, 0, llama)]:
+    for B, H, Hkv, S, pos, scale, qk_norm in [(1, 12, 4, 1024, 17, llama, True), (2, 2, 1, 512, 300, 0.12, False),
+                                              (1, 6, 2, 256, 255, llama, True), (1, 1, 1, 128, 0, llama, False)]:
         qkv = torch.randn(B, 1, H + 2 * Hkv, 64, generator=g).half()
         cos, sin = (t[pos:pos + 1].half() for t in M.rope_tables(64, S, 10000.0))
         k_cache, v_cache = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
-        # The plain path: RoPE, the cache write, then two matmuls and a softmax over positions 0..pos.
+        gains = [torch.rand(64, generator=g).half() + 0.5 for _ in range(2)] if qk_norm else [None, None]
+        # The plain path: QK-norm, RoPE, the cache write, then two matmuls and a softmax over positions 0..pos.
         q, k, v = qkv.float().split([H, Hkv, Hkv], dim=2)
+        if qk_norm:
+            q, k = M.rms_norm(q, 1e-5) * gains[0].float(), M.rms_norm(k, 1e-5) * gains[1].float()
         q, k = M.apply_rope(q, cos.float(), sin.float()).half(), M.apply_rope(k, cos.float(), sin.float()).half()
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0].half()
@@ -29,7 +32,7 @@ def decode_check():
         reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask,
                                                scale)
         k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
-        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale)
+        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale, *gains, 1e-5)
         err = (out.float().reshape(reference.shape) - reference).abs().max().item()
         assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, err)
         assert torch.equal(k_cache[:, :, pos], k_ref[:, :, pos]) and torch.equal(v_cache[:, :, pos], v_ref[:, :, pos])
@@ -44,26 +47,35 @@ def decode_check():
     assert torch.equal(out, K.decode_step(qkv, cos, sin, caches[2], caches[3], torch.tensor([150]), 64 ** -0.5))
     assert torch.equal(caches[0][:, :, 150], caches[2][:, :, 150])  # the cache write survives tracing
 
-    # Inside the model (fused_decode): the same logits as the plain path, prefill then 20 decode steps.
-    cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64)
-    plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
-    fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True)).eval().half()
-    fused.load_state_dict(plain.state_dict())
-    calls, kernel = [], K.decode_step
-    K.decode_step = lambda *a: calls.append(1) or kernel(*a)
-    idx = torch.randint(0, 512, (2, 30), generator=g)
-    logits = []
-    with torch.no_grad():
-        for m in (plain, fused):
-            m.setup_cache(2)
-            steps = [m(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
-            steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 30)]
-            logits.append(torch.stack(steps).float())
-    assert len(calls) == 2 * 20 and (logits[0] - logits[1]).abs().max() < 1e-2, len(calls)
+    # Inside the model (fused_decode): the same logits as the plain path, prefill then 10 decode steps,
+    # for the article's Llama and for today's recipe, whose QK-norm the kernel computes (its gains off
+    # their init, so a kernel that skipped them would differ).
+    kernel = K.decode_step
+    for recipe in ({}, {"mlp": "relu2", "qk_norm": True}):
+        cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64, **recipe)
+        plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
+        with torch.no_grad():
+            for name, p in plain.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5, generator=g)
+        fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True)).eval().half()
+        fused.load_state_dict(plain.state_dict())
+        calls = []
+        K.decode_step = lambda *a, **k: calls.append(sorted(k)) or kernel(*a, **k)
+        idx = torch.randint(0, 512, (2, 20), generator=g)
+        logits = []
+        with torch.no_grad():
+            for m in (plain, fused):
+                m.setup_cache(2)
+                steps = [m(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
+                steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 20)]
+                logits.append(torch.stack(steps).float())
+        assert len(calls) == 2 * 10 and (logits[0] - logits[1]).abs().max() < 1e-2, (recipe, len(calls))
+        assert calls[0] == (["eps", "k_gain", "q_gain"] if recipe else []), calls[0]  # the norm went in
 
     # The decode step compiled whole, as GraphDecoder compiles it: the graph calls the fused op (the
     # model's checks, the cache's `fusable` flag among them, trace as constants) and gives the same logits.
-    K.decode_step, traced = kernel, []
+    K.decode_step, traced = kernel, []  # (the compiled step of today's recipe, the last model above)
     def record(gm, example_inputs):
         traced.extend(str(node.target) for node in gm.graph.nodes)
         return gm
@@ -71,7 +83,7 @@ def decode_check():
     with torch.no_grad():
         fused.setup_cache(2)
         again = [fused(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
-        again += [step(fused, idx[:, t:t + 1], torch.tensor([t]), cfg["context"]) for t in range(10, 30)]
+        again += [step(fused, idx[:, t:t + 1], torch.tensor([t]), cfg["context"]) for t in range(10, 20)]
     assert any("decode_step" in target for target in traced), traced
     assert (torch.stack(again).float() - logits[1]).abs().max() < 1e-3
 
