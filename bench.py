@@ -96,6 +96,9 @@ def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = N
                 *fast_paths(preset).items(), *COMPILE_TUNING.items(), *fast_paths(preset, last=True).items()]
     rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
     for name, setting in settings:
+        switch = next((k[len("model__"):] for k in setting if k.startswith("model__")), None)
+        if switch and not M.fast_path_applies(switch, ME.Rung(name, preset, overrides).config().model):
+            continue  # excluded by a fast path the rungs above switched on (the fused loss has its own head)
         overrides = {**overrides, **setting}
         rungs.append(ME.Rung(name, preset, overrides, steps))
     return rungs

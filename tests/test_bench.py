@@ -32,7 +32,10 @@ def test_ladder_plan_adds_one_setting_per_rung():
                                                              "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"]
     assert configs[-2].train.micro_batch == 64 and configs[-5].train.pin
     assert [r.name for r in B.ladder_tail("88m-gpt3", 64, 3)][2:4] == ["+fused loss", "+fused SwiGLU"]  # SwiGLU runs it
-    assert "+fp8 head" in [r.name for r in B.ladder_tail("126m-record", 4, 3)]  # an untied head runs it
+    # the record's untied head runs the FP8 head; the fused loss, a rung after it, would need its own head
+    record = B.ladder_tail("126m-record", 4, 3)
+    assert "+fp8 head" in [r.name for r in record] and "+fused loss" not in [r.name for r in record]
+    assert all(r.config() for r in record)  # no rung combines what the model refuses
 
 
 def test_kernel_plan_switches_on_one_kernel_at_a_time():
@@ -225,8 +228,8 @@ def test_bench_trains_through_recipes_alone_and_shares_train_py_flag_names():
     assert [r.name for r in plan] == ["plain", "fused loss", "bf16 residual", "fp8 matmuls", "defaults"]
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
     assert plan[0].overrides == plain and plan[2].overrides == {**plain, "model__bf16_residual": True}
-    assert [r.name for r in RE.curves_plan("126m-record")] == ["plain", "bf16 residual", "fp8 matmuls", "fp8 head",
-                                                               "defaults"]
+    assert [r.name for r in RE.curves_plan("126m-record")] == ["plain", "fp8 head", "fused loss", "bf16 residual",
+                                                               "fp8 matmuls", "defaults"]
     ours = {o: a.dest for a in B.build_parser()._actions for o in a.option_strings}
     theirs = {o: a.dest for a in TR.build_parser()._actions for o in a.option_strings}
     shared = set(ours) & set(theirs) - {"-h", "--help"}

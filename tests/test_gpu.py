@@ -115,6 +115,14 @@ def test_fp8_block_matmuls_stay_close_to_bf16(compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_loss_with_a_soft_cap_matches_plain_in_bf16(compiled):
+    out = loss_and_grads(compiled, seed=5, base=dict(tie_embeddings=False, logit_softcap=15.0), fused_loss=True)
+    assert abs(out[0][0].item() - out[1][0].item()) < 2e-3 * out[0][0].item()
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 2e-2, name
+
+
+@pytest.mark.parametrize("compiled", [False, True])
 def test_fp8_head_stays_close_to_bf16(compiled):
     """The FP8 head (its gradient at the fixed bound 1/n) against the bf16 head, with the soft-cap."""
     out = loss_and_grads(compiled, seed=4, base=dict(tie_embeddings=False, logit_softcap=15.0), fp8_head=True)
