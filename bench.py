@@ -83,9 +83,8 @@ def fast_paths(preset: str, last: bool = False) -> dict:
     """"+label" -> the setting, for each training fast path of model.TRAINING_FAST_PATHS that the
     preset's model can run (model.fast_path_applies): the ladder's and the kernels study's rungs.
     last: the ones the ladder adds after compile tuning instead (LAST_FAST_PATHS)."""
-    model = dataclasses.replace(C.preset(preset).model, **dict.fromkeys(M.TRAINING_FAST_PATHS, False))
-    return {f"+{label}": {f"model__{s}": True} for s, label in M.TRAINING_FAST_PATHS.items()
-            if M.fast_path_applies(s, model) and (s in LAST_FAST_PATHS) == last}
+    return {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{s}": True} for s in M.runnable_fast_paths(C.preset(preset).model)
+            if (s in LAST_FAST_PATHS) == last}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
@@ -323,8 +322,7 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
     on that prepared corpus, documents as it trains on them (None: random tokens, no corpus needed)."""
     base = C.preset(preset)
     context = base.model.context
-    data = RE.fixed_settings(base, 0, corpus, micro_batch) if corpus else {}
-    data = {k: v for k, v in data.items() if k.startswith("data__")}
+    data = RE.corpus_settings(base, corpus) if corpus else {}
     rung = ME.Rung("profile", preset, {**FAST, "train__compile": cuda, "train__micro_batch": micro_batch,
                                        "train__batch_tokens": 2 * micro_batch * context,
                                        "train__optimizer": "fused" if cuda else "foreach",

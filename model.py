@@ -143,7 +143,7 @@ class ModelConfig:
         if self.skip_attn_layer != -1 and self.value_table(self.skip_attn_layer) is not None:
             raise ValueError(f"model.skip_attn_layer={self.skip_attn_layer} is a layer that mixes a value embedding "
                              f"into its attention (model.value_embeds={self.value_embeds}): pick a middle layer")
-        if self.fp8_head and (self.tie_embeddings or self.fused_loss):
+        if self.fp8_head and not fast_path_applies("fp8_head", self):
             raise ValueError("model.fp8_head runs the untied head's matmul in FP8: it needs --no-tie-embeddings and "
                              "--no-fused-loss (the fused loss has its own head), or use --no-fp8-head")
         if self.mlp not in ("swiglu", "relu2"):
@@ -212,6 +212,13 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     if name == "fp8_head":
         return not cfg.tie_embeddings and not cfg.fused_loss
     return True
+
+
+def runnable_fast_paths(cfg: "ModelConfig") -> list[str]:
+    """The training fast paths cfg's architecture can run, each tried alone (the others off): what
+    bench's ladder and kernels study and the loss curves give a rung."""
+    plain = replace(cfg, **dict.fromkeys(TRAINING_FAST_PATHS, False))
+    return [s for s in TRAINING_FAST_PATHS if fast_path_applies(s, plain)]
 
 
 def swiglu_hidden(d: int, multiple_of: int = 256) -> int:
@@ -448,25 +455,26 @@ class FP8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, out_dtype, grad_bound=None):
         x8, sx = to_fp8(x, E4M3)  # x: (N, d_in)
         w8, sw = to_fp8(weight, E4M3)  # weight: (d_out, d_in)
-        # The head keeps x as the output dtype for its weight gradient (see backward), the blocks x8.
-        ctx.save_for_backward(x8, sx, w8, sw, x.to(out_dtype) if grad_bound is not None else None)
+        # The head (a known grad_bound) keeps x in the output dtype for its weight gradient (see backward).
+        head = grad_bound is not None
+        ctx.save_for_backward(x.to(out_dtype) if head else x8, sx, w8, sw)
         ctx.dtypes, ctx.grad_bound = (x.dtype, weight.dtype), grad_bound
         return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        x8, sx, w8, sw, x_low = ctx.saved_tensors
+        x_saved, sx, w8, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         # grad: (N, d_out), scaled by its maximum or by a bound the caller knows (the head's)
         g8, sg = to_fp8(grad, E5M2) if ctx.grad_bound is None else to_fp8_within(grad, E5M2, ctx.grad_bound)
         grad_x = torch._scaled_mm(g8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
-        if x_low is not None:
+        if ctx.grad_bound is not None:
             # The head's weight gradient multiplies over the tokens, and Hopper's FP8 matmul wants that
             # axis contiguous in both operands: the (tokens, vocab) gradient transposed, a copy of the
             # largest tensor, which Inductor fused into the loss kernel at three times its time (one H200,
             # docs/LOG.md). In the output dtype the gradient is read as it lies.
-            return grad_x, (grad.t() @ x_low).to(w_dtype), None, None
-        grad_w = torch._scaled_mm(g8.t().contiguous(), col_major(x8), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
+            return grad_x, (grad.t() @ x_saved).to(w_dtype), None, None
+        grad_w = torch._scaled_mm(g8.t().contiguous(), col_major(x_saved), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
         return grad_x, grad_w, None, None
 
 

@@ -38,7 +38,6 @@ import os
 import subprocess
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,13 +181,18 @@ def fixed_settings(base: C.Config, tokens: int, corpus: str, micro_batch: int | 
     """What every rung shares: the corpus, the token budget and the measuring cadence."""
     # Validation passes of at most two article batches: 1,048,576 tokens for 22m to 126m (what their
     # ladders were measured with), 32,768 for the tiny smoke test, whose default would cost more than its steps.
-    fixed = {"data__corpus": corpus, "train__tokens": tokens, "train__steps": 0, "train__sample_tokens": 0,
-             "train__micro_batch": micro_batch or base.train.micro_batch,
-             "train__eval_tokens": min(base.train.eval_tokens, 2 * base.train.batch_tokens)}
-    if corpus != base.data.corpus:  # the preset's document limits were sized for its own corpus
-        fixed.update({"data__max_documents": 0, "data__tokenizer_documents": PYTHON_TOKENIZER_DOCUMENTS
-                      if corpus == "python" else 0})
-    return fixed
+    return {**corpus_settings(base, corpus), "train__tokens": tokens, "train__steps": 0, "train__sample_tokens": 0,
+            "train__micro_batch": micro_batch or base.train.micro_batch,
+            "train__eval_tokens": min(base.train.eval_tokens, 2 * base.train.batch_tokens)}
+
+
+def corpus_settings(base: C.Config, corpus: str) -> dict:
+    """The [data] overrides that put a preset on `corpus`: the preset's document limits were sized
+    for its own corpus, so another one is read whole (the python corpus's BPE from a sample)."""
+    if corpus == base.data.corpus:
+        return {"data__corpus": corpus}
+    return {"data__corpus": corpus, "data__max_documents": 0,
+            "data__tokenizer_documents": PYTHON_TOKENIZER_DOCUMENTS if corpus == "python" else 0}
 
 
 def run_settings(cfg: C.Config, own: C.Config) -> dict:
@@ -584,10 +588,9 @@ def curves_plan(preset: str) -> list[Recipe]:
     alone on it, then the preset as its file has it: a fast path may change speed, not what the model
     learns beyond bfloat16 noise."""
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
-    base = dataclasses.replace(C.preset(preset).model, **dict.fromkeys(M.TRAINING_FAST_PATHS, False))
     return [Recipe("plain", preset, "curves", plain),
-            *[Recipe(label, preset, "curves", {**plain, f"model__{s}": True})
-              for s, label in M.TRAINING_FAST_PATHS.items() if M.fast_path_applies(s, base)],
+            *[Recipe(M.TRAINING_FAST_PATHS[s], preset, "curves", {**plain, f"model__{s}": True})
+              for s in M.runnable_fast_paths(C.preset(preset).model)],
             Recipe("defaults", preset, "curves")]
 
 

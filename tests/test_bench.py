@@ -330,7 +330,7 @@ def test_budget_matches_the_laptop_article():
 def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(data_cfg, monkeypatch):
     """--profile --corpus: the micro-batches come from the corpus (document ids and all), the step runs
     at the preset's last window, and a CPU, whose profile times nest, reports no idle time."""
-    monkeypatch.setattr(RE, "fixed_settings", lambda *a: {"data__corpus": data_cfg.corpus, "data__cache_dir": data_cfg.cache_dir,
+    monkeypatch.setattr(RE, "corpus_settings", lambda *a: {"data__corpus": data_cfg.corpus, "data__cache_dir": data_cfg.cache_dir,
                                                           "data__val_fraction": data_cfg.val_fraction})
     seen, step = [], TR.train_step
     monkeypatch.setattr(TR, "train_step", lambda *a, **k: seen.append((len(a[2]()), k["windows"])) or step(*a, **k))
