@@ -657,8 +657,8 @@ class ReLU2(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        # skip_attn_layer's block is its MLP alone: modded-nanogpt measured one attention fewer as
-        # no loss at 12 layers, and it saves that layer's attention and its two matmuls.
+        # skip_attn_layer's block is its MLP alone, as modded-nanogpt's layer 7 of 12 (its train_gpt.py
+        # at 9d9dc969): it saves that layer's attention and its two matmuls.
         attends = cfg.attends(layer)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if attends else None
         self.attn = Attention(cfg, layer) if attends else None
