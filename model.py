@@ -14,8 +14,8 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
 `fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
-in training under autocast, and `fused_swiglu` and `fused_decode` hand SwiGLU and a decoded
-token's attention to Triton kernels.
+in training under autocast, and `fused_swiglu`, `loss_kernel` and `fused_decode` hand SwiGLU, the
+training loss and a decoded token's attention to Triton kernels.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
@@ -43,11 +43,12 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
                 "skip_attn_layer", "attn_scale")
 # The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
-# generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The FP8
-# head and the fused loss exclude each other (the fused loss has its own head); bench's ladder keeps the
-# first of the two, the FP8 head, which configs/126m-record.toml measured.
-TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "fused_loss": "fused loss", "fused_swiglu": "fused SwiGLU",
-                       "bf16_residual": "bf16 residual", "fp8": "fp8 matmuls"}
+# generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
+# loss has its own head and loss, so it excludes the FP8 head and the loss kernel; bench's ladder takes
+# the switches in this order and skips one that a switch before it excludes, so it keeps those two, which
+# configs/126m-record.toml runs.
+TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fused_loss": "fused loss",
+                       "fused_swiglu": "fused SwiGLU", "bf16_residual": "bf16 residual", "fp8": "fp8 matmuls"}
 GENERATION_FAST_PATHS = {"fused_decode": "fused decode"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
@@ -91,6 +92,7 @@ class ModelConfig:
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
+    loss_kernel: bool = False  # the (soft-capped) cross-entropy as one Triton kernel each way (CUDA, training)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -190,25 +192,27 @@ class ModelConfig:
 
 
 def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
-    """cfg for a model that will train on `device`: fused_swiglu off on a GPU Triton cannot run
-    (older than Ampere), where the plain SwiGLU computes the same function. On CPU SwiGLU picks the
-    plain path itself; the decode kernel asks the same question per cache (KVCache.fusable)."""
-    if cfg.fused_swiglu and device.type == "cuda" and not K.device_supported(device):
-        return replace(cfg, fused_swiglu=False)
+    """cfg for a model that will train on `device`: fused_swiglu and loss_kernel off on a GPU Triton
+    cannot run (older than Ampere), where the plain paths compute the same functions. On CPU both pick
+    the plain path themselves; the decode kernel asks the same question per cache (KVCache.fusable)."""
+    if device.type == "cuda" and not K.device_supported(device):
+        return replace(cfg, fused_swiglu=False, loss_kernel=False)
     return cfg
 
 
 def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     """Whether fast path `name` runs for cfg's architecture (a GPU that has it aside): the fused
-    SwiGLU for the SwiGLU MLP alone, the fused loss outside the FP8 head, the FP8 head for an untied
-    head outside the fused loss, the fused decode for a model without a sliding window (its
+    SwiGLU for the SwiGLU MLP alone, the fused loss (its own head and loss) outside the FP8 head and
+    the loss kernel, the loss kernel and the FP8 head (an untied one) outside the fused loss, the fused decode for a model without a sliding window (its
     kernel reads the whole cache)."""
     if name == "fused_decode":
         return not cfg.windowed
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
     if name == "fused_loss":
-        return not cfg.fp8_head
+        return not cfg.fp8_head and not cfg.loss_kernel
+    if name == "loss_kernel":
+        return not cfg.fused_loss
     if name == "fp8_head":
         return not cfg.tie_embeddings and not cfg.fused_loss
     return True
@@ -918,6 +922,9 @@ class Llama(nn.Module):
             logits = F.linear(x, self.output_weight())
         if targets is None:
             return softcap(logits, self.cfg.logit_softcap)
+        if self.cfg.loss_kernel and torch.is_grad_enabled() and K.cross_entropy_supported(flat := logits.flatten(0, 1)):
+            # Training only, as the FP8 head: evaluation keeps the plain loss below, the reference.
+            return K.cross_entropy(flat, targets.flatten(), self.cfg.logit_softcap)[0].mean()
         # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.
         logits = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), self.cfg.logit_softcap)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -146,6 +146,12 @@ RECORD_CHAIN = (
     ("+ no attention in one middle layer (126m: layer 7)", _attention_free_layer),
     ("+ FP8 head", {"model__fp8_head": True}),
     ("+ pinned copies", {"train__pin": True}),
+    # modded's: it clips nothing, steps its up-projection (stored wide, 768 x 3,072) at Muon's lr where
+    # the tall-matrix scale doubles ours, and scales attention logits by 0.12, not 1/sqrt(128)
+    ("+ no clipping, no tall-matrix scale, attention scale 0.12", {"train__grad_clip": 0.0,
+                                                                  "train__muon_tall_scale": False,
+                                                                  "model__attn_scale": 0.12}),
+    ("+ loss kernel", {"model__loss_kernel": True}),
 )
 # The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).

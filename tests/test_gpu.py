@@ -122,6 +122,15 @@ def test_the_fused_loss_with_a_soft_cap_matches_plain_in_bf16(compiled):
         assert rel(out[1][1][name], grad) < 2e-2, name
 
 
+@pytest.mark.parametrize("cap", [0.0, 15.0])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_loss_kernel_matches_the_plain_loss_in_bf16(compiled, cap):
+    out = loss_and_grads(compiled, seed=6, base=dict(tie_embeddings=False, logit_softcap=cap), loss_kernel=True)
+    assert abs(out[0][0].item() - out[1][0].item()) < 2e-3 * out[0][0].item()
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 2e-2, name
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fp8_head_stays_close_to_bf16(compiled):
     """The FP8 head (its gradient at the fixed bound 1/n) against the bf16 head, with the soft-cap."""
@@ -133,7 +142,7 @@ def test_fp8_head_stays_close_to_bf16(compiled):
 
 RECORD = dict(mlp="relu2", qk_norm=True, zero_init=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0,
               value_embeds=1, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384,
-              short_windows=True, fp8_head=True, attn_scale=0.12)
+              short_windows=True, fp8_head=True, loss_kernel=True, attn_scale=0.12)
 
 
 def test_flex_block_mask_matches_the_boolean_mask_with_documents_and_a_window():

@@ -126,6 +126,8 @@ AGREEMENT = {
     "fused_loss": ["test_model.py::test_fused_loss_equals_plain_loss_and_gradients",
                    "test_gpu.py::test_fused_kernels_match_plain_in_bf16",
                    "test_gpu.py::test_the_fused_loss_with_a_soft_cap_matches_plain_in_bf16"],
+    "loss_kernel": ["test_kernels.py::test_cross_entropy_kernel_matches_the_plain_loss_and_gradient",
+                    "test_gpu.py::test_the_loss_kernel_matches_the_plain_loss_in_bf16"],
     "fused_swiglu": ["test_kernels.py::test_fused_swiglu_matches_the_plain_path_forward_and_backward",
                      "test_gpu.py::test_fused_kernels_match_plain_in_bf16"],
     "bf16_residual": ["test_model.py::test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float32",

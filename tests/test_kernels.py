@@ -54,3 +54,8 @@ def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
         # without it and says so in one line (generation never uses it: no gradients).
         assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cuda")).fused_swiglu is expected
     assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cpu")).fused_swiglu  # CPU: SwiGLU's own check
+
+
+@needs_triton
+def test_cross_entropy_kernel_matches_the_plain_loss_and_gradient():
+    run_under_interpreter("cross_entropy_check")

@@ -512,7 +512,8 @@ RECORD_FLAGS = ("--no-tie-embeddings --embed-norm --logit-softcap 15 --lr 0.008 
                 "--warmup-steps 0 --warmdown-fraction 0.45 --min-lr-ratio 0.1 --value-embeds 3 --unet-skips --x0-mix "
                 "--rope-truncate --attn-gate --batch-tokens 393216 --context 8192 --doc-mask --attn-window 1792 "
                 "--window-start 128 --micro-batch 4 --short-windows --n-layers 12 --n-heads 6 --n-kv-heads 6 "
-                "--skip-attn-layer 7 --fp8-head --pin --no-fused-decode")
+                "--skip-attn-layer 7 --fp8-head --pin --no-fused-decode --attn-scale 0.12 --no-muon-tall-scale "
+                "--grad-clip 0 --loss-kernel")
 
 
 def test_the_record_preset_is_the_measured_recipe_and_holds_only_its_changes():
