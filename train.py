@@ -803,8 +803,8 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                 size_steps(r, p, session, run_dir, say)
                 bar.total = r.steps
             norm, mfu = row["grad_norm"], row["mfu"]
-            say(f"step {p.step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | gnorm "
-                f"{norm if norm is not None else float('nan'):.3f} | {row['tok_s']:,.0f} tok/s | MFU "
+            gnorm = f" | gnorm {norm:.3f}" if norm is not None else ""  # computed only to clip (train.grad_clip)
+            say(f"step {p.step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e}{gnorm} | {row['tok_s']:,.0f} tok/s | MFU "
                 f"{'n/a' if mfu is None else f'{mfu:.1%} of {meter.peak_name}'} | mem {row['peak_mem_gib']:.2f} GiB")
             bar.update(1)
     finally:
