@@ -301,6 +301,44 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
     return rows
 
 
+def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
+    """Milliseconds of one micro-batch's training loss (micro_batch x context tokens against the
+    preset's vocabulary and soft-cap, median of 20 after 5 warm-ups): forward alone and forward plus
+    backward, the plain loss against the loss kernel, each compiled on CUDA, on bf16 logits and, for
+    an untied head, behind the FP8 head (x of width d_model through model.fp8_linear)."""
+    mcfg = C.preset(preset).model
+    device = torch.device("cuda" if cuda else "cpu")
+    n, dtype = micro_batch * mcfg.context, torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator(device).manual_seed(0)
+    targets = torch.randint(0, mcfg.vocab_size, (n,), device=device, generator=g)
+    logits = (3 * torch.randn(n, mcfg.vocab_size, device=device, generator=g)).to(dtype).requires_grad_()
+    x = torch.randn(n, mcfg.d_model, device=device, generator=g).to(dtype).requires_grad_()
+    w = (0.02 * torch.randn(mcfg.vocab_size, mcfg.d_model, device=device, generator=g)).requires_grad_()
+    losses = {"plain loss": lambda z: M.cross_entropy(z, targets, mcfg.logit_softcap),
+              "loss kernel": lambda z: M.cross_entropy(z, targets, mcfg.logit_softcap, kernel=True)}
+
+    def behind_fp8_head(loss):
+        def head_and_loss(x):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return loss(M.fp8_linear(x, w, grad_bound=1.0 / n))
+        return head_and_loss
+
+    cases = [(name, loss, logits) for name, loss in losses.items()]
+    if M.fast_path_applies("fp8_head", mcfg):  # an untied head
+        cases += [(f"FP8 head + {name}", behind_fp8_head(loss), x) for name, loss in losses.items()]
+    rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
+    for name, fn, inp in cases:
+        if not cuda and ("kernel" in name or "FP8" in name):
+            rows.append({"rung": name, "skipped": "a Triton kernel or an FP8 matmul: measured on CUDA only"})
+            continue
+        fn = torch.compile(fn) if cuda else fn
+        forward_backward = lambda: fn(inp).backward()  # noqa: E731
+        rows.append({"rung": name, "forward_ms": round(1000 * ME.median_seconds(lambda: fn(inp), device, **timing), 3),
+                     "ms": round(1000 * ME.median_seconds(forward_backward, device, **timing), 3)})
+        inp.grad = w.grad = None
+    return rows
+
+
 def loader_study(preset: str, micro_batch: int) -> list[dict]:
     """CPU microseconds per micro-batch of the shard loader, without and with document ids, on a
     shard of random tokens (the loader's cost does not depend on what the tokens say)."""
@@ -677,6 +715,7 @@ STUDY_TABLE = {
                                  "tok_s", "tokens / s"),
     "optimizer": (lambda s: optimizer_study(s.preset, s.cuda), "update_ms", "ms per update"),
     "loader": (lambda s: loader_study(s.preset, s.mb), "cpu_us", "CPU microseconds per micro-batch"),
+    "loss": (lambda s: loss_study(s.preset, s.mb, s.cuda), "ms", "ms per micro-batch, forward and backward"),
     "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in M.TRAINING_FAST_PATHS
                                                                  if getattr(s.args, m)}, s.args.corpus),
                 "ms", "ms per 2 micro-batches"),

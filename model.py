@@ -922,12 +922,18 @@ class Llama(nn.Module):
             logits = F.linear(x, self.output_weight())
         if targets is None:
             return softcap(logits, self.cfg.logit_softcap)
-        if self.cfg.loss_kernel and torch.is_grad_enabled() and K.cross_entropy_supported(flat := logits.flatten(0, 1)):
-            # Training only, as the FP8 head: evaluation keeps the plain loss below, the reference.
-            return K.cross_entropy(flat, targets.flatten(), self.cfg.logit_softcap)[0].mean()
-        # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.
-        logits = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), self.cfg.logit_softcap)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        # The loss kernel in training only, as the FP8 head: evaluation keeps the plain loss, the reference.
+        return cross_entropy(logits.flatten(0, 1), targets.flatten(), self.cfg.logit_softcap,
+                             kernel=self.cfg.loss_kernel and torch.is_grad_enabled())
+
+
+def cross_entropy(logits, targets, cap: float, kernel: bool = False):
+    """Mean cross-entropy of softcap(logits, cap) (N, vocab) against targets (N,). kernel: through
+    kernels.cross_entropy where it runs (ModelConfig.loss_kernel), else the plain loss, its reference."""
+    if kernel and K.cross_entropy_supported(logits):
+        return K.cross_entropy(logits, targets, cap)[0].mean()
+    # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.
+    return F.cross_entropy(softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), cap), targets)
 
 
 def softcap(logits, cap: float):

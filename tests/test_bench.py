@@ -200,6 +200,7 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     assert [r["rung"] for r in rows("optimizer") if r.get("update_ms")][-2:] == [
         "Muon: optim.Muon (parts split, equal shapes batched)", "Muon: torch.optim.Muon (one matrix at a time)"]
     assert rows("generate")[0]["decode_tok_s"] > 0
+    assert [r["rung"] for r in rows("loss")] == ["plain loss", "loss kernel"] and rows("loss")[0]["ms"] > 0
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)
         if study != "loss_curves" and any(r.get(B.PLOTTED[study][0]) for r in rows(study)):
             assert (tmp_path / f"{study}.png").stat().st_size > 1000, study
