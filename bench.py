@@ -305,7 +305,8 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     """Milliseconds of one micro-batch's training loss (micro_batch x context tokens against the
     preset's vocabulary and soft-cap, median of 20 after 5 warm-ups): forward alone and forward plus
     backward, the plain loss against the loss kernel, each compiled on CUDA, on bf16 logits and, for
-    an untied head, behind the FP8 head (x of width d_model through model.fp8_linear)."""
+    an untied head, behind the FP8 head (x of width d_model): apart (model.fp8_linear, then the loss),
+    and as the model runs the two together (model.fp8_head_cross_entropy)."""
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
     n, dtype = micro_batch * mcfg.context, torch.bfloat16 if cuda else torch.float32
@@ -314,18 +315,24 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     logits = (3 * torch.randn(n, mcfg.vocab_size, device=device, generator=g)).to(dtype).requires_grad_()
     x = torch.randn(n, mcfg.d_model, device=device, generator=g).to(dtype).requires_grad_()
     w = (0.02 * torch.randn(mcfg.vocab_size, mcfg.d_model, device=device, generator=g)).requires_grad_()
-    losses = {"plain loss": lambda z: M.cross_entropy(z, targets, mcfg.logit_softcap),
-              "loss kernel": lambda z: M.cross_entropy(z, targets, mcfg.logit_softcap, kernel=True)}
+    cap = mcfg.logit_softcap
+    cases = [("plain loss", lambda z: M.cross_entropy(z, targets, cap), logits),
+             ("loss kernel", lambda z: M.cross_entropy(z, targets, cap, kernel=True), logits)]
 
-    def behind_fp8_head(loss):
+    def behind_fp8_head(kernel: bool):
         def head_and_loss(x):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                return loss(M.fp8_linear(x, w, grad_bound=1.0 / n))
+                return M.cross_entropy(M.fp8_linear(x, w, grad_bound=1.0 / n), targets, cap, kernel=kernel)
         return head_and_loss
 
-    cases = [(name, loss, logits) for name, loss in losses.items()]
+    def fp8_head_loss_kernel(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return M.fp8_head_cross_entropy(x, w, targets, cap)
+
     if M.fast_path_applies("fp8_head", mcfg):  # an untied head
-        cases += [(f"FP8 head + {name}", behind_fp8_head(loss), x) for name, loss in losses.items()]
+        cases += [("FP8 head + plain loss", behind_fp8_head(False), x),
+                  ("FP8 head + loss kernel, apart", behind_fp8_head(True), x),
+                  ("FP8 head + loss kernel, one function (the model's)", fp8_head_loss_kernel, x)]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     for name, fn, inp in cases:
         if not cuda and ("kernel" in name or "FP8" in name):

@@ -3,6 +3,8 @@ reference, the CPU path and the fallback.
 
 decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, KV-cache write, attention).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
+cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
+backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
 
 Why decode_step: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
 Inductor) and took ~470 µs per token whether attention read 128 cached positions or 1,024
@@ -235,9 +237,10 @@ if AVAILABLE:
         tl.store(loss_ptr + row, lse - y_t)
 
     @triton.jit
-    def _cross_entropy_backward_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, vocab, cap, BLOCK: tl.constexpr,
-                                       CAPPED: tl.constexpr):
-        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times the row's incoming gradient."""
+    def _cross_entropy_backward_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, dz8_ptr, vocab, cap, fp8_scale, fp8_max,
+                                       BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr):
+        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times the row's incoming gradient;
+        with FP8 also that gradient times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype."""
         row = tl.program_id(0).to(tl.int64)
         lse, target, g = tl.load(lse_ptr + row), tl.load(t_ptr + row), tl.load(g_ptr + row)
         for start in range(0, vocab, BLOCK):
@@ -246,6 +249,9 @@ if AVAILABLE:
             y, slope = _capped(tl.load(z_ptr + row * vocab + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
             d = (tl.exp(y - lse) - tl.where(cols == target, 1.0, 0.0)) * slope * g
             tl.store(dz_ptr + row * vocab + cols, d.to(dz_ptr.dtype.element_ty), mask=keep)
+            if FP8:
+                d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
+                tl.store(dz8_ptr + row * vocab + cols, d8.to(dz8_ptr.dtype.element_ty), mask=keep)
 
     @torch.library.custom_op("onegpu::cross_entropy", mutates_args=())
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,17 +270,22 @@ if AVAILABLE:
 
     @torch.library.custom_op("onegpu::cross_entropy_backward", mutates_args=())
     def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
-                               cap: float) -> torch.Tensor:
-        """The gradient with respect to logits (N, vocab), in their dtype, of sum(grad * cross_entropy's loss)."""
+                               cap: float, fp8_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradient with respect to logits (N, vocab), in their dtype, of sum(grad * cross_entropy's
+        loss), and with fp8_scale > 0 the same gradient times fp8_scale in float8_e5m2, written in the
+        same pass (the FP8 head's input gradient reads it; model.FP8HeadCrossEntropy). Without, the
+        second tensor is empty."""
         n, vocab = logits.shape
         dz = torch.empty_like(logits)
-        _cross_entropy_backward_kernel[(n,)](logits, targets, lse, grad.float().contiguous(), dz, vocab, float(cap),
-                                             BLOCK=CE_BLOCK, CAPPED=cap > 0, num_warps=CE_WARPS)
-        return dz
+        dz8 = torch.empty((n, vocab) if fp8_scale else (0,), device=logits.device, dtype=torch.float8_e5m2)
+        _cross_entropy_backward_kernel[(n,)](logits, targets, lse, grad.float().contiguous(), dz, dz8, vocab, float(cap),
+                                             float(fp8_scale), torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK,
+                                             CAPPED=cap > 0, FP8=fp8_scale > 0, num_warps=CE_WARPS)
+        return dz, dz8
 
     @cross_entropy_backward.register_fake
-    def _(logits, targets, lse, grad, cap):
-        return torch.empty_like(logits)
+    def _(logits, targets, lse, grad, cap, fp8_scale=0.0):
+        return torch.empty_like(logits), logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2)
 
     def _cross_entropy_save(ctx, inputs, output):
         logits, targets, cap = inputs
@@ -283,7 +294,7 @@ if AVAILABLE:
 
     def _cross_entropy_grad(ctx, grad_loss, grad_lse):
         logits, targets, lse = ctx.saved_tensors
-        return cross_entropy_backward(logits, targets, lse, grad_loss, ctx.cap), None, None
+        return cross_entropy_backward(logits, targets, lse, grad_loss, ctx.cap)[0], None, None
 
     cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_save)
 
@@ -308,13 +319,18 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and hd >= 16 and hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1)
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether Triton runs kernels on t's device: CUDA, or a CPU under Triton's interpreter (the
+    caller has asked device_supported once for the GPU's generation: model.for_device)."""
+    return AVAILABLE and (t.is_cuda or INTERPRET)
+
+
 def cross_entropy_supported(logits: torch.Tensor) -> bool:
-    """Whether cross_entropy handles these (N, vocab) logits: on CUDA (or on CPU under Triton's
-    interpreter), contiguous rows."""
-    return AVAILABLE and (logits.is_cuda or INTERPRET) and logits.dim() == 2 and logits.is_contiguous()
+    """Whether cross_entropy handles these (N, vocab) logits: where runs_on, contiguous rows."""
+    return runs_on(logits) and logits.dim() == 2 and logits.is_contiguous()
 
 
 def swiglu_supported(h13: torch.Tensor) -> bool:
     """Whether swiglu handles h13: on CUDA (or on CPU under Triton's interpreter), contiguous.
     (model.for_device turns fused_swiglu off on a GPU older than device_supported allows.)"""
-    return AVAILABLE and (h13.is_cuda or INTERPRET) and h13.is_contiguous()
+    return runs_on(h13) and h13.is_contiguous()

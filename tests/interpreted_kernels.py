@@ -147,3 +147,38 @@ def cross_entropy_check():
         err = (logits.grad.double() - z.grad).abs().max() / z.grad.abs().max()
         assert err < 1e-3, (n, vocab, cap, err)  # float16 rounds to 2^-11 of the largest
         assert logits.grad.dtype == logits.dtype
+
+
+def fp8_head_loss_check():
+    """model.fp8_head_cross_entropy (the FP8 head and the loss kernel as one function, whose backward
+    writes the gradient's FP8 copy in the loss kernel) against the two apart, fp8_linear then the loss
+    kernel: the same loss and weight gradient, an input gradient within FP8's rounding of theirs; and
+    the kernel's FP8 copy within one e5m2 step (a quarter) of the gradient it scales."""
+    g = torch.Generator().manual_seed(1)
+    n, d, vocab, cap = 48, 64, 2500, 15.0
+    x0, w0 = torch.randn(n, d, generator=g).half(), (torch.randn(vocab, d, generator=g) * 0.5).half()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    out = []
+    for fused in (True, False):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = (M.fp8_head_cross_entropy(x, w, targets, cap) if fused else
+                M.cross_entropy(M.fp8_linear(x, w, grad_bound=1.0 / n), targets, cap, kernel=True))
+        loss.backward()
+        out.append((loss.detach(), x.grad, w.grad))
+    (l1, gx1, gw1), (l2, gx2, gw2) = out
+    assert torch.equal(l1, l2) and torch.equal(gw1, gw2)
+    assert ((gx1.float() - gx2.float()).norm() / gx2.float().norm()) < 0.05
+    logits = (x0.float() @ w0.float().t()).half()
+    _, lse = K.cross_entropy(logits, targets, cap)
+    scale = torch.finfo(torch.float8_e5m2).max * n
+    dz, dz8 = K.cross_entropy_backward(logits, targets, lse, torch.full((n,), 1.0 / n), cap, scale)
+    z = logits.double().requires_grad_()
+    torch.nn.functional.cross_entropy(M.softcap(z, cap), targets).backward()
+    assert dz8.dtype == torch.float8_e5m2 and dz8.shape == dz.shape
+    # Within e5m2's rounding of the float64 gradient, a quarter of it, or below e5m2's smallest step
+    # (2^-16 once scaled); but Triton 3.6's interpreter drops the carry when rounding up crosses a power of
+    # two (7.6 becomes 4, not 8), so here a value may also come out at half: a wrong scale still fails.
+    err = (dz8.double() / scale - z.grad).abs()
+    assert ((err <= 0.25 * z.grad.abs() + 2 ** -16 / scale) | (err <= 0.5 * z.grad.abs())).all()
+    assert (dz8.double() * z.grad >= 0).all()
+    assert K.cross_entropy_backward(logits, targets, lse, torch.full((n,), 1.0 / n), cap)[1].numel() == 0

@@ -140,6 +140,17 @@ def test_fp8_head_stays_close_to_bf16(compiled):
         assert rel(out[1][1][name], grad) < 0.15, name
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fp8_head_with_the_loss_kernel_stays_close_to_bf16(compiled):
+    """The FP8 head and the loss kernel as one function (its FP8 gradient from the loss kernel) against
+    the bf16 head and the plain loss, with the soft-cap."""
+    out = loss_and_grads(compiled, seed=4, base=dict(tie_embeddings=False, logit_softcap=15.0), fp8_head=True,
+                         loss_kernel=True)
+    assert abs(out[0][0].item() - out[1][0].item()) < 1e-2 * out[0][0].item()
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 0.15, name
+
+
 RECORD = dict(mlp="relu2", qk_norm=True, zero_init=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0,
               value_embeds=1, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384,
               short_windows=True, fp8_head=True, loss_kernel=True, attn_scale=0.12)

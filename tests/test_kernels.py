@@ -59,3 +59,8 @@ def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
 @needs_triton
 def test_cross_entropy_kernel_matches_the_plain_loss_and_gradient():
     run_under_interpreter("cross_entropy_check")
+
+
+@needs_triton
+def test_the_fp8_head_and_loss_kernel_in_one_function_match_them_apart():
+    run_under_interpreter("fp8_head_loss_check")
