@@ -306,7 +306,7 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     preset's vocabulary and soft-cap, median of 20 after 5 warm-ups): forward alone and forward plus
     backward, the plain loss against the loss kernel, each compiled on CUDA, on bf16 logits and, for
     an untied head, behind the FP8 head (x of width d_model): apart (model.fp8_linear, then the loss),
-    and as the model runs the two together (model.fp8_head_cross_entropy)."""
+    and as one function (model.fp8_head_cross_entropy, which the model runs once a GPU has measured it)."""
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
     n, dtype = micro_batch * mcfg.context, torch.bfloat16 if cuda else torch.float32
@@ -332,7 +332,7 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     if M.fast_path_applies("fp8_head", mcfg):  # an untied head
         cases += [("FP8 head + plain loss", behind_fp8_head(False), x),
                   ("FP8 head + loss kernel, apart", behind_fp8_head(True), x),
-                  ("FP8 head + loss kernel, one function (the model's)", fp8_head_loss_kernel, x)]
+                  ("FP8 head + loss kernel, one function", fp8_head_loss_kernel, x)]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     for name, fn, inp in cases:
         if not cuda and ("kernel" in name or "FP8" in name):

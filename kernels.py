@@ -4,7 +4,8 @@ reference, the CPU path and the fallback.
 decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, KV-cache write, attention).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
-backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
+backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy, not yet
+run on a GPU).
 
 Why decode_step: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
 Inductor) and took ~470 µs per token whether attention read 128 cached positions or 1,024

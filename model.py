@@ -498,7 +498,9 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     Its backward has the loss kernel write the logits' gradient twice in one pass, in the logits' dtype
     for the weight gradient and in e5m2, scaled by the bound 1/n, for the input gradient. Apart, the
     FP8 head casts that gradient in a pass of its own: 2 bytes read and 1 written per logit (on an H200
-    the head and loss took 8.71 ms a micro-batch that way against 9.24 with the plain loss, docs/LOG.md)."""
+    the head and loss took 8.71 ms a micro-batch that way against 9.24 with the plain loss, docs/LOG.md).
+    Not yet run on a GPU: `python bench.py --loss` measures it beside the two apart, which the model runs
+    until it has been (docs/LOG.md, "modded's last optimizer details")."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, cap, out_dtype):
@@ -952,9 +954,6 @@ class Llama(nn.Module):
         x = self.norm(x)
         if targets is not None and self.cfg.fused_loss:
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight(), targets.flatten(), self.cfg.logit_softcap)
-        if targets is not None and self.cfg.fp8_head and self.cfg.loss_kernel and torch.is_grad_enabled() \
-                and K.runs_on(x):
-            return fp8_head_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), self.cfg.logit_softcap)
         if targets is not None and self.cfg.fp8_head and torch.is_grad_enabled():
             # Training only (evaluation and decoding keep the plain head): d loss / d logits of the
             # mean over targets.numel() tokens lies within 1 / targets.numel() (see the FP8 section).
