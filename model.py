@@ -400,8 +400,10 @@ def flex_block_mask(doc_ids, window: int, T: int, device):
     None) and within `window` keys (0: no window)."""
     from torch.nn.attention.flex_attention import create_block_mask
     # The window is a tensor, not a Python int, so that the compiled kernel reads it instead of
-    # specialising on it: the window schedule then changes it without a recompile.
-    reach = torch.tensor(window or T, device=device)
+    # specialising on it: the window schedule then changes it without a recompile. Filled on the
+    # device: torch.tensor(window, device=...) would copy it from pageable memory, which waits for the
+    # GPU to finish its queue, twice every micro-batch (tests/test_gpu.py checks that nothing here waits).
+    reach = torch.full((), window or T, device=device)
 
     def causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < reach)

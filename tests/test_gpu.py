@@ -182,6 +182,20 @@ def test_flex_block_mask_matches_the_boolean_mask_with_documents_and_a_window():
         assert rel(flex, M.attention(q, k, v, doc_ids=doc, window=window)) < 1e-4, window
 
 
+def test_building_the_block_masks_never_waits_for_the_gpu():
+    """Every micro-batch builds its two block masks: a host-device synchronization there (a blocking
+    copy of the window) would idle the GPU once per mask. CUDA's sync debug mode turns one into an error."""
+    doc = torch.cumsum(torch.rand(2, 1024, device="cuda") < 0.003, dim=1).int()
+    M.mask_inputs(1024, doc.device, doc, (256, 128))  # the first call compiles the mask builder
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        masks = M.mask_inputs(1024, doc.device, doc, (384, 192))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert set(masks) == {"block_mask", "short_block_mask"}
+
+
 def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
     """Every modded-nanogpt part on, trained through a document and window block mask: the
     compiled model's loss and gradients equal the eager model's (bf16 rounding apart)."""
