@@ -132,10 +132,11 @@ def swiglu_check():
 def cross_entropy_check():
     """The cross-entropy kernels against model.softcap and F.cross_entropy in float64, forward and
     backward, float16 logits: with the soft-cap and without, a vocabulary that the kernel's block does
-    not divide, and a per-row gradient (its mean) as the loss's backward hands it in."""
+    not divide (and a cap above 40, which takes the running max), and a per-row gradient (its mean) as the loss's backward hands it in."""
     g = torch.Generator().manual_seed(0)
-    for n, vocab, cap in [(5, 4096, 15.0), (3, 2500, 0.0), (4, 300, 2.0)]:
-        logits = (torch.randn(n, vocab, generator=g) * 6).half().requires_grad_()
+    for n, vocab, cap in [(5, 4096, 15.0), (3, 2500, 0.0), (4, 300, 2.0), (2, 1000, 50.0)]:  # 50: the running max
+        # rising along the row, so that a later block holds a larger max than the blocks before it
+        logits = (torch.randn(n, vocab, generator=g) * 6 + torch.linspace(-10, 10, vocab)).half().requires_grad_()
         targets = torch.randint(0, vocab, (n,), generator=g)
         loss, lse = K.cross_entropy(logits, targets, cap)
         loss.mean().backward()
