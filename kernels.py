@@ -3,6 +3,8 @@ reference, the CPU path and the fallback.
 
 decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, KV-cache write, attention).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
+relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, and the down-projection's
+input gradient with the square's derivative in its own.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
 backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy, not yet
 run on a GPU).
@@ -45,6 +47,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on 
 # was fastest at batch 1 over positions 16-512: 4.2 us at position 256, 6.7 at 512 (64 keys: 5.1, 8.7).
 BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
 SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the presets' 2,048
+# relu2_matmul's tiles (rows, columns, inner), warps and pipeline stages: a common choice for bf16 on
+# Hopper and Ampere, not yet tuned here
+RELU2_BLOCKS, RELU2_WARPS, RELU2_STAGES = (128, 128, 64), 8, 3
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 
 if AVAILABLE:
@@ -308,6 +313,77 @@ if AVAILABLE:
         return cross_entropy_backward(logits, targets, lse, grad_loss, ctx.cap)[0], None, None
 
     cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_save)
+
+
+    # The ReLU² MLP's activation in its matmuls' epilogues. Compiled, relu(h)^2 is one elementwise
+    # kernel after the up-projection (it reads h and writes a, 2 x 2 bytes per hidden unit) and its
+    # derivative one after the down-projection's input gradient (3 x 2 bytes); on the record preset
+    # on an H200 the two took 2.3 and 3.3 ms per two micro-batches of 32,768 tokens (the real-data profile
+    # in docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/). Here the up-projection's tiles are squared before they are stored, and the gradient's
+    # tiles are multiplied by 2 relu(h) = 2 sqrt(a) before theirs: h is never written or read.
+    # A plain tiled matmul (grouped tile order for L2 reuse); the tile sizes are a first choice, not
+    # tuned on a GPU yet.
+    @triton.jit
+    def _relu2_matmul_kernel(a_ptr, b_ptr, c_ptr, act_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, BACKWARD: tl.constexpr):
+        """c = relu(a @ b)^2, or with BACKWARD c = (a @ b) * 2 sqrt(act); a (M, K), b (K, N), c and act (M, N)."""
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+        tile_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+        rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = tl.load(a_ptr + rm[:, None].to(tl.int64) * s_am + (k + rk)[None, :] * s_ak,
+                        mask=(rm[:, None] < M) & (k + rk[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + (k + rk)[:, None] * s_bk + rn[None, :] * s_bn,
+                        mask=(k + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            acc = tl.dot(a, b, acc)
+        keep = (rm[:, None] < M) & (rn[None, :] < N)
+        if BACKWARD:
+            act = tl.load(act_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, mask=keep, other=0.0)
+            acc = acc * 2.0 * tl.sqrt(act.to(tl.float32))
+        else:
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        tl.store(c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty), mask=keep)
+
+    def _relu2_launch(a, b, out, act, backward: bool):
+        (M, K), N = a.shape, b.shape[1]
+        grid = (triton.cdiv(M, RELU2_BLOCKS[0]) * triton.cdiv(N, RELU2_BLOCKS[1]),)
+        _relu2_matmul_kernel[grid](a, b, out, act, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                   out.stride(0), out.stride(1), BLOCK_M=RELU2_BLOCKS[0], BLOCK_N=RELU2_BLOCKS[1],
+                                   BLOCK_K=RELU2_BLOCKS[2], GROUP_M=8, BACKWARD=backward, num_warps=RELU2_WARPS,
+                                   num_stages=RELU2_STAGES)
+        return out
+
+    @torch.library.custom_op("onegpu::relu2_matmul", mutates_args=())
+    def relu2_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """relu(a @ b)^2 in a's dtype, the product accumulated in float32. a: (M, K); b: (K, N), any
+        strides (a weight's transpose is read as it lies)."""
+        out = a.new_empty(a.shape[0], b.shape[1])
+        return _relu2_launch(a, b, out, out, backward=False)
+
+    @relu2_matmul.register_fake
+    def _(a, b):
+        return a.new_empty(a.shape[0], b.shape[1])
+
+    @torch.library.custom_op("onegpu::relu2_matmul_backward", mutates_args=())
+    def relu2_matmul_backward(a: torch.Tensor, b: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """(a @ b) * 2 sqrt(act): the gradient with respect to h of relu(h)^2 = act, given a @ b, the
+        gradient with respect to act. a: (M, K); b: (K, N); act: (M, N), contiguous."""
+        out = torch.empty_like(act)
+        return _relu2_launch(a, b, out, act, backward=True)
+
+    @relu2_matmul_backward.register_fake
+    def _(a, b, act):
+        return torch.empty_like(act)
 
 
 def device_supported(device: torch.device) -> bool:

@@ -14,8 +14,8 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
 `fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
-in training under autocast, and `fused_swiglu`, `loss_kernel` and `fused_decode` hand SwiGLU, the
-training loss and a decoded token's attention to Triton kernels.
+in training under autocast, and `fused_swiglu`, `fused_relu2`, `loss_kernel` and `fused_decode` hand
+SwiGLU, ReLU²'s activation, the training loss and a decoded token's attention to Triton kernels.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
@@ -48,7 +48,8 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 # the switches in this order and skips one that a switch before it excludes, so it keeps those two, which
 # configs/126m-record.toml runs.
 TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fused_loss": "fused loss",
-                       "fused_swiglu": "fused SwiGLU", "bf16_residual": "bf16 residual", "fp8": "fp8 matmuls"}
+                       "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²", "bf16_residual": "bf16 residual",
+                       "fp8": "fp8 matmuls"}
 GENERATION_FAST_PATHS = {"fused_decode": "fused decode"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
@@ -92,6 +93,7 @@ class ModelConfig:
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
+    fused_relu2: bool = False  # ReLU²'s square and its derivative in its matmuls' epilogues (CUDA, training)
     loss_kernel: bool = False  # the (soft-capped) cross-entropy as one Triton kernel each way (CUDA, training)
 
     def __post_init__(self):
@@ -192,23 +194,28 @@ class ModelConfig:
 
 
 def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
-    """cfg for a model that will train on `device`: fused_swiglu and loss_kernel off on a GPU Triton
-    cannot run (older than Ampere), where the plain paths compute the same functions. On CPU both pick
+    """cfg for a model that will train on `device`: fused_swiglu, fused_relu2 and loss_kernel off on a GPU
+    Triton cannot run (older than Ampere), where the plain paths compute the same functions. On CPU both pick
     the plain path themselves; the decode kernel asks the same question per cache (KVCache.fusable)."""
     if device.type == "cuda" and not K.device_supported(device):
-        return replace(cfg, fused_swiglu=False, loss_kernel=False)
+        return replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False)
     return cfg
 
 
 def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     """Whether fast path `name` runs for cfg's architecture (a GPU that has it aside): the fused
-    SwiGLU for the SwiGLU MLP alone, the fused loss (its own head and loss) outside the FP8 head and
-    the loss kernel, the loss kernel and the FP8 head (an untied one) outside the fused loss, the fused decode for a model without a sliding window (its
-    kernel reads the whole cache)."""
+    SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (and
+    those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
+    head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
+    fused decode for a model without a sliding window (its kernel reads the whole cache)."""
     if name == "fused_decode":
         return not cfg.windowed
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
+    if name == "fused_relu2":
+        return cfg.mlp == "relu2" and not cfg.fp8
+    if name == "fp8":
+        return not (cfg.fused_relu2 and cfg.mlp == "relu2")
     if name == "fused_loss":
         return not cfg.fp8_head and not cfg.loss_kernel
     if name == "loss_kernel":
@@ -688,16 +695,53 @@ class SwiGLU(nn.Module):
 
 class ReLU2(nn.Module):
     """relu(x W1)^2 W2 (So et al. 2021, "Primer"; modded-nanogpt and nanochat use it). Two matrices
-    to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. The square is
-    one elementwise kernel that torch.compile fuses by itself."""
+    to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. Compiled, the square
+    is one elementwise kernel after the up-projection; with fused_relu2 (training, CUDA, not with fp8)
+    it runs in the matmuls' epilogues instead (FusedReLU2MLP), tested against the plain line below."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.fused = cfg.fused_relu2 and not cfg.fp8
         self.w1 = Linear(cfg.d_model, cfg.ffn_hidden, cfg.fp8)
         self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
 
     def forward(self, x):
+        if self.fused and torch.is_grad_enabled() and K.runs_on(x):
+            return fused_relu2_mlp(x, self.w1.weight, self.w2.weight)
         return self.w2(F.relu(self.w1(x)).square())
+
+
+class FusedReLU2MLP(torch.autograd.Function):
+    """relu(x W1^T)^2 W2^T with the square in the up-projection's epilogue and its derivative in the
+    epilogue of the down-projection's input gradient (kernels.relu2_matmul). It keeps the activation
+    a = relu(h)^2 for the backward, which the down-projection's weight gradient needs anyway, and not h:
+    relu(h) = sqrt(a). The other four matmuls are cuBLAS's. x: (N, d); w1: (hidden, d); w2: (d, hidden)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, dtype):
+        xc, w1c, w2c = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        a = K.relu2_matmul(xc, w1c.t())  # (N, hidden)
+        ctx.save_for_backward(xc, a, w1c, w2c)
+        ctx.dtypes = (x.dtype, w1.dtype, w2.dtype)
+        return a @ w2c.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, w1, w2 = ctx.saved_tensors
+        grad = grad.to(a.dtype)
+        grad_h = K.relu2_matmul_backward(grad, w2, a)  # (grad @ W2) * 2 sqrt(a): (N, hidden)
+        return ((grad_h @ w1).to(ctx.dtypes[0]), (grad_h.t() @ x).to(ctx.dtypes[1]),
+                (grad.t() @ a).to(ctx.dtypes[2]), None)
+
+
+def fused_relu2_mlp(x, w1, w2):
+    """ReLU2's forward through FusedReLU2MLP, in autocast's dtype inside autocast (x's outside it).
+    x: (..., d)."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):
+        y = FusedReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w1, w2, dtype)
+    return y.view(*x.shape[:-1], w2.shape[0])
 
 
 class Block(nn.Module):

@@ -1,6 +1,6 @@
 """Checks of kernels.py's Triton kernels that run under Triton's CPU interpreter. TRITON_INTERPRET=1
-must be set before Triton is imported, so tests/test_kernels.py runs each function in a fresh
-process with it set; the file is not named test_*.py, so pytest does not collect it itself.
+must be set before Triton is imported, so tests/test_kernels.py runs them all in one fresh process
+with it set (one start of torch and Triton, not one a check); the file is not named test_*.py, so pytest does not collect it itself.
 float16 throughout: the interpreter computes with NumPy, which has no bfloat16."""
 
 import torch
@@ -120,8 +120,11 @@ def swiglu_check():
         loss.backward()
         runs.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
     K.swiglu = lambda h: calls.append(1) or kernel(h)
-    with torch.no_grad():  # evaluation and decoding keep the plain activation (Inductor fuses it there)
-        model(idx)
+    try:
+        with torch.no_grad():  # evaluation and decoding keep the plain activation (Inductor fuses it there)
+            model(idx)
+    finally:
+        K.swiglu = kernel  # the checks after this one, in the same process, see the kernel itself
     assert len(calls) == 2, len(calls)
     for loss, grads in runs[1:]:
         assert abs(loss - runs[0][0]) < 1e-5
@@ -132,7 +135,8 @@ def swiglu_check():
 def cross_entropy_check():
     """The cross-entropy kernels against model.softcap and F.cross_entropy in float64, forward and
     backward, float16 logits: with the soft-cap and without, a vocabulary that the kernel's block does
-    not divide (and a cap above 40, which takes the running max), and a per-row gradient (its mean) as the loss's backward hands it in."""
+    not divide (and a cap above 40, which takes the running max), and a per-row gradient (its mean)
+    as the loss's backward hands it in."""
     g = torch.Generator().manual_seed(0)
     for n, vocab, cap in [(5, 4096, 15.0), (3, 2500, 0.0), (4, 300, 2.0), (2, 1000, 50.0)]:  # 50: the running max
         # rising along the row, so that a later block holds a larger max than the blocks before it
@@ -183,3 +187,35 @@ def fp8_head_loss_check():
     assert ((err <= 0.25 * z.grad.abs() + 2 ** -16 / scale) | (err <= 0.5 * z.grad.abs())).all()
     assert (dz8.double() * z.grad >= 0).all()
     assert K.cross_entropy_backward(logits, targets, lse, torch.full((n,), 1.0 / n), cap)[1].numel() == 0
+
+
+def relu2_check():
+    """The fused ReLU² MLP against the plain ReLU2 module: relu2_matmul and its backward against
+    float32 matmuls, then model.FusedReLU2MLP's output and gradients against autograd through the
+    plain line, float16, shapes that the kernel's tiles do not divide."""
+    g = torch.Generator().manual_seed(2)
+    n, d, hidden = 150, 96, 200
+    x = torch.randn(n, d, generator=g).half()
+    w1, w2 = (torch.randn(hidden, d, generator=g) * 0.1).half(), (torch.randn(d, hidden, generator=g) * 0.1).half()
+    act = K.relu2_matmul(x, w1.t())
+    ref = torch.relu(x.float() @ w1.float().t()).square()
+    assert act.dtype == x.dtype and ((act.float() - ref).abs().max() / ref.abs().max()) < 2e-3
+    gy = torch.randn(n, d, generator=g).half()
+    grad_h = K.relu2_matmul_backward(gy, w2, act)
+    ref_h = (gy.float() @ w2.float()) * 2 * torch.relu(x.float() @ w1.float().t())
+    assert ((grad_h.float() - ref_h).abs().max() / ref_h.abs().max()) < 5e-3
+    cfg = M.ModelConfig(d_model=d, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
+                        ffn_hidden=hidden)
+    out = []
+    for fused in (True, False):
+        mlp = M.ReLU2(M.replace(cfg, fused_relu2=fused)).half()
+        with torch.no_grad():
+            mlp.w1.weight.copy_(w1)
+            mlp.w2.weight.copy_(w2)
+        xi = x.clone().requires_grad_()
+        y = mlp(xi)
+        (y.float() * gy.float()).sum().backward()
+        out.append((y, xi.grad, mlp.w1.weight.grad, mlp.w2.weight.grad))
+    for fused_t, plain_t in zip(*out):
+        assert fused_t.dtype == plain_t.dtype
+        assert ((fused_t.float() - plain_t.float()).norm() / plain_t.float().norm()) < 5e-3

@@ -123,6 +123,14 @@ def test_the_fused_loss_with_a_soft_cap_matches_plain_in_bf16(compiled):
         assert rel(out[1][1][name], grad) < 2e-2, name
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_relu2_mlp_matches_plain_in_bf16(compiled):
+    out = loss_and_grads(compiled, seed=7, base=dict(mlp="relu2", ffn_hidden=768), fused_relu2=True)
+    assert abs(out[0][0].item() - out[1][0].item()) < 2e-3 * out[0][0].item()
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 2e-2, name
+
+
 @pytest.mark.parametrize("cap", [0.0, 15.0])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_loss_kernel_matches_the_plain_loss_in_bf16(compiled, cap):

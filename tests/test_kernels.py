@@ -1,8 +1,9 @@
 """The Triton kernels of kernels.py against the plain PyTorch paths they replace, on CPU through
-Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported: hence a subprocess).
+Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported: hence one subprocess for all).
 tests/test_gpu.py runs the same comparisons compiled, on CUDA, in bfloat16."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -16,17 +17,27 @@ import model as M
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# float16: the interpreter computes with NumPy, which has no bfloat16.
+# float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
+CHECKS = ("decode_check", "swiglu_check", "cross_entropy_check", "fp8_head_loss_check", "relu2_check")
 
 
-
-
-def run_under_interpreter(check: str):
-    """Run tests/interpreted_kernels.py's function `check` in a process with the interpreter on."""
+@pytest.fixture(scope="module")
+def interpreted():
+    """Every check of tests/interpreted_kernels.py, run in one process with the interpreter on:
+    check -> "" where it passed, else its traceback."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    code = f"import interpreted_kernels as I; I.{check}(); print('agree')"
+    code = ("import json, traceback\nimport interpreted_kernels as I\nout = {}\n"
+            f"for check in {CHECKS!r}:\n"
+            "    try:\n        getattr(I, check)()\n        out[check] = ''\n"
+            "    except Exception:\n        out[check] = traceback.format_exc()\n"
+            "print(json.dumps(out))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and "agree" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_under_interpreter(results: dict, check: str):
+    assert results[check] == "", results[check][-2000:]
 
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -34,13 +45,13 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 @needs_triton
-def test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token():
-    run_under_interpreter("decode_check")
+def test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token(interpreted):
+    run_under_interpreter(interpreted, "decode_check")
 
 
 @needs_triton
-def test_fused_swiglu_matches_the_plain_path_forward_and_backward():
-    run_under_interpreter("swiglu_check")
+def test_fused_swiglu_matches_the_plain_path_forward_and_backward(interpreted):
+    run_under_interpreter(interpreted, "swiglu_check")
 
 
 def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
@@ -57,10 +68,15 @@ def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
 
 
 @needs_triton
-def test_cross_entropy_kernel_matches_the_plain_loss_and_gradient():
-    run_under_interpreter("cross_entropy_check")
+def test_cross_entropy_kernel_matches_the_plain_loss_and_gradient(interpreted):
+    run_under_interpreter(interpreted, "cross_entropy_check")
 
 
 @needs_triton
-def test_the_fp8_head_and_loss_kernel_in_one_function_match_them_apart():
-    run_under_interpreter("fp8_head_loss_check")
+def test_the_fp8_head_and_loss_kernel_in_one_function_match_them_apart(interpreted):
+    run_under_interpreter(interpreted, "fp8_head_loss_check")
+
+
+@needs_triton
+def test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward(interpreted):
+    run_under_interpreter(interpreted, "relu2_check")
