@@ -90,8 +90,10 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7) -> tor
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
     a, b, c = NS_COEFFICIENTS
     for _ in range(NS_STEPS):
+        # x <- a x + (b G + c G G) x with G = x x^T, as three batched matmuls whose epilogues do the
+        # scaling and the adding (baddbmm: beta * input + alpha * batch1 @ batch2), no kernel between
         gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x if wide else x.mT).to(g.dtype)
 
 
