@@ -177,7 +177,8 @@ class Recipe:
 
     @property
     def folder(self) -> str:
-        slug = "".join(c if c.isalnum() else "-" for c in self.name.lower()).strip("-")
+        name = self.name.lower().replace("²", "2")  # folder names in ASCII: "+ ReLU²" runs in "relu2-..."
+        slug = "".join(c if c.isascii() and c.isalnum() else "-" for c in name).strip("-")
         return f"{'-'.join(s for s in slug.split('-') if s)}-s{self.seed}"
 
 

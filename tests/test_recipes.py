@@ -28,6 +28,7 @@ def test_the_plan_runs_the_article_per_seed_the_sweep_then_a_cumulative_chain():
         assert before.overrides.items() <= after.overrides.items()
     assert chain[-1].overrides["train__muon"] is True and chain[-1].overrides["train__batch_tokens"] == 262_144
     assert len({r.folder for r in plan}) == len(plan)  # one run folder per rung and seed
+    assert all(r.folder.isascii() for r in plan) and "relu2-s1337" in {r.folder for r in plan}  # "+ ReLU²"
 
 
 def test_every_rung_config_passes_the_strict_loader_with_its_run_settings():
