@@ -294,7 +294,9 @@ if AVAILABLE:
         n, vocab = logits.shape
         dz = torch.empty_like(logits)
         dz8 = torch.empty((n, vocab) if fp8_scale else (0,), device=logits.device, dtype=torch.float8_e5m2)
-        _cross_entropy_backward_kernel[(n,)](logits, targets, lse, grad.float().contiguous(), dz, dz8, vocab, float(cap),
+        # Without the FP8 copy its pointer is dz's, never written: no FP8 type reaches a GPU without it.
+        _cross_entropy_backward_kernel[(n,)](logits, targets, lse, grad.float().contiguous(), dz,
+                                             dz8 if fp8_scale else dz, vocab, float(cap),
                                              float(fp8_scale), torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK,
                                              CAPPED=cap > 0, FP8=fp8_scale > 0, num_warps=CE_WARPS)
         return dz, dz8
