@@ -47,9 +47,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on 
 # was fastest at batch 1 over positions 16-512: 4.2 us at position 256, 6.7 at 512 (64 keys: 5.1, 8.7).
 BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
 SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the presets' 2,048
-# relu2_matmul's tiles (rows, columns, inner), warps and pipeline stages: a common choice for bf16 on
-# Hopper and Ampere, not yet tuned here
-RELU2_BLOCKS, RELU2_WARPS, RELU2_STAGES = (128, 128, 64), 8, 3
+# relu2_matmul's candidate tiles (rows, columns, inner), warps and pipeline stages, which Triton's
+# autotuner times once per shape on first use: the bf16 choices of Triton's matmul tutorial for Hopper
+# and Ampere. The interpreter takes the first alone.
+RELU2_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+               (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 
 if AVAILABLE:
@@ -323,8 +325,10 @@ if AVAILABLE:
     # on an H200 the two took 2.3 and 3.3 ms per two micro-batches of 32,768 tokens (the real-data profile
     # in docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/). Here the up-projection's tiles are squared before they are stored, and the gradient's
     # tiles are multiplied by 2 relu(h) = 2 sqrt(a) before theirs: h is never written or read.
-    # A plain tiled matmul (grouped tile order for L2 reuse); the tile sizes are a first choice, not
-    # tuned on a GPU yet.
+    # A plain tiled matmul (grouped tile order for L2 reuse), its tiles autotuned (RELU2_TILES).
+    @triton.autotune([triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                      for m, n, k, w, st in (RELU2_TILES[:1] if INTERPRET else RELU2_TILES)],
+                     key=["M", "N", "K", "BACKWARD"])
     @triton.jit
     def _relu2_matmul_kernel(a_ptr, b_ptr, c_ptr, act_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -358,11 +362,9 @@ if AVAILABLE:
 
     def _relu2_launch(a, b, out, act, backward: bool):
         (M, K), N = a.shape, b.shape[1]
-        grid = (triton.cdiv(M, RELU2_BLOCKS[0]) * triton.cdiv(N, RELU2_BLOCKS[1]),)
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         _relu2_matmul_kernel[grid](a, b, out, act, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                   out.stride(0), out.stride(1), BLOCK_M=RELU2_BLOCKS[0], BLOCK_N=RELU2_BLOCKS[1],
-                                   BLOCK_K=RELU2_BLOCKS[2], GROUP_M=8, BACKWARD=backward, num_warps=RELU2_WARPS,
-                                   num_stages=RELU2_STAGES)
+                                   out.stride(0), out.stride(1), GROUP_M=8, BACKWARD=backward)
         return out
 
     @torch.library.custom_op("onegpu::relu2_matmul", mutates_args=())
