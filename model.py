@@ -195,7 +195,7 @@ class ModelConfig:
 
 def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
     """cfg for a model that will train on `device`: fused_swiglu, fused_relu2 and loss_kernel off on a GPU
-    Triton cannot run (older than Ampere), where the plain paths compute the same functions. On CPU both pick
+    Triton cannot run (older than Ampere), where the plain paths compute the same functions. On CPU they pick
     the plain path themselves; the decode kernel asks the same question per cache (KVCache.fusable)."""
     if device.type == "cuda" and not K.device_supported(device):
         return replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False)
