@@ -316,26 +316,25 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     x = torch.randn(n, mcfg.d_model, device=device, generator=g).to(dtype).requires_grad_()
     w = (0.02 * torch.randn(mcfg.vocab_size, mcfg.d_model, device=device, generator=g)).requires_grad_()
     cap = mcfg.logit_softcap
-    cases = [("plain loss", lambda z: M.cross_entropy(z, targets, cap), logits),
-             ("loss kernel", lambda z: M.cross_entropy(z, targets, cap, kernel=True), logits)]
+    # (name, loss of its input, the input, whether only CUDA runs it)
+    cases = [("plain loss", lambda z: M.cross_entropy(z, targets, cap), logits, False),
+             ("loss kernel", lambda z: M.cross_entropy(z, targets, cap, kernel=True), logits, True)]
 
-    def behind_fp8_head(kernel: bool):
-        def head_and_loss(x):
+    def under_autocast(loss):  # the FP8 head's cases start from x, as the model hands it over
+        def run(x):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                return M.cross_entropy(M.fp8_linear(x, w, grad_bound=1.0 / n), targets, cap, kernel=kernel)
-        return head_and_loss
-
-    def fp8_head_loss_kernel(x):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return M.fp8_head_cross_entropy(x, w, targets, cap)
+                return loss(x)
+        return run
 
     if M.fast_path_applies("fp8_head", mcfg):  # an untied head
-        cases += [("FP8 head + plain loss", behind_fp8_head(False), x),
-                  ("FP8 head + loss kernel, apart", behind_fp8_head(True), x),
-                  ("FP8 head + loss kernel, one function", fp8_head_loss_kernel, x)]
+        head = lambda x: M.fp8_linear(x, w, grad_bound=1.0 / n)  # noqa: E731
+        cases += [(name, under_autocast(loss), x, True) for name, loss in (
+            ("FP8 head + plain loss", lambda x: M.cross_entropy(head(x), targets, cap)),
+            ("FP8 head + loss kernel, apart", lambda x: M.cross_entropy(head(x), targets, cap, kernel=True)),
+            ("FP8 head + loss kernel, one function", lambda x: M.fp8_head_cross_entropy(x, w, targets, cap)))]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
-    for name, fn, inp in cases:
-        if not cuda and ("kernel" in name or "FP8" in name):
+    for name, fn, inp, cuda_only in cases:
+        if cuda_only and not cuda:
             rows.append({"rung": name, "skipped": "a Triton kernel or an FP8 matmul: measured on CUDA only"})
             continue
         fn = torch.compile(fn) if cuda else fn

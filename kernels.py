@@ -227,29 +227,27 @@ if AVAILABLE:
                                       CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
+        # A capped logit lies within (-cap, cap), so exp(y - cap) lies within (exp(-2 cap), 1]: for a cap of
+        # at most 40 (FIXED_SHIFT) it neither overflows nor leaves float32's normal range, and the sum runs
+        # against that fixed shift, one exponential a logit besides the cap's. Otherwise a running max, one
+        # per block (it starts finite, so the first rescale is exp(-huge) = 0).
         if FIXED_SHIFT:
-            # A capped logit lies within (-cap, cap), so exp(y - cap) lies within (exp(-2 cap), 1]: for a cap
-            # of at most 40 it neither overflows nor leaves float32's normal range, and the sum needs no
-            # running max: one exponential a logit besides the cap's.
-            total = 0.0
-            for start in range(0, vocab, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                keep = cols < vocab
-                y, _ = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
-                total += tl.sum(tl.where(keep, tl.exp(y - cap), 0.0), 0)
-            lse = cap + tl.log(total)
+            m = cap
         else:
-            # A running max, one per block (it starts finite, so the first rescale is exp(-huge) = 0).
-            m, total = -1e30, 0.0
-            for start in range(0, vocab, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                keep = cols < vocab
-                y, _ = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
-                y = tl.where(keep, y, float("-inf"))
+            m = -1e30
+        total = 0.0
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            keep = cols < vocab
+            y, _ = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
+            y = tl.where(keep, y, float("-inf"))  # exp(-inf - m) = 0 past the row's end
+            if FIXED_SHIFT:
+                total += tl.sum(tl.exp(y - m), 0)
+            else:
                 new = tl.maximum(m, tl.max(y, 0))
                 total = total * tl.exp(m - new) + tl.sum(tl.exp(y - new), 0)
                 m = new
-            lse = m + tl.log(total)
+        lse = m + tl.log(total)
         y_t, _ = _capped(tl.load(z_row + tl.load(t_ptr + row)).to(tl.float32), cap, CAPPED)
         tl.store(lse_ptr + row, lse)
         tl.store(loss_ptr + row, lse - y_t)
@@ -352,13 +350,13 @@ if AVAILABLE:
                         mask=(k + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
             acc = tl.dot(a, b, acc)
         keep = (rm[:, None] < M) & (rn[None, :] < N)
+        out = rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn  # c's and act's offsets (the same layout)
         if BACKWARD:
-            act = tl.load(act_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, mask=keep, other=0.0)
-            acc = acc * 2.0 * tl.sqrt(act.to(tl.float32))
+            acc = acc * 2.0 * tl.sqrt(tl.load(act_ptr + out, mask=keep, other=0.0).to(tl.float32))
         else:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
-        tl.store(c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty), mask=keep)
+        tl.store(c_ptr + out, acc.to(c_ptr.dtype.element_ty), mask=keep)
 
     def _relu2_launch(a, b, out, act, backward: bool):
         (M, K), N = a.shape, b.shape[1]

@@ -463,16 +463,31 @@ def to_fp8_within(t, dtype, bound: float):
     return (t.float() * (top / bound)).clamp(-top, top).to(dtype), scale
 
 
+def matmul_dtype(x):
+    """The dtype a fast path's matmuls run in: autocast's inside autocast, x's outside it. Asked before
+    the fast path turns autocast off for its own casts."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def fp8_matmul(x, weight, out_dtype):
+    """x @ weight.T with both operands in e4m3, each scaled by its maximum. x: (N, d_in); weight:
+    (d_out, d_in). Returns (the product in out_dtype, x8, sx, w8, sw): the casts and their inverse
+    scales, which a backward reuses."""
+    x8, sx = to_fp8(x, E4M3)
+    w8, sw = to_fp8(weight, E4M3)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype), x8, sx, w8, sw
+
+
 class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, out_dtype, grad_bound=None):
-        x8, sx = to_fp8(x, E4M3)  # x: (N, d_in)
-        w8, sw = to_fp8(weight, E4M3)  # weight: (d_out, d_in)
+        y, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype)
         # The head (a known grad_bound) keeps x in the output dtype for its weight gradient (see backward).
         head = grad_bound is not None
         ctx.save_for_backward(x.to(out_dtype) if head else x8, sx, w8, sw)
         ctx.dtypes, ctx.grad_bound = (x.dtype, weight.dtype), grad_bound
-        return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -495,10 +510,9 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
     """F.linear(x, weight) with FP8 operands. x: (..., d_in); weight: (d_out, d_in). The output
     has autocast's dtype inside autocast, x's dtype outside it. grad_bound: where the output's
     gradient is known to lie within +-grad_bound (None: scaled by its maximum)."""
-    device = x.device.type
-    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with torch.autocast(device, enabled=False):
-        y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype, grad_bound)
+    dtype = matmul_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, dtype, grad_bound)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -513,9 +527,7 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, cap, out_dtype):
-        x8, sx = to_fp8(x, E4M3)  # x: (N, d)
-        w8, sw = to_fp8(weight, E4M3)  # weight: (vocab, d)
-        logits = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+        logits, _, _, w8, sw = fp8_matmul(x, weight, out_dtype)  # x: (N, d); weight: (vocab, d)
         loss, lse = K.cross_entropy(logits, targets, cap)
         ctx.save_for_backward(x.to(out_dtype), w8, sw, logits, targets, lse)
         ctx.cap, ctx.dtypes = cap, (x.dtype, weight.dtype)
@@ -536,10 +548,9 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
 def fp8_head_cross_entropy(x, weight, targets, cap: float):
     """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True) with one pass fewer in the
     backward (FP8HeadCrossEntropy). x: (N, d); weight: (vocab, d); targets: (N,). Where K.runs_on(x)."""
-    device = x.device.type
-    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with torch.autocast(device, enabled=False):
-        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, out_dtype)
+    dtype = matmul_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype)
 
 
 class Linear(nn.Linear):
@@ -701,7 +712,7 @@ class ReLU2(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fused = cfg.fused_relu2 and not cfg.fp8
+        self.fused = cfg.fused_relu2 and fast_path_applies("fused_relu2", cfg)  # not with fp8
         self.w1 = Linear(cfg.d_model, cfg.ffn_hidden, cfg.fp8)
         self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
 
@@ -737,9 +748,8 @@ class FusedReLU2MLP(torch.autograd.Function):
 def fused_relu2_mlp(x, w1, w2):
     """ReLU2's forward through FusedReLU2MLP, in autocast's dtype inside autocast (x's outside it).
     x: (..., d)."""
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with torch.autocast(device, enabled=False):
+    dtype = matmul_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
         y = FusedReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w1, w2, dtype)
     return y.view(*x.shape[:-1], w2.shape[0])
 
@@ -858,7 +868,7 @@ _uncompiled_loss = None
 
 
 def _linear_cross_entropy(x, weight, targets, cap: float):
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         return LinearCrossEntropy.apply(x, weight, targets, dtype, cap)
 
