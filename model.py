@@ -520,10 +520,10 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then kernels.cross_entropy.
     Its backward has the loss kernel write the logits' gradient twice in one pass, in the logits' dtype
     for the weight gradient and in e5m2, scaled by the bound 1/n, for the input gradient. Apart, the
-    FP8 head casts that gradient in a pass of its own: 2 bytes read and 1 written per logit (on an H200
-    the head and loss took 8.71 ms a micro-batch that way against 9.24 with the plain loss, docs/LOG.md).
-    Not yet run on a GPU: `python bench.py --loss` measures it beside the two apart, which the model runs
-    until it has been (docs/LOG.md, "modded's last optimizer details")."""
+    FP8 head casts that gradient in a pass of its own: 2 bytes read and 1 written per logit. On one H200,
+    a micro-batch of the record preset (32,768 tokens) took 8.34 ms forward and backward this way, 8.91
+    apart and 9.70 with the plain loss (`python bench.py --loss --preset 126m-record --micro-batch-size 4`,
+    docs/PERFORMANCE.md). The model runs it where fp8_head and loss_kernel are both on."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, cap, out_dtype):
@@ -1013,6 +1013,9 @@ class Llama(nn.Module):
         if targets is not None and self.cfg.fp8_head and torch.is_grad_enabled():
             # Training only (evaluation and decoding keep the plain head): d loss / d logits of the
             # mean over targets.numel() tokens lies within 1 / targets.numel() (see the FP8 section).
+            if self.cfg.loss_kernel and K.runs_on(x):  # head and loss in one function: a pass fewer back
+                return fp8_head_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(),
+                                              self.cfg.logit_softcap)
             logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel())
         else:
             logits = F.linear(x, self.output_weight())

@@ -187,6 +187,23 @@ def fp8_head_loss_check():
     assert ((err <= 0.25 * z.grad.abs() + 2 ** -16 / scale) | (err <= 0.5 * z.grad.abs())).all()
     assert (dz8.double() * z.grad >= 0).all()
     assert K.cross_entropy_backward(logits, targets, lse, torch.full((n,), 1.0 / n), cap)[1].numel() == 0
+    # The model takes the one function where fp8_head and loss_kernel are both on: its loss and head gradient
+    # as the FP8 head with the plain loss, within FP8's rounding (a wrong target or cap there fails).
+    cfg = dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300, context=16, tie_embeddings=False,
+               logit_softcap=cap, fp8_head=True)
+    idx, targets = torch.randint(0, 300, (2, 2, 16), generator=g)
+    grads, calls, one_function = [], [], M.fp8_head_cross_entropy
+    M.fp8_head_cross_entropy = lambda *a: calls.append(1) or one_function(*a)
+    for kernel in (True, False):
+        torch.manual_seed(0)
+        model = M.Llama(M.ModelConfig(**cfg, loss_kernel=kernel)).train()
+        torch.nn.init.normal_(model.head.weight, std=0.2)
+        loss = model(idx, targets)
+        loss.backward()
+        grads.append((loss.detach(), model.head.weight.grad))
+    M.fp8_head_cross_entropy = one_function
+    (l1, h1), (l2, h2) = grads
+    assert calls == [1] and abs(l1 - l2) < 1e-4 and ((h1 - h2).norm() / h2.norm()) < 0.05, (l1, l2)
 
 
 def relu2_check():

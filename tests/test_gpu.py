@@ -140,10 +140,13 @@ def test_the_loss_kernel_matches_the_plain_loss_in_bf16(compiled, cap):
         assert rel(out[1][1][name], grad) < 2e-2, name
 
 
+@pytest.mark.parametrize("loss_kernel", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fp8_head_stays_close_to_bf16(compiled):
-    """The FP8 head (its gradient at the fixed bound 1/n) against the bf16 head, with the soft-cap."""
-    out = loss_and_grads(compiled, seed=4, base=dict(tie_embeddings=False, logit_softcap=15.0), fp8_head=True)
+def test_fp8_head_stays_close_to_bf16(compiled, loss_kernel):
+    """The FP8 head (its gradient at the fixed bound 1/n) against the bf16 head and the plain loss, with the
+    soft-cap; with the loss kernel on, the model runs the two as one function (model.fp8_head_cross_entropy)."""
+    out = loss_and_grads(compiled, seed=4, base=dict(tie_embeddings=False, logit_softcap=15.0), fp8_head=True,
+                         loss_kernel=loss_kernel)
     assert abs(out[0][0].item() - out[1][0].item()) < 1e-2 * out[0][0].item()
     for name, grad in out[0][1].items():
         assert rel(out[1][1][name], grad) < 0.15, name
