@@ -280,7 +280,8 @@ def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cud
 
 def optimizer_study(preset: str, cuda: bool) -> list[dict]:
     """Device time of clip + update (median of 20): AdamW in each implementation on every
-    parameter, then Muon's part alone (the block matrices), ours against torch.optim.Muon."""
+    parameter, then Muon's part alone (the block matrices), ours (with and without kernels.gram, which
+    runs on CUDA only) against torch.optim.Muon."""
     device = torch.device("cuda" if cuda else "cpu")
     model = M.Llama(C.preset(preset).model).to(device)
     for p in model.parameters():
@@ -293,10 +294,15 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
         opt = O.configure_optimizer(model, C.TrainConfig(steps=1, optimizer=impl))
         rows.append({"rung": f"AdamW {impl}", "update_ms": round(ME.update_ms(model, opt, device, **timing), 3)})
     matrices = O.param_groups(model)["matrices"]
-    ours = O.Muon([{"params": [p for _, p in matrices], "splits": [O.stacked_rows(n, p, model.cfg) for n, p in matrices]}])
+    ours = [O.Muon([{"params": [p for _, p in matrices], "splits": [O.stacked_rows(n, p, model.cfg) for n, p in matrices]}],
+                   kernel=kernel) for kernel in (False, True)]
     theirs = torch.optim.Muon([p for _, p in matrices], lr=0.02, adjust_lr_fn="original")
-    for name, opt in (("Muon: optim.Muon (parts split, equal shapes batched)", ours),
+    for name, opt in (("Muon: optim.Muon (parts split, equal shapes batched)", ours[0]),
+                      ("Muon: optim.Muon with the symmetric Gram kernel (train.muon_kernel)", ours[1]),
                       ("Muon: torch.optim.Muon (one matrix at a time)", theirs)):
+        if opt is ours[1] and not cuda:
+            rows.append({"rung": name, "skipped": "a Triton kernel: measured on CUDA only"})
+            continue
         rows.append({"rung": name, "update_ms": round(ME.update_ms(model, opt, device, **timing), 3)})
     return rows
 

@@ -6,8 +6,9 @@ swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one p
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, and the down-projection's
 input gradient with the square's derivative in its own.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
-backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy, not yet
-run on a GPU).
+backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
+gram: alpha x x^T + beta add, each symmetric tile once: two of the three products in Muon's
+Newton-Schulz step (optim.orthogonalize with train.muon_kernel).
 
 Why decode_step: on an H200 the 88m decode step is a chain of small kernels (132 of them, compiled by
 Inductor) and took ~470 µs per token whether attention read 128 cached positions or 1,024
@@ -52,6 +53,9 @@ SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the pre
 # and Ampere. The interpreter takes the first alone.
 RELU2_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
+# gram's candidate square tiles (side, inner), warps and stages, autotuned once per shape; the interpreter
+# takes the first. Side 128 splits the presets' 768-wide Gram matrices into 6 x 6 tiles, of which 21 run.
+GRAM_TILES = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 
 if AVAILABLE:
@@ -388,6 +392,58 @@ if AVAILABLE:
         return torch.empty_like(act)
 
 
+    # Muon's Newton-Schulz step on a stack of wide matrices x (n, m, k), m <= k (optim.orthogonalize):
+    #   G = x x^T (m x m x k),  B = b G + c G G (m x m x m),  x <- a x + B x (m x m x k).
+    # G is symmetric, and so is G G (= G G^T), so each of the first two products needs only the tiles on
+    # and above the diagonal: a program computes tile (i, j), i <= j, and stores it at (i, j) and, off the
+    # diagonal, its transpose at (j, i). At an 88m MLP part (768 x 3,072) that drops 28% of an iteration's
+    # FLOPs, at a square part a third (modded-nanogpt's Muon does the same, in its triton_kernels.py). The
+    # last product is not symmetric and stays cuBLAS's baddbmm.
+    @triton.autotune([triton.Config({"BLOCK": m, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                      for m, k, w, st in (GRAM_TILES[:1] if INTERPRET else GRAM_TILES)], key=["M", "K", "ADD"])
+    @triton.jit
+    def _gram_kernel(x_ptr, add_ptr, out_ptr, M, K, s_xb, s_xm, s_xk, s_ob, s_om, alpha, beta,
+                     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr):
+        """out = alpha x x^T (+ beta add) for one matrix of the stack; add (M, M) is symmetric too."""
+        i, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        if j < i:  # below the diagonal: the transpose of a tile that program (j, i) stores
+            return
+        ri, rj, rk = i * BLOCK + tl.arange(0, BLOCK), j * BLOCK + tl.arange(0, BLOCK), tl.arange(0, BLOCK_K)
+        x = x_ptr + b * s_xb
+        acc = tl.zeros((BLOCK, BLOCK), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            rows = tl.load(x + ri[:, None] * s_xm + (k + rk)[None, :] * s_xk,
+                           mask=(ri[:, None] < M) & (k + rk[None, :] < K), other=0.0)  # x[ri, k:k+BLOCK_K]
+            cols = tl.load(x + (k + rk)[:, None] * s_xk + rj[None, :] * s_xm,
+                           mask=(k + rk[:, None] < K) & (rj[None, :] < M), other=0.0)  # x[rj, k:k+BLOCK_K]^T
+            acc = tl.dot(rows, cols, acc)
+        acc = acc * alpha
+        keep = (ri[:, None] < M) & (rj[None, :] < M)
+        if ADD:
+            acc += beta * tl.load(add_ptr + b * s_ob + ri[:, None] * s_om + rj[None, :], mask=keep, other=0.0).to(tl.float32)
+        out = out_ptr + b * s_ob
+        tile = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out + ri[:, None] * s_om + rj[None, :], tile, mask=keep)
+        if j > i:
+            tl.store(out + rj[:, None] * s_om + ri[None, :], tl.trans(tile), mask=(rj[:, None] < M) & (ri[None, :] < M))
+
+    @torch.library.custom_op("onegpu::gram", mutates_args=())
+    def gram(x: torch.Tensor, add: Optional[torch.Tensor] = None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
+        """alpha x x^T + beta add for a stack x (n, m, k), in x's dtype, accumulated in float32: each
+        symmetric tile computed once. add: None or (n, m, m), symmetric and contiguous (Newton-Schulz's
+        b G + c G G is gram(G, G, c, b)). Returns (n, m, m), contiguous."""
+        n, M, K = x.shape
+        out = x.new_empty(n, M, M)
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK"]), triton.cdiv(M, meta["BLOCK"]), n)  # noqa: E731
+        _gram_kernel[grid](x, out if add is None else add, out, M, K, x.stride(0), x.stride(1), x.stride(2),
+                           out.stride(0), out.stride(1), float(alpha), float(beta), ADD=add is not None)
+        return out
+
+    @gram.register_fake
+    def _(x, add=None, alpha=1.0, beta=0.0):
+        return x.new_empty(x.shape[0], x.shape[1], x.shape[1])
+
+
 def device_supported(device: torch.device) -> bool:
     """Whether these kernels run on `device`: an NVIDIA GPU of compute capability 8.0 (Ampere) or
     newer, the oldest Triton supports and the first with bfloat16 arithmetic; on CPU, Triton's
@@ -417,6 +473,12 @@ def runs_on(t: torch.Tensor) -> bool:
 def cross_entropy_supported(logits: torch.Tensor) -> bool:
     """Whether cross_entropy handles these (N, vocab) logits: where runs_on, contiguous rows."""
     return runs_on(logits) and logits.dim() == 2 and logits.is_contiguous()
+
+
+def gram_supported(x: torch.Tensor) -> bool:
+    """Whether gram handles the stack x (n, m, k): where runs_on, in a 16-bit float (tl.dot would
+    round float32 to TF32, where the plain bmm keeps it)."""
+    return runs_on(x) and x.dim() == 3 and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def swiglu_supported(h13: torch.Tensor) -> bool:

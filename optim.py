@@ -38,7 +38,12 @@ import torch
 import torch.distributed as dist
 
 import config as C
+import kernels as K
 import model as M
+
+# The optimizer's fast path beside model.TRAINING_FAST_PATHS: a train setting, off unless named, whose
+# plain twin is orthogonalize's batched matmuls.
+FAST_PATHS = {"muon_kernel": "muon kernel"}
 
 # Newton-Schulz quintic coefficients, chosen to maximise the slope at zero (Jordan 2024;
 # the same constants as torch.optim.Muon).
@@ -79,33 +84,40 @@ def muon_momentum_at(step: int, cfg: C.TrainConfig) -> float:
     return (1 - frac) * cfg.muon_momentum_start + frac * cfg.muon_momentum
 
 
-def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7, kernel: bool = False) -> torch.Tensor:
     """The Newton-Schulz iteration on a stack of matrices g (n, rows, cols): about U V^T of each
     matrix's SVD U S V^T (the singular values land in roughly [0.7, 1.2], which trains as well).
-    Computed in `dtype` (bfloat16 on a GPU, as published); returns g's dtype."""
+    Computed in `dtype` (bfloat16 on a GPU, as published); returns g's dtype. kernel: the two symmetric
+    products through kernels.gram where it runs (train.muon_kernel), each symmetric tile computed once."""
     x = g.to(dtype)
     wide = x.shape[-2] <= x.shape[-1]
     if not wide:  # iterate on the wide orientation: the Gram matrix is the smaller square
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
     a, b, c = NS_COEFFICIENTS
+    kernel = kernel and K.gram_supported(x)
     for _ in range(NS_STEPS):
         # x <- a x + (b G + c G G) x with G = x x^T, as three batched matmuls whose epilogues do the
         # scaling and the adding (baddbmm: beta * input + alpha * batch1 @ batch2), no kernel between
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        if kernel:
+            gram = K.gram(x)
+            mix = K.gram(gram, gram, alpha=c, beta=b)  # G G = G G^T: G is symmetric
+        else:
+            gram = x @ x.mT
+            mix = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, mix, x, beta=a)
     return (x if wide else x.mT).to(g.dtype)
 
 
-def orthogonalize_shared(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """orthogonalize(g, dtype) with the work split over the ranks of the process group: rank r
+def orthogonalize_shared(g: torch.Tensor, dtype: torch.dtype, kernel: bool = False) -> torch.Tensor:
+    """orthogonalize(g, dtype, kernel=kernel) with the work split over the ranks of the process group: rank r
     iterates on parts [r * k, (r + 1) * k) of the n (k = n / world rounded up; zero matrices pad
     the last share, and stay zero), then every rank gathers all of them. g: (n, rows, cols)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     k = -(-g.shape[0] // world)
     padded = torch.cat([g, g.new_zeros(k * world - g.shape[0], *g.shape[1:])]) if k * world > g.shape[0] else g
     gathered = torch.empty_like(padded)
-    dist.all_gather(list(gathered.chunk(world)), orthogonalize(padded[rank * k:(rank + 1) * k], dtype).contiguous())
+    dist.all_gather(list(gathered.chunk(world)), orthogonalize(padded[rank * k:(rank + 1) * k], dtype, kernel=kernel).contiguous())
     return gathered[:g.shape[0]]
 
 
@@ -118,13 +130,15 @@ class Muon(torch.optim.Optimizer):
     ns_dtype: the iteration's dtype; None means bfloat16 on CUDA, float32 elsewhere (a CPU's
     bfloat16 matmuls are slow). Tests pass float64 to compare with the published algorithm.
     shared: in a process group of several ranks, split the iteration over them (orthogonalize_shared);
-    every rank must then step with the same gradients, as DDP's all-reduce leaves them."""
+    every rank must then step with the same gradients, as DDP's all-reduce leaves them.
+    kernel: the iteration's symmetric products through kernels.gram where it runs (orthogonalize)."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_dtype: torch.dtype | None = None, tall_scale: bool = True, shared: bool = True):
+                 ns_dtype: torch.dtype | None = None, tall_scale: bool = True, shared: bool = True,
+                 kernel: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=None,
                                       tall_scale=tall_scale))
-        self.ns_dtype, self.shared = ns_dtype, shared
+        self.ns_dtype, self.shared, self.kernel = ns_dtype, shared, kernel
         for group in self.param_groups:
             for p in group["params"]:
                 assert p.dim() == 2, f"Muon updates matrices only, got a parameter of shape {tuple(p.shape)}"
@@ -152,7 +166,7 @@ class Muon(torch.optim.Optimizer):
                 # max(1, A/B) ** 0.5: a tall part's orthogonal update has a smaller RMS; this keeps
                 # every part's step the same size (Jordan's scaling, torch's adjust_lr_fn "original")
                 scale = max(1.0, A / B) ** 0.5 if group["tall_scale"] else 1.0
-                ortho = iterate(torch.stack(parts), dtype) * scale
+                ortho = iterate(torch.stack(parts), dtype, kernel=self.kernel) * scale
                 for part, o in zip(parts, ortho):
                     part.copy_(o)  # a view of its parameter's update: written in place
             for p, update in updates:
@@ -273,5 +287,5 @@ def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
     muon = Muon([{"params": matrices, "lr_ratio": cfg.muon_lr / cfg.lr, "role": "matrices",
                   "splits": [stacked_rows(n, p, model.cfg) for n, p in groups["matrices"]]}],
                 lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay,
-                tall_scale=cfg.muon_tall_scale, shared=cfg.muon_shared)
+                tall_scale=cfg.muon_tall_scale, shared=cfg.muon_shared, kernel=cfg.muon_kernel)
     return Optimizers(muon, torch.optim.AdamW(adamw_groups(groups, cfg), **adam))

@@ -236,3 +236,33 @@ def relu2_check():
     for fused_t, plain_t in zip(*out):
         assert fused_t.dtype == plain_t.dtype
         assert ((fused_t.float() - plain_t.float()).norm() / plain_t.float().norm()) < 5e-3
+
+
+def gram_check():
+    """kernels.gram against float32 matmuls (x x^T, and b G + c G G), on sides the tiles do not divide and on
+    a transposed view; then Muon's step with the kernel against Muon without, float16, and that it ran."""
+    import optim as O
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 150, 200, generator=g).half()
+    for stack in (x, torch.randn(2, 200, 150, generator=g).half().mT):  # contiguous, and a tall matrix's view
+        reference = stack.float() @ stack.float().mT
+        out = K.gram(stack)
+        assert out.shape == (2, 150, 150) and out.dtype == stack.dtype
+        assert (out.float() - reference).abs().max() < 1e-3 * reference.abs().max()
+        assert torch.equal(out, out.mT)  # each off-diagonal tile written with its mirror
+    gram = (x.float() @ x.float().mT / 200).half()
+    b, c = O.NS_COEFFICIENTS[1:]
+    reference = b * gram.float() + c * gram.float() @ gram.float()
+    mix = K.gram(gram, gram, alpha=c, beta=b)
+    assert (mix.float() - reference).abs().max() < 2e-3 * reference.abs().max()
+    calls, plain_gram = [], K.gram
+    K.gram = lambda *a, **k: calls.append(1) or plain_gram(*a, **k)
+    steps = []
+    for kernel in (True, False):
+        w = torch.nn.Parameter(torch.randn(96, 160, generator=torch.Generator().manual_seed(4)))
+        w.grad = torch.randn(96, 160, generator=torch.Generator().manual_seed(5))
+        O.Muon([w], lr=0.1, ns_dtype=torch.float16, kernel=kernel).step()
+        steps.append(w.detach().clone())
+    K.gram = plain_gram
+    assert len(calls) == 2 * O.NS_STEPS  # two symmetric products a Newton-Schulz step
+    assert ((steps[0] - steps[1]).norm() / steps[1].norm()) < 1e-3

@@ -228,6 +228,18 @@ def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
         assert rel(out[1][1][name], grad) < 3e-2, name
 
 
+def test_muons_symmetric_gram_kernel_matches_the_batched_matmuls_in_bf16():
+    """kernels.gram (train.muon_kernel) at the presets' shapes: x x^T of a stack of 768 x 3,072 parts as the
+    bmm computes it, and the whole Newton-Schulz iteration with it as without, in bf16."""
+    import optim as O
+    g = torch.Generator("cuda").manual_seed(9)
+    x = torch.randn(4, 768, 3072, device="cuda", generator=g).bfloat16() / 3072 ** 0.5
+    assert rel(K.gram(x), x @ x.mT) < 1e-2
+    for shape in ((4, 768, 3072), (3, 3072, 768), (6, 768, 768)):
+        stack = torch.randn(*shape, device="cuda", generator=g)
+        assert rel(O.orthogonalize(stack, torch.bfloat16, kernel=True), O.orthogonalize(stack, torch.bfloat16)) < 2e-2
+
+
 def test_fp16_with_its_gradient_scaler_trains_on_cuda():
     """The path of GPUs without bf16 (train.fp16): float16 autocast and a GradScaler through train.py's
     own train_step, on one repeated batch: the loss falls and every step stays finite."""

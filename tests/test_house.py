@@ -140,15 +140,19 @@ AGREEMENT = {
                  "test_gpu.py::test_fp8_head_stays_close_to_bf16"],
     "fused_decode": ["test_kernels.py::test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token",
                      "test_gpu.py::test_fused_decode_step_matches_the_plain_path_in_bf16"],
+    "muon_kernel": ["test_kernels.py::test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step",
+                    "test_gpu.py::test_muons_symmetric_gram_kernel_matches_the_batched_matmuls_in_bf16"],
 }
 
 
 def test_every_fast_path_has_a_switch_off_by_default_and_its_agreement_tests():
     import dataclasses
+    import config as C
     import model as M
+    import optim as O
     import train as TR
-    assert set(AGREEMENT) == set(M.TRAINING_FAST_PATHS) | set(M.GENERATION_FAST_PATHS)
-    defaults = {f.name: f.default for f in dataclasses.fields(M.ModelConfig)}
+    assert set(AGREEMENT) == set(M.TRAINING_FAST_PATHS) | set(M.GENERATION_FAST_PATHS) | set(O.FAST_PATHS)
+    defaults = {f.name: f.default for cls in (M.ModelConfig, C.TrainConfig) for f in dataclasses.fields(cls)}
     flags = {o for a in TR.build_parser()._actions for o in a.option_strings}
     for name, tests in AGREEMENT.items():
         assert defaults[name] is False, name  # a config that does not name it runs the plain path
@@ -162,6 +166,8 @@ def test_no_preset_names_a_fast_path_that_does_not_run_for_it():
     import config as C
     import model as M
     for preset in C.preset_names():
-        cfg = C.preset(preset).model
-        on = [s for s in AGREEMENT if getattr(cfg, s)]
+        full = C.preset(preset)
+        cfg = full.model
+        on = [s for s in M.TRAINING_FAST_PATHS | M.GENERATION_FAST_PATHS if getattr(cfg, s)]
         assert all(M.fast_path_applies(s, cfg) for s in on), (preset, [s for s in on if not M.fast_path_applies(s, cfg)])
+        assert full.train.muon or not full.train.muon_kernel, preset  # Muon's kernel needs Muon

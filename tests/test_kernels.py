@@ -18,7 +18,7 @@ import model as M
 ROOT = Path(__file__).resolve().parent.parent
 
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
-CHECKS = ("decode_check", "swiglu_check", "cross_entropy_check", "fp8_head_loss_check", "relu2_check")
+CHECKS = ("decode_check", "swiglu_check", "cross_entropy_check", "fp8_head_loss_check", "relu2_check", "gram_check")
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +80,8 @@ def test_the_fp8_head_and_loss_kernel_in_one_function_match_them_apart(interpret
 @needs_triton
 def test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward(interpreted):
     run_under_interpreter(interpreted, "relu2_check")
+
+
+@needs_triton
+def test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step(interpreted):
+    run_under_interpreter(interpreted, "gram_check")

@@ -194,7 +194,7 @@ from test_optim import two_muon_steps
 dist.init_process_group("gloo")
 iterated = []  # the stack sizes this rank orthogonalised
 inner = O.orthogonalize
-O.orthogonalize = lambda g, dtype: iterated.append(g.shape[0]) or inner(g, dtype)
+O.orthogonalize = lambda g, dtype, kernel=False: iterated.append(g.shape[0]) or inner(g, dtype, kernel=kernel)
 torch.save({"params": two_muon_steps(), "iterated": iterated}, f"{sys.argv[3]}/rank{dist.get_rank()}.pt")
 '''
 
