@@ -7,6 +7,7 @@ relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, and
 input gradient with the square's derivative in its own.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
 backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
+qk_norm_rope: QK-norm and RoPE on the QKV projection's output, forward and backward, one pass each.
 gram: alpha x x^T + beta add, each symmetric tile once: two of the three products in Muon's
 Newton-Schulz step (optim.orthogonalize with train.muon_kernel).
 
@@ -53,6 +54,7 @@ SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the pre
 # and Ampere. The interpreter takes the first alone.
 RELU2_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
+QK_TOKENS = 16  # tokens per program in qk_norm_rope: its backward writes one partial gain gradient a program
 # gram's candidate square tiles (side, inner), warps and stages, autotuned once per shape; the interpreter
 # takes the first. Side 128 splits the presets' 768-wide Gram matrices into 6 x 6 tiles, of which 21 run.
 GRAM_TILES = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3))
@@ -392,6 +394,109 @@ if AVAILABLE:
         return torch.empty_like(act)
 
 
+    # QK-norm and RoPE between the QKV projection and attention. Compiled, they took one kernel forward
+    # (3.7 ms per two micro-batches of 49,152 tokens of the record preset on an H200) and three backward
+    # (3.1 + 3.6 + 0.9 ms; docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/,
+    # profile-real-data), where reading and writing q and k once needs about 1.4 ms forward and 2 backward at
+    # 4.8 TB/s. Here one program takes QK_TOKENS tokens, each token's H + Hkv heads as one (heads, D) tile:
+    # the norm over D, the gain (q's or k's by row), then rotate-half RoPE against the partner column
+    # (j + D/2) mod D, in float32, rounded once; v is copied through, so the output is the whole qkv tensor
+    # and the backward writes the whole gradient, with no concatenation after it. The backward recomputes
+    # the norm from qkv and sums each program's gain gradients into one row of a small buffer.
+    @triton.jit
+    def _qk_norm_rope_kernel(x_ptr, dy_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, N, T, eps,
+                             H: tl.constexpr, HKV: tl.constexpr, NORM_P: tl.constexpr, V_P: tl.constexpr,
+                             D: tl.constexpr, TOKENS: tl.constexpr, BACKWARD: tl.constexpr):
+        pid = tl.program_id(0)
+        heads, d, vh = tl.arange(0, NORM_P), tl.arange(0, D), tl.arange(0, V_P)
+        rows, is_q = heads[:, None] < H + HKV, heads[:, None] < H  # (NORM_P, 1): q heads, then k heads, then padding
+        partner = (d + D // 2) % D
+        sign = tl.where(d < D // 2, -1.0, 1.0)  # rotate half: (x1, x2) -> (-x2, x1)
+        gain = tl.where(is_q, tl.load(qg_ptr + d).to(tl.float32)[None, :], tl.load(kg_ptr + d).to(tl.float32)[None, :])
+        gain_p = tl.where(is_q, tl.load(qg_ptr + partner).to(tl.float32)[None, :],
+                          tl.load(kg_ptr + partner).to(tl.float32)[None, :])
+        own, other = heads[:, None] * D + d[None, :], heads[:, None] * D + partner[None, :]
+        v_cols = (H + HKV + vh[:, None]) * D + d[None, :]
+        dg_q, dg_k = tl.zeros([D], tl.float32), tl.zeros([D], tl.float32)
+        for i in range(TOKENS):
+            n = pid.to(tl.int64) * TOKENS + i
+            if n < N:
+                row = n * (H + 2 * HKV) * D
+                t = n % T
+                # rope_tables repeats its angles in both halves, so the partner column's cos and sin are the own.
+                cos = tl.load(cos_ptr + t * D + d).to(tl.float32)[None, :]
+                sin = (tl.load(sin_ptr + t * D + d).to(tl.float32) * sign)[None, :]
+                x = tl.load(x_ptr + row + own, mask=rows, other=0.0).to(tl.float32)
+                r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # (NORM_P,)
+                if BACKWARD:  # y = u cos + sign u_p sin, u = x r g  =>  du = dy cos - sign dy_p sin
+                    dy = tl.load(dy_ptr + row + own, mask=rows, other=0.0).to(tl.float32)
+                    dy_p = tl.load(dy_ptr + row + other, mask=rows, other=0.0).to(tl.float32)
+                    du = dy * cos - dy_p * sin
+                    normed = x * r[:, None]
+                    dg_q += tl.sum(tl.where(is_q, du * normed, 0.0), axis=0)
+                    dg_k += tl.sum(tl.where(is_q, 0.0, du * normed), axis=0)
+                    dn = du * gain
+                    y = r[:, None] * (dn - normed * (tl.sum(dn * normed, axis=1) / D)[:, None])
+                    v = tl.load(dy_ptr + row + v_cols, mask=vh[:, None] < HKV)
+                else:
+                    x_p = tl.load(x_ptr + row + other, mask=rows, other=0.0).to(tl.float32)
+                    y = x * r[:, None] * gain * cos + x_p * r[:, None] * gain_p * sin
+                    v = tl.load(x_ptr + row + v_cols, mask=vh[:, None] < HKV)
+                tl.store(out_ptr + row + own, y.to(out_ptr.dtype.element_ty), mask=rows)
+                tl.store(out_ptr + row + v_cols, v, mask=vh[:, None] < HKV)
+        if BACKWARD:
+            tl.store(dg_ptr + pid * 2 * D + d, dg_q)
+            tl.store(dg_ptr + pid * 2 * D + D + d, dg_k)
+
+    def _qk_norm_rope_launch(qkv, dy, out, cos, sin, q_gain, k_gain, dg, n_heads: int, eps: float, backward: bool):
+        B, T, n, D = qkv.shape
+        Hkv = (n - n_heads) // 2
+        _qk_norm_rope_kernel[(triton.cdiv(B * T, QK_TOKENS),)](
+            qkv, dy, out, cos, sin, q_gain, k_gain, dg, B * T, T, eps, H=n_heads, HKV=Hkv,
+            NORM_P=triton.next_power_of_2(n_heads + Hkv), V_P=triton.next_power_of_2(Hkv), D=D, TOKENS=QK_TOKENS,
+            BACKWARD=backward)
+        return out
+
+    @torch.library.custom_op("onegpu::qk_norm_rope", mutates_args=())
+    def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_gain: torch.Tensor,
+                     k_gain: torch.Tensor, n_heads: int, eps: float) -> torch.Tensor:
+        """QK-norm and RoPE on the QKV projection's output qkv (B, T, H + 2 Hkv, D), contiguous, H = n_heads:
+        each q head times rsqrt(mean(q^2) + eps) * q_gain, each k head the same with k_gain, both rotated by
+        cos, sin (T, D) (model.rope_tables' layout), v as it is. Returns the same shape and dtype."""
+        out = torch.empty_like(qkv)
+        return _qk_norm_rope_launch(qkv, qkv, out, cos, sin, q_gain, k_gain, out, n_heads, eps, backward=False)
+
+    @qk_norm_rope.register_fake
+    def _(qkv, cos, sin, q_gain, k_gain, n_heads, eps):
+        return torch.empty_like(qkv)
+
+    @torch.library.custom_op("onegpu::qk_norm_rope_backward", mutates_args=())
+    def qk_norm_rope_backward(grad: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              q_gain: torch.Tensor, k_gain: torch.Tensor, n_heads: int,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gradients of qk_norm_rope with respect to qkv, q_gain and k_gain, given grad (its output's)."""
+        B, T, _, D = qkv.shape
+        partial = qkv.new_empty(triton.cdiv(B * T, QK_TOKENS), 2, D, dtype=torch.float32)
+        dqkv = _qk_norm_rope_launch(qkv, grad.contiguous(), torch.empty_like(qkv), cos, sin, q_gain, k_gain, partial,
+                                    n_heads, eps, backward=True)
+        return dqkv, partial[:, 0].sum(0).to(q_gain.dtype), partial[:, 1].sum(0).to(k_gain.dtype)
+
+    @qk_norm_rope_backward.register_fake
+    def _(grad, qkv, cos, sin, q_gain, k_gain, n_heads, eps):
+        return torch.empty_like(qkv), torch.empty_like(q_gain), torch.empty_like(k_gain)
+
+    def _qk_norm_rope_save(ctx, inputs, output):
+        qkv, cos, sin, q_gain, k_gain, n_heads, eps = inputs
+        ctx.save_for_backward(qkv, cos, sin, q_gain, k_gain)
+        ctx.n_heads, ctx.eps = n_heads, eps
+
+    def _qk_norm_rope_grad(ctx, grad):
+        qkv, cos, sin, q_gain, k_gain = ctx.saved_tensors
+        dqkv, dq_gain, dk_gain = qk_norm_rope_backward(grad, qkv, cos, sin, q_gain, k_gain, ctx.n_heads, ctx.eps)
+        return dqkv, None, None, dq_gain, dk_gain, None, None
+
+    qk_norm_rope.register_autograd(_qk_norm_rope_grad, setup_context=_qk_norm_rope_save)
+
     # Muon's Newton-Schulz step on a stack of wide matrices x (n, m, k), m <= k (optim.orthogonalize):
     #   G = x x^T (m x m x k),  B = b G + c G G (m x m x m),  x <- a x + B x (m x m x k).
     # G is symmetric, and so is G G (= G G^T), so each of the first two products needs only the tiles on
@@ -473,6 +578,14 @@ def runs_on(t: torch.Tensor) -> bool:
 def cross_entropy_supported(logits: torch.Tensor) -> bool:
     """Whether cross_entropy handles these (N, vocab) logits: where runs_on, contiguous rows."""
     return runs_on(logits) and logits.dim() == 2 and logits.is_contiguous()
+
+
+def qk_norm_rope_supported(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether qk_norm_rope handles qkv (B, T, heads, D) with tables cos (T, D): where runs_on, both
+    contiguous, a power-of-two head size of at least 16 (RoPE pairs its two halves)."""
+    D = qkv.shape[-1]
+    return (runs_on(qkv) and qkv.dim() == 4 and qkv.is_contiguous() and cos.is_contiguous()
+            and D >= 16 and D & (D - 1) == 0)
 
 
 def gram_supported(x: torch.Tensor) -> bool:

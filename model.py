@@ -14,8 +14,9 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
 `fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
-in training under autocast, and `fused_swiglu`, `fused_relu2`, `loss_kernel` and `fused_decode` hand
-SwiGLU, ReLU²'s activation, the training loss and a decoded token's attention to Triton kernels.
+in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
+`fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE, the training loss and a decoded
+token's attention to Triton kernels.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
@@ -48,7 +49,8 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 # the switches in this order and skips one that a switch before it excludes, so it keeps those two, which
 # configs/126m-record.toml runs.
 TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fused_loss": "fused loss",
-                       "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²", "bf16_residual": "bf16 residual",
+                       "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²",
+                       "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
                        "fp8": "fp8 matmuls"}
 GENERATION_FAST_PATHS = {"fused_decode": "fused decode"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
@@ -94,6 +96,7 @@ class ModelConfig:
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
     fused_relu2: bool = False  # ReLU²'s square and its derivative in its matmuls' epilogues (CUDA, training)
+    fused_qk_norm_rope: bool = False  # QK-norm and RoPE in one Triton kernel each way (CUDA, training)
     loss_kernel: bool = False  # the (soft-capped) cross-entropy as one Triton kernel each way (CUDA, training)
 
     def __post_init__(self):
@@ -194,11 +197,11 @@ class ModelConfig:
 
 
 def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
-    """cfg for a model that will train on `device`: fused_swiglu, fused_relu2 and loss_kernel off on a GPU
-    Triton cannot run (older than Ampere), where the plain paths compute the same functions. On CPU they pick
-    the plain path themselves; the decode kernel asks the same question per cache (KVCache.fusable)."""
+    """cfg for a model that will train on `device`: the Triton fast paths off on a GPU Triton cannot run
+    (older than Ampere), where the plain paths compute the same functions. On CPU they pick the plain path
+    themselves; the decode kernel asks the same question per cache (KVCache.fusable)."""
     if device.type == "cuda" and not K.device_supported(device):
-        return replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False)
+        return replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False, fused_qk_norm_rope=False)
     return cfg
 
 
@@ -207,13 +210,16 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (and
     those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
     head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
-    fused decode for a model without a sliding window (its kernel reads the whole cache)."""
+    fused QK-norm + RoPE for a model with QK-norm, the fused decode for a model without a sliding window
+    (its kernel reads the whole cache)."""
     if name == "fused_decode":
         return not cfg.windowed
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
     if name == "fused_relu2":
         return cfg.mlp == "relu2" and not cfg.fp8
+    if name == "fused_qk_norm_rope":
+        return cfg.qk_norm
     if name == "fp8":
         return not (cfg.fused_relu2 and cfg.mlp == "relu2")
     if name == "fused_loss":
@@ -615,6 +621,7 @@ class Attention(nn.Module):
         self.kind = cfg.attention
         self.scale = cfg.attn_scale or None  # None: each kernel's own 1/sqrt(head size)
         self.fused_decode = cfg.fused_decode and fast_path_applies("fused_decode", cfg)  # it reads the whole cache
+        self.fused_qk = cfg.fused_qk_norm_rope and fast_path_applies("fused_qk_norm_rope", cfg)  # with QK-norm
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
@@ -631,11 +638,12 @@ class Attention(nn.Module):
         self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
 
-    def split_heads(self, qkv, ve=None):
-        """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd): q and k normed with qk_norm,
-        the value embedding ve (B, T, Hkv * hd) mixed into v."""
+    def split_heads(self, qkv, ve=None, norm: bool = True):
+        """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd): q and k normed with qk_norm
+        (unless norm is False: the fused kernel normed them), the value embedding ve (B, T, Hkv * hd)
+        mixed into v."""
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if ve is not None:
             v = self.v_mix[0] * v + self.v_mix[1] * ve.view_as(v)
@@ -665,8 +673,14 @@ class Attention(nn.Module):
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
                               self.scale or self.head_dim ** -0.5, **norm)  # (B, 1, H, hd)
             return self.wo(self.gated(y, x).reshape(B, T, -1))
-        q, k, v = self.split_heads(qkv, ve)  # (B, T, heads, hd)
-        q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
+        if pos is None and self.fused_qk and torch.is_grad_enabled() and K.qk_norm_rope_supported(qkv, cos):
+            # Training: QK-norm and RoPE in one Triton kernel each way (kernels.qk_norm_rope), tested
+            # against the two lines below, which evaluation and decoding run.
+            qkv = K.qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads, self.q_norm.eps)
+            q, k, v = self.split_heads(qkv, ve, norm=False)
+        else:
+            q, k, v = self.split_heads(qkv, ve)  # (B, T, heads, hd)
+            q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
             k, v = self.cache.update(pos, k, v)

@@ -266,3 +266,47 @@ def gram_check():
     K.gram = plain_gram
     assert len(calls) == 2 * O.NS_STEPS  # two symmetric products a Newton-Schulz step
     assert ((steps[0] - steps[1]).norm() / steps[1].norm()) < 1e-3
+
+
+def qk_norm_rope_check():
+    """kernels.qk_norm_rope against the plain lines (RMSNorm with q's and k's gains, then model.apply_rope),
+    forward and the gradients of qkv and both gains, float16, for full and half-truncated RoPE, at 10
+    tokens (not a multiple of a program's 16); then the model takes it in training with fused_qk_norm_rope."""
+    g = torch.Generator().manual_seed(6)
+    B, T, H, Hkv, D = 2, 5, 4, 2, 16
+    for truncate in (False, True):
+        cos, sin = (t.half() for t in M.rope_tables(D, T, 10000.0, truncate))
+        qkv0 = torch.randn(B, T, H + 2 * Hkv, D, generator=g).half()
+        gains0 = [torch.rand(D, generator=g) + 0.5 for _ in range(2)]
+        dout = torch.randn(B, T, H + 2 * Hkv, D, generator=g).half()
+        results = []
+        for fused in (True, False):
+            qkv = qkv0.clone().float().requires_grad_() if not fused else qkv0.clone().requires_grad_()
+            gains = [x.clone().requires_grad_() for x in gains0]
+            if fused:
+                out = K.qk_norm_rope(qkv, cos, sin, gains[0], gains[1], H, 1e-5)
+            else:  # in float32, the reference
+                q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+                q, k = M.rms_norm(q, 1e-5) * gains[0], M.rms_norm(k, 1e-5) * gains[1]
+                out = torch.cat([M.apply_rope(q, cos.float(), sin.float()), M.apply_rope(k, cos.float(), sin.float()), v], 2)
+            out.backward(dout.float() if not fused else dout)
+            results.append((out.detach().float(), qkv.grad.float(), gains[0].grad, gains[1].grad))
+        for got, want in zip(*results):
+            assert (got - want).abs().max() < 4e-3 * want.abs().max(), (truncate, (got - want).abs().max())
+        assert results[0][0].dtype == torch.float32 and torch.equal(results[0][0][:, :, H + Hkv:], qkv0[:, :, H + Hkv:].float())
+    cfg = M.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True)
+    calls, fused = [], K.qk_norm_rope
+    K.qk_norm_rope = lambda *a: calls.append(1) or fused(*a)
+    losses = []
+    for on in (True, False):
+        torch.manual_seed(0)
+        model = M.Llama(M.replace(cfg, fused_qk_norm_rope=on)).train()
+        for gain in (model.blocks[0].attn.q_norm.weight, model.blocks[0].attn.k_norm.weight):
+            torch.nn.init.uniform_(gain, 0.5, 1.5)  # off one, so that norming twice would show
+        idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+        loss = model(idx, idx)
+        loss.backward()
+        losses.append((loss.detach(), model.blocks[0].attn.q_norm.weight.grad))
+    K.qk_norm_rope = fused
+    assert calls == [1] and abs(losses[0][0] - losses[1][0]) < 1e-4
+    assert ((losses[0][1] - losses[1][1]).norm() / losses[1][1].norm()) < 1e-3

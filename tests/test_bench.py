@@ -22,13 +22,15 @@ def test_ladder_plan_adds_one_setting_per_rung():
     # 88m is ReLU² with a tied head: no fused SwiGLU rung, no FP8 head rung, and no FP8 block matmuls once
     # the fused ReLU² has its own (model.fast_path_applies)
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
-                     "+loss kernel", "+fused ReLU²", "+bf16 residual", "+coordinate descent",
+                     "+loss kernel", "+fused ReLU²", "+fused QK-norm + RoPE", "+bf16 residual", "+coordinate descent",
                      "+max-autotune (no CUDA graphs)"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
     # The fast paths are off until their own rung, whatever the preset's file turns on.
-    kernels = [(c.model.loss_kernel, c.model.fused_relu2, c.model.bf16_residual) for c in configs]
-    assert kernels == [(False,) * 3] * 6 + [(True, False, False), (True, True, False)] + [(True,) * 3] * 3
+    kernels = [(c.model.loss_kernel, c.model.fused_relu2, c.model.fused_qk_norm_rope, c.model.bf16_residual)
+               for c in configs]
+    assert kernels == [(False,) * 4] * 6 + [(True, False, False, False), (True, True, False, False),
+                                            (True, True, True, False)] + [(True,) * 4] * 3
     assert not any(c.model.fp8 for c in configs)
     assert [c.train.compile_mode for c in configs[-4:]] == ["default", "default", "coordinate-descent",
                                                              "max-autotune-no-cudagraphs"]
@@ -44,14 +46,15 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
     base, *others = [r.config() for r in B.kernel_rungs("88m", 64, 3)]
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
     assert (base.model.loss_kernel, base.model.fused_loss, base.model.bf16_residual) == (False, False, False)
-    assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fused_relu2, c.model.bf16_residual, c.train.compile_mode)
-            for c in others] == [(True, False, False, False, "default"), (False, True, False, False, "default"),
-                                 (False, False, True, False, "default"), (False, False, False, True, "default"),
-                                 (False, False, False, True, "default"),
-                                 (False, False, False, False, "coordinate-descent"),
-                                 (False, False, False, False, "max-autotune-no-cudagraphs")]
+    assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fused_relu2, c.model.fused_qk_norm_rope,
+             c.model.bf16_residual, c.train.compile_mode) for c in others] == [
+        (True, False, False, False, False, "default"), (False, True, False, False, False, "default"),
+        (False, False, True, False, False, "default"), (False, False, False, True, False, "default"),
+        (False, False, False, False, True, "default"), (False, False, False, False, True, "default"),
+        (False, False, False, False, False, "coordinate-descent"),
+        (False, False, False, False, False, "max-autotune-no-cudagraphs")]
     assert not any(c.model.fused_swiglu for c in others)  # ReLU²: no SwiGLU to fuse
-    defaults = others[4]  # what train.py runs with the preset: its file's fast paths, whatever they are
+    defaults = others[5]  # what train.py runs with the preset: its file's fast paths, whatever they are
     preset = B.C.preset("88m").model
     assert (defaults.model.fused_swiglu, defaults.model.bf16_residual) == (preset.fused_swiglu, preset.bf16_residual)
 
@@ -215,12 +218,13 @@ def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     saved = json.loads((tmp_path / "loss_curves.json").read_text())
     by_name = {r["rung"]: r for r in saved["rows"]}
     assert {name: len(losses) for name, losses in saved["curves"].items()} == dict.fromkeys(by_name, 3)
-    assert set(by_name) == {"plain", "loss kernel", "fused loss", "fused ReLU²", "bf16 residual", "fp8 matmuls",
-                            "defaults"}
+    assert set(by_name) == {"plain", "loss kernel", "fused loss", "fused ReLU²", "fused QK-norm + RoPE", "bf16 residual",
+                            "fp8 matmuls", "defaults"}
     assert all("skipped" not in r for r in by_name.values())
     assert by_name["fused loss"]["max_loss_diff"] < 1e-4  # float32 on CPU: the same numbers
     assert by_name["loss kernel"]["max_loss_diff"] == 0  # on CPU without Triton's interpreter: the plain loss
     assert by_name["fused ReLU²"]["max_loss_diff"] == 0  # the same: the plain ReLU²
+    assert by_name["fused QK-norm + RoPE"]["max_loss_diff"] == 0  # and the plain QK-norm and RoPE
     assert by_name["bf16 residual"]["max_loss_diff"] < 1e-4  # no autocast on CPU, so a float32 stream
     assert by_name["fp8 matmuls"]["max_loss_diff"] < 0.1  # FP8 rounding
     assert by_name["defaults"]["max_loss_diff"] < 1e-4  # the fused SwiGLU and bf16 stream, as above
@@ -233,12 +237,13 @@ def test_bench_trains_through_recipes_alone_and_shares_train_py_flag_names():
     source = open(B.__file__).read()
     assert "import subprocess" not in source and "Popen" not in source
     plan = RE.curves_plan("tiny")  # ReLU², tied: neither the fused SwiGLU nor the FP8 head runs for it
-    assert [r.name for r in plan] == ["plain", "loss kernel", "fused loss", "fused ReLU²", "bf16 residual",
-                                      "fp8 matmuls", "defaults"]
+    assert [r.name for r in plan] == ["plain", "loss kernel", "fused loss", "fused ReLU²", "fused QK-norm + RoPE",
+                                      "bf16 residual", "fp8 matmuls", "defaults"]
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
-    assert plan[0].overrides == plain and plan[4].overrides == {**plain, "model__bf16_residual": True}
+    assert plan[0].overrides == plain and plan[5].overrides == {**plain, "model__bf16_residual": True}
     assert [r.name for r in RE.curves_plan("126m-record")] == ["plain", "fp8 head", "loss kernel", "fused loss",
-                                                               "fused ReLU²", "bf16 residual", "fp8 matmuls", "defaults"]
+                                                               "fused ReLU²", "fused QK-norm + RoPE", "bf16 residual",
+                                                               "fp8 matmuls", "defaults"]
     ours = {o: a.dest for a in B.build_parser()._actions for o in a.option_strings}
     theirs = {o: a.dest for a in TR.build_parser()._actions for o in a.option_strings}
     shared = set(ours) & set(theirs) - {"-h", "--help"}

@@ -131,6 +131,18 @@ def test_the_fused_relu2_mlp_matches_plain_in_bf16(compiled):
         assert rel(out[1][1][name], grad) < 2e-2, name
 
 
+@pytest.mark.parametrize("truncate", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_qk_norm_and_rope_match_plain_in_bf16(compiled, truncate):
+    """kernels.qk_norm_rope in the model (fused_qk_norm_rope) against QK-norm and RoPE as plain lines, at
+    the record preset's head size 128 and without grouped kv heads, full and half-truncated RoPE."""
+    base = dict(qk_norm=True, n_heads=2, n_kv_heads=2, rope_truncate=truncate)
+    out = loss_and_grads(compiled, seed=8, base=base, fused_qk_norm_rope=True)
+    assert abs(out[0][0].item() - out[1][0].item()) < 2e-3 * out[0][0].item()
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 2e-2, name
+
+
 @pytest.mark.parametrize("cap", [0.0, 15.0])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_loss_kernel_matches_the_plain_loss_in_bf16(compiled, cap):

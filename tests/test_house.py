@@ -130,6 +130,8 @@ AGREEMENT = {
                     "test_gpu.py::test_the_loss_kernel_matches_the_plain_loss_in_bf16"],
     "fused_relu2": ["test_kernels.py::test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward",
                     "test_gpu.py::test_the_fused_relu2_mlp_matches_plain_in_bf16"],
+    "fused_qk_norm_rope": ["test_kernels.py::test_qk_norm_and_rope_in_one_kernel_match_the_plain_lines_forward_and_backward",
+                           "test_gpu.py::test_the_fused_qk_norm_and_rope_match_plain_in_bf16"],
     "fused_swiglu": ["test_kernels.py::test_fused_swiglu_matches_the_plain_path_forward_and_backward",
                      "test_gpu.py::test_fused_kernels_match_plain_in_bf16"],
     "bf16_residual": ["test_model.py::test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float32",

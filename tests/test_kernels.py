@@ -18,7 +18,7 @@ import model as M
 ROOT = Path(__file__).resolve().parent.parent
 
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
-CHECKS = ("decode_check", "swiglu_check", "cross_entropy_check", "fp8_head_loss_check", "relu2_check", "gram_check")
+CHECKS = ("decode_check", "swiglu_check", "cross_entropy_check", "fp8_head_loss_check", "relu2_check", "gram_check", "qk_norm_rope_check")
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,8 @@ def test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward(interpre
 @needs_triton
 def test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step(interpreted):
     run_under_interpreter(interpreted, "gram_check")
+
+
+@needs_triton
+def test_qk_norm_and_rope_in_one_kernel_match_the_plain_lines_forward_and_backward(interpreted):
+    run_under_interpreter(interpreted, "qk_norm_rope_check")
