@@ -252,7 +252,7 @@ def hf_architecture(cfg: M.ModelConfig) -> tuple[str, str]:
                          f"with this architecture, so this checkpoint cannot be exported (train with "
                          f"--logit-softcap 0 to export)")
     # modded-nanogpt's parts: each changes what the network computes in a way no Llama-family class has.
-    for name in ("embed_norm", "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window"):
+    for name in ("embed_norm", "value_embeds", "value_scale", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window"):
         if getattr(cfg, name):
             raise ValueError(f"model.{name}={getattr(cfg, name)!r}: no transformers class computes it with this "
                              f"architecture, so this checkpoint cannot be exported (train without --{name.replace('_', '-')} "

@@ -95,7 +95,7 @@ class TrainConfig:
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
     head_lr: float = 0.0  # AdamW lr of an untied head; 0: lr (modded-nanogpt: 0.008)
     scalar_lr: float = 0.0  # AdamW lr of the norm gains and mixing scalars; 0: lr (modded-nanogpt: 0.04)
-    adam_eps: float = 1e-8  # AdamW's epsilon (torch's default; modded-nanogpt: 1e-10)
+    adam_eps: float = 1e-8  # AdamW's epsilon (torch's default; modded-nanogpt: 1e-10 on a loss summed, not averaged)
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping (and the norm's cost) off
     eval_every: int = 250  # steps between validation passes (and at the end)
     eval_tokens: int = 1_048_576  # validation tokens per pass

@@ -41,7 +41,7 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 # between runs of the same checkpoint.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
-                "value_embeds", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
+                "value_embeds", "value_scale", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
                 "skip_attn_layer", "attn_scale")
 # The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
 # generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
@@ -77,6 +77,7 @@ class ModelConfig:
     # READMEs); each is off by default and on in the presets that measured it to pay:
     embed_norm: bool = False  # RMSNorm without gain on the token embedding (modded record #8)
     value_embeds: int = 0  # k token tables mixed into the values of the first k and the last k layers (record #14)
+    value_scale: bool = False  # and every other attention layer's values times a learned scalar from 0.5 (modded's)
     unet_skips: bool = False  # block L-1-i adds a learned multiple of block i's output, i < L/2 (record #9)
     x0_mix: bool = False  # each block's input is a*x + b*x0, x0 the (normed) embedding, a=1 b=0 learned (record #11)
     rope_truncate: bool = False  # RoPE on the first quarter of frequencies only (1 to 1/1024); the rest unrotated
@@ -170,10 +171,10 @@ class ModelConfig:
 
     def short_layer(self, layer: int) -> bool:
         """Whether layer `layer` attends over the short window: with short_windows, all layers but every
-        fourth from the first and the last. modded-nanogpt's record #28 alternates long and short windows
-        (long on layers 0, 4, 7 and 11 of 12, its layer 7 without attention), after Gemma 2: a few long
-        layers carry the far context, the rest look nearby at half the cost."""
-        return self.short_windows and layer % 4 != 0 and layer != self.n_layers - 1
+        fourth counted from either end, as the U-net mirrors them. modded-nanogpt's record #28 alternates
+        long and short windows this way (long on layers 0, 4, 7 and 11 of 12, its layer 7 without attention),
+        after Gemma 2: a few long layers carry the far context, the rest look nearby at half the cost."""
+        return self.short_windows and min(layer, self.n_layers - 1 - layer) % 4 != 0
 
     def attends(self, layer: int) -> bool:
         """Whether layer `layer` has attention (all but skip_attn_layer)."""
@@ -631,8 +632,10 @@ class Attention(nn.Module):
         # q_norm and k_norm). It bounds the attention logits, which is what lets Muon's larger steps stay stable.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        # Value embeddings: v = a * v + b * ve, with (a, b) learned from (0.5, 0.5) as in modded-nanogpt.
-        self.v_mix = nn.Parameter(torch.empty(2)) if cfg.value_table(layer) is not None else None
+        # Value embeddings: v = a * v + b * ve, with (a, b) learned from (0.5, 0.5) as in modded-nanogpt; with
+        # value_scale a layer without a table keeps a alone (v = a * v), as modded's does.
+        mixes = cfg.value_table(layer) is not None
+        self.v_mix = nn.Parameter(torch.empty(2 if mixes else 1)) if mixes or cfg.value_scale else None
         # The gate: (B, T, 12) -> (B, T, H), zero-initialised, so every head starts at half its output
         # and can learn to switch itself off per token ("sparse attention gate", modded-nanogpt).
         self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
@@ -647,6 +650,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if ve is not None:
             v = self.v_mix[0] * v + self.v_mix[1] * ve.view_as(v)
+        elif self.v_mix is not None:
+            v = self.v_mix[0] * v
         return q, k, v
 
     def gated(self, y, x):
@@ -666,7 +671,7 @@ class Attention(nn.Module):
             # one Triton kernel (kernels.decode_step), tested against the plain path below. It has no
             # backward pass: with gradients on, the plain path runs.
             norm = {}
-            if ve is not None:  # the kernel takes v as it goes into attention: mix in the value embedding first
+            if self.v_mix is not None:  # the kernel takes v as it goes into attention: mix or scale it first
                 qkv = torch.cat(self.split_heads(qkv, ve), dim=2)
             elif self.q_norm is not None:
                 norm = dict(q_gain=self.q_norm.weight, k_gain=self.k_norm.weight, eps=self.q_norm.eps)
@@ -936,7 +941,7 @@ class Llama(nn.Module):
             last = name.rsplit(".", 1)[-1]
             if last in scalars:
                 with torch.no_grad():
-                    p.copy_(torch.tensor(scalars[last]))
+                    p.copy_(torch.tensor(scalars[last][:p.numel()]))  # a lone v_mix is (a,)
             elif name.startswith("value_embeds.") or (name == "embed.weight" and unit_embedding):
                 nn.init.normal_(p, mean=0.0, std=1.0)
             elif (output_projection or name == "head.weight") and self.cfg.zero_init or name.endswith("attn.gate.weight"):
@@ -1070,6 +1075,8 @@ def param_count(cfg: ModelConfig) -> int:
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     value = cfg.value_embeds * (cfg.vocab_size * kv + 2 * 2)  # a table and two layers' (a, b) each
+    if cfg.value_scale:  # every other layer with attention: its a
+        value += sum(cfg.value_table(i) is None and cfg.attends(i) for i in range(cfg.n_layers))
     skips = cfg.n_layers // 2 if cfg.unet_skips else 0
     return embed + cfg.n_layers * block - attention_free + d + head + value + skips
 

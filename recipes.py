@@ -152,6 +152,10 @@ RECORD_CHAIN = (
                                                                   "train__muon_tall_scale": False,
                                                                   "model__attn_scale": 0.12}),
     ("+ loss kernel", {"model__loss_kernel": True}),
+    # modded's too: every attention layer scales its values by a learned scalar (sa_lambdas[0]), and its loss
+    # is a sum over the step's tokens where ours is a mean, so its Adam epsilon 1e-10 is ours over 393,216.
+    ("+ values scaled on every layer, Adam's epsilon at modded's gradient scale", {"model__value_scale": True,
+                                                                                 "train__adam_eps": 2.5e-16}),
 )
 # The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).

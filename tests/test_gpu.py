@@ -189,7 +189,7 @@ def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compile
 
 
 RECORD = dict(mlp="relu2", qk_norm=True, zero_init=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0,
-              value_embeds=1, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384,
+              value_embeds=1, value_scale=True, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=384,
               short_windows=True, fp8_head=True, loss_kernel=True, attn_scale=0.12)
 
 

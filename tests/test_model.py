@@ -164,11 +164,13 @@ def test_record_block_matches_numpy_float64():
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
-def test_short_windows_halve_the_window_on_all_but_every_fourth_and_the_last_layer():
-    """modded-nanogpt's long-short pattern, generalised: 12 layers give its long layers 0, 4 and 11
-    (and 8, where its layer 7 has no attention); a short layer sees half the long window."""
+def test_short_windows_halve_the_window_on_all_but_every_fourth_layer_from_either_end():
+    """modded-nanogpt's long-short pattern, generalised as every fourth layer counted from either end: 12
+    layers give its long layers 0, 4, 7 and 11 exactly, 16 mirror as 0, 4, 11, 15; a short layer sees half
+    the long window."""
     cfg = M.ModelConfig(**{**SMALL, "n_layers": 12, "attn_window": 6, "short_windows": True})
-    assert [i for i in range(12) if not cfg.short_layer(i)] == [0, 4, 8, 11]
+    assert [i for i in range(12) if not cfg.short_layer(i)] == [0, 4, 7, 11]
+    assert [i for i in range(16) if not M.replace(cfg, n_layers=16).short_layer(i)] == [0, 4, 11, 15]
     assert cfg.windows() == (6, 3) and cfg.windows(256) == (256, 128) and cfg.windows(1) == (1, 1)
     assert M.ModelConfig(**{**SMALL, "attn_window": 6}).windows() == (6, 0)
     with pytest.raises(ValueError, match="model.short_windows halves model.attn_window"):
@@ -277,11 +279,12 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
 
 def test_the_record_preset_has_the_record_holders_parameter_count():
     """configs/126m-record.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
-    attention-free layer 7 and untied head included, and the module's tensors agree with param_count."""
+    attention-free layer 7 and untied head included, and the module's tensors agree with param_count
+    (modded's scalars are 64 whether used or not; ours are the used ones: 5 value scales among them)."""
     cfg = C.preset("126m-record").model
     with torch.device("meta"):
         model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_426_562
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_426_567
     assert model.blocks[7].attn is None and len(model.attentions()) == 11
 
 
@@ -293,9 +296,9 @@ def test_flops_per_token_count_matmuls_and_the_windows_keys():
     # blocks (q, k, v, o, the MLP, the gate) and the head; layer 7 has no attention (its q, k, v, o and gate)
     matmuls = L * (4 * d * d + 2 * d * f + 12 * H) - (4 * d * d + 12 * H) + V * d
     # gains (two norms, q/k norms; layer 7 has neither its attention norm nor q/k norms), x0 mixes,
-    # final norm, skips, v mixes
-    scalars = L * (2 * d + 2 * hd + 2) - (d + 2 * hd) + d + L // 2 + 3 * 2 * 2
-    long_layers = 4  # 0, 4, 8 and 11; layer 7, short, has no attention
+    # final norm, skips, v mixes, value scales (layers 3-6 and 8)
+    scalars = L * (2 * d + 2 * hd + 2) - (d + 2 * hd) + d + L // 2 + 3 * 2 * 2 + 5
+    long_layers = 3  # 0, 4 and 11; layer 7, modded's fourth long one, has no attention
     attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
     assert M.flops_per_token(cfg) == 6 * (matmuls + scalars) + attention
 
@@ -348,6 +351,25 @@ def test_the_record_parts_start_where_modded_nanogpt_starts_them():
     assert 0.9 < model.embed.weight.std().item() < 1.1 and 0.9 < model.value_embeds[0].weight.std().item() < 1.1
     idx = torch.randint(0, 97, (2, 12))
     assert model(idx, idx).item() == pytest.approx(math.log(97), abs=1e-6)
+
+
+def test_value_scale_multiplies_the_values_of_the_layers_without_a_table():
+    """value_scale: a layer that mixes no value embedding scales its values by its own learned a, from 0.5
+    (modded-nanogpt's sa_lambdas[0]); attention and the output projection are linear in v, so that layer's
+    attention output is a times the plain one; the layers with a table keep their (a, b)."""
+    parts = dict(n_layers=4, value_embeds=1, attn_gate=True, qk_norm=True)
+    plain, scaled = small_model(**parts), small_model(**parts, value_scale=True)
+    assert scaled.blocks[1].attn.v_mix.tolist() == [0.5] and scaled.blocks[0].attn.v_mix.tolist() == [0.5, 0.5]
+    assert plain.blocks[1].attn.v_mix is None
+    assert sum(p.numel() for p in scaled.parameters()) == M.param_count(scaled.cfg) == M.param_count(plain.cfg) + 2
+    scaled.load_state_dict({**plain.state_dict(), **{n: p for n, p in scaled.state_dict().items() if "v_mix" in n}})
+    with torch.no_grad():
+        scaled.blocks[1].attn.v_mix.fill_(0.3)
+        x = torch.randn(2, 12, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        at = M.Attend(plain.cos[:12], plain.sin[:12])
+        assert torch.allclose(scaled.blocks[1].attn(x, at), 0.3 * plain.blocks[1].attn(x, at), atol=1e-12)
+        ve = torch.randn(2, 12, 32, dtype=torch.float64)  # (B, T, Hkv * hd)
+        assert torch.equal(scaled.blocks[0].attn(x, at, ve=ve), plain.blocks[0].attn(x, at, ve=ve))
 
 
 def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
@@ -423,7 +445,7 @@ def test_native_gqa_equals_repeated_kv():
 
 
 RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0, value_embeds=1,
-                    unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=6)
+                    value_scale=True, unet_skips=True, x0_mix=True, rope_truncate=True, attn_gate=True, attn_window=6)
 
 
 @pytest.mark.parametrize("windowed, parts", [(False, {}), (True, {}), (True, RECORD_PARTS),

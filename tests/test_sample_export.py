@@ -207,7 +207,7 @@ def test_export_refuses_a_soft_cap_in_one_line(loaded, tmp_path):
     assert not (tmp_path / "hf").exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize("setting, value", [("embed_norm", True), ("value_embeds", 1), ("unet_skips", True),
+@pytest.mark.parametrize("setting, value", [("embed_norm", True), ("value_embeds", 1), ("value_scale", True), ("unet_skips", True),
                                             ("x0_mix", True), ("rope_truncate", True), ("attn_gate", True),
                                             ("attn_window", 16)])
 def test_export_refuses_each_record_part_in_one_line_naming_it(loaded, tmp_path, setting, value):
