@@ -41,7 +41,7 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 # between runs of the same checkpoint.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
-                "value_embeds", "value_scale", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
+                "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
                 "skip_attn_layer", "attn_scale")
 # The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
 # generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
@@ -78,6 +78,7 @@ class ModelConfig:
     embed_norm: bool = False  # RMSNorm without gain on the token embedding (modded record #8)
     value_embeds: int = 0  # k token tables mixed into the values of the first k and the last k layers (record #14)
     value_scale: bool = False  # and every other attention layer's values times a learned scalar from 0.5 (modded's)
+    norm_gains: bool = True  # False: every RMSNorm without a learned gain, as modded's norm(x)
     unet_skips: bool = False  # block L-1-i adds a learned multiple of block i's output, i < L/2 (record #9)
     x0_mix: bool = False  # each block's input is a*x + b*x0, x0 the (normed) embedding, a=1 b=0 learned (record #11)
     rope_truncate: bool = False  # RoPE on the first quarter of frequencies only (1 to 1/1024); the rest unrotated
@@ -254,12 +255,17 @@ def rms_norm(x, eps: float):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * g (Zhang & Sennrich 2019): no mean, no bias. Computed in at least float32."""
+    """x / rms(x) * g (Zhang & Sennrich 2019): no mean, no bias. Computed in at least float32.
+    gain False (ModelConfig.norm_gains): g stays ones, a buffer no optimizer steps, as modded-nanogpt's
+    norm(x); the fused kernels and export read it as they read a learned gain."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, gain: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        if gain:
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.register_buffer("weight", torch.ones(dim))
 
     def forward(self, x):
         return rms_norm(x, self.eps) * self.weight
@@ -630,8 +636,8 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8)
         # QK-norm: one RMSNorm gain of head_dim shared by all query heads, one by all key heads (Qwen3's
         # q_norm and k_norm). It bounds the attention logits, which is what lets Muon's larger steps stay stable.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gains) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gains) if cfg.qk_norm else None
         # Value embeddings: v = a * v + b * ve, with (a, b) learned from (0.5, 0.5) as in modded-nanogpt; with
         # value_scale a layer without a table keeps a alone (v = a * v), as modded's does.
         mixes = cfg.value_table(layer) is not None
@@ -779,9 +785,9 @@ class Block(nn.Module):
         # skip_attn_layer's block is its MLP alone, as modded-nanogpt's layer 7 of 12 (its train_gpt.py
         # at 9d9dc969): it saves that layer's attention and its two matmuls.
         attends = cfg.attends(layer)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if attends else None
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_gains) if attends else None
         self.attn = Attention(cfg, layer) if attends else None
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_gains)
         self.mlp = ReLU2(cfg) if cfg.mlp == "relu2" else SwiGLU(cfg)
         self.x0_mix = nn.Parameter(torch.empty(2)) if cfg.x0_mix else None  # (a, b), from (1, 0)
 
@@ -908,7 +914,7 @@ class Llama(nn.Module):
         # U-net: the last L/2 blocks each add a learned multiple (from 1) of a first-half block's output,
         # the last block's from the first block's, and so on inwards.
         self.skip_weights = nn.Parameter(torch.empty(cfg.n_layers // 2)) if cfg.unet_skips else None
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_gains)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, cfg.rope_truncate)
         # Buffers, not parameters; not saved in checkpoints (they follow from the config). Kept in
@@ -1067,18 +1073,19 @@ def softcap(logits, cap: float):
 def param_count(cfg: ModelConfig) -> int:
     """Parameters in closed form from the shapes (equals counting the module's tensors)."""
     d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-    attn = d * (d + 2 * kv) + d * d + (2 * cfg.head_dim if cfg.qk_norm else 0)  # wqkv, wo, q/k norm gains
+    gain = 1 if cfg.norm_gains else 0  # norm gains are parameters, or ones that no optimizer steps
+    attn = d * (d + 2 * kv) + d * d + (2 * cfg.head_dim * gain if cfg.qk_norm else 0)  # wqkv, wo, q/k norm gains
     mlp = (2 if cfg.mlp == "relu2" else 3) * d * cfg.ffn_hidden  # w1, (w3,) w2
     attn += cfg.n_heads * GATE_CHANNELS if cfg.attn_gate else 0
-    block = attn + mlp + 2 * d + (2 if cfg.x0_mix else 0)  # two RMSNorm gains (and the x0 mix)
-    attention_free = (attn + d) * (cfg.skip_attn_layer != -1)  # skip_attn_layer's attention and its norm
+    block = attn + mlp + 2 * d * gain + (2 if cfg.x0_mix else 0)  # two RMSNorm gains (and the x0 mix)
+    attention_free = (attn + d * gain) * (cfg.skip_attn_layer != -1)  # skip_attn_layer's attention and its norm
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     value = cfg.value_embeds * (cfg.vocab_size * kv + 2 * 2)  # a table and two layers' (a, b) each
     if cfg.value_scale:  # every other layer with attention: its a
         value += sum(cfg.value_table(i) is None and cfg.attends(i) for i in range(cfg.n_layers))
     skips = cfg.n_layers // 2 if cfg.unet_skips else 0
-    return embed + cfg.n_layers * block - attention_free + d + head + value + skips
+    return embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips
 
 
 def multiplied_params(cfg: ModelConfig) -> int:

@@ -156,6 +156,7 @@ RECORD_CHAIN = (
     # is a sum over the step's tokens where ours is a mean, so its Adam epsilon 1e-10 is ours over 393,216.
     ("+ values scaled on every layer, Adam's epsilon at modded's gradient scale", {"model__value_scale": True,
                                                                                  "train__adam_eps": 2.5e-16}),
+    ("+ norms without gains (modded's norm(x))", {"model__norm_gains": False}),
 )
 # The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).

@@ -280,11 +280,12 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
 def test_the_record_preset_has_the_record_holders_parameter_count():
     """configs/126m-record.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
     attention-free layer 7 and untied head included, and the module's tensors agree with param_count
-    (modded's scalars are 64 whether used or not; ours are the used ones: 5 value scales among them)."""
+    (modded's scalars are 64 whether used or not; ours are the used ones: 5 value scales among them, and
+    like modded's its norms have no gains)."""
     cfg = C.preset("126m-record").model
     with torch.device("meta"):
         model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_426_567
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_405_319
     assert model.blocks[7].attn is None and len(model.attentions()) == 11
 
 
@@ -295,9 +296,8 @@ def test_flops_per_token_count_matmuls_and_the_windows_keys():
     d, L, H, hd, V, f = 768, 12, 6, 128, 32768, 3072
     # blocks (q, k, v, o, the MLP, the gate) and the head; layer 7 has no attention (its q, k, v, o and gate)
     matmuls = L * (4 * d * d + 2 * d * f + 12 * H) - (4 * d * d + 12 * H) + V * d
-    # gains (two norms, q/k norms; layer 7 has neither its attention norm nor q/k norms), x0 mixes,
-    # final norm, skips, v mixes, value scales (layers 3-6 and 8)
-    scalars = L * (2 * d + 2 * hd + 2) - (d + 2 * hd) + d + L // 2 + 3 * 2 * 2 + 5
+    # x0 mixes, skips, v mixes, value scales (layers 3-6 and 8); the norms have no gains (norm_gains false)
+    scalars = L * 2 + L // 2 + 3 * 2 * 2 + 5
     long_layers = 3  # 0, 4 and 11; layer 7, modded's fourth long one, has no attention
     attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
     assert M.flops_per_token(cfg) == 6 * (matmuls + scalars) + attention
@@ -370,6 +370,25 @@ def test_value_scale_multiplies_the_values_of_the_layers_without_a_table():
         assert torch.allclose(scaled.blocks[1].attn(x, at), 0.3 * plain.blocks[1].attn(x, at), atol=1e-12)
         ve = torch.randn(2, 12, 32, dtype=torch.float64)  # (B, T, Hkv * hd)
         assert torch.equal(scaled.blocks[0].attn(x, at, ve=ve), plain.blocks[0].attn(x, at, ve=ve))
+
+
+def test_without_norm_gains_every_norm_is_x_over_its_rms_and_no_optimizer_sees_a_gain():
+    """norm_gains False (modded-nanogpt's norm(x)): each RMSNorm's gain is a buffer of ones, so the model
+    computes what the plain one does with its gains at one, and holds that many parameters fewer."""
+    import optim as O
+    parts = dict(qk_norm=True, tie_embeddings=False)
+    plain, gainless = small_model(**parts), small_model(**parts, norm_gains=False)
+    gains = [n for n, _ in plain.named_parameters() if n.endswith("norm.weight")]
+    assert len(gains) == 2 * 4 + 1 and not [n for n, _ in gainless.named_parameters() if n.endswith("norm.weight")]
+    assert sum(p.numel() for p in gainless.parameters()) == M.param_count(gainless.cfg) == \
+        M.param_count(plain.cfg) - 2 * (64 + 64 + 16 + 16) - 64
+    assert not [p for p in O.param_groups(gainless)["scalars"] if p.dim() == 1 and p.numel() in (16, 64)]
+    gainless.load_state_dict(plain.state_dict())  # the same names: a buffer of ones where the gain was
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert torch.equal(gainless(idx), plain(idx))
+        plain.norm.weight.fill_(2.0)
+        assert not torch.equal(gainless(idx), plain(idx))
 
 
 def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
