@@ -45,12 +45,15 @@ import train as TR
 ROOT = Path(__file__).resolve().parent
 # ModelConfig's training fast-path switches. The studies' base has them all off: each study and each
 # ladder rung switches on what it measures, so every number compares with the same plain model.
-PLAIN_KERNELS = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
+# The optimizer's (optim.FAST_PATHS) are train settings.
+PLAIN_KERNELS = {**{f"model__{s}": False for s in M.TRAINING_FAST_PATHS}, **{f"train__{s}": False for s in O.FAST_PATHS}}
 
 
 def preset_kernels(preset: str) -> dict:
     """The fast paths the preset's file turns on: what train.py runs with it."""
-    return {f"model__{s}": getattr(C.preset(preset).model, s) for s in M.TRAINING_FAST_PATHS}
+    cfg = C.preset(preset)
+    return {**{f"model__{s}": getattr(cfg.model, s) for s in M.TRAINING_FAST_PATHS},
+            **{f"train__{s}": getattr(cfg.train, s) for s in O.FAST_PATHS}}
 
 
 FAST = {"train__tf32": True, "train__bf16": True, "train__compile": True, **PLAIN_KERNELS}
@@ -81,10 +84,14 @@ LAST_FAST_PATHS = ("fp8",)
 
 def fast_paths(preset: str, last: bool = False) -> dict:
     """"+label" -> the setting, for each training fast path of model.TRAINING_FAST_PATHS that the
-    preset's model can run (model.fast_path_applies): the ladder's and the kernels study's rungs.
-    last: the ones the ladder adds after compile tuning instead (LAST_FAST_PATHS)."""
-    return {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{s}": True} for s in M.runnable_fast_paths(C.preset(preset).model)
-            if (s in LAST_FAST_PATHS) == last}
+    preset's model can run (model.fast_path_applies), then Muon's kernel where the preset runs Muon: the
+    ladder's and the kernels study's rungs. last: the ones the ladder adds after compile tuning instead
+    (LAST_FAST_PATHS)."""
+    cfg = C.preset(preset)
+    model = {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{s}": True} for s in M.runnable_fast_paths(cfg.model)
+             if (s in LAST_FAST_PATHS) == last}
+    optimizer = {f"+{name}": {f"train__{s}": True} for s, name in O.FAST_PATHS.items()} if cfg.train.muon and not last else {}
+    return {**model, **optimizer}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:

@@ -22,15 +22,16 @@ def test_ladder_plan_adds_one_setting_per_rung():
     # 88m is ReLU² with a tied head: no fused SwiGLU rung, no FP8 head rung, and no FP8 block matmuls once
     # the fused ReLU² has its own (model.fast_path_applies)
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
-                     "+loss kernel", "+fused ReLU²", "+fused QK-norm + RoPE", "+bf16 residual", "+coordinate descent",
-                     "+max-autotune (no CUDA graphs)"]
+                     "+loss kernel", "+fused ReLU²", "+fused QK-norm + RoPE", "+bf16 residual", "+muon kernel",
+                     "+coordinate descent", "+max-autotune (no CUDA graphs)"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
     # The fast paths are off until their own rung, whatever the preset's file turns on.
     kernels = [(c.model.loss_kernel, c.model.fused_relu2, c.model.fused_qk_norm_rope, c.model.bf16_residual)
                for c in configs]
     assert kernels == [(False,) * 4] * 6 + [(True, False, False, False), (True, True, False, False),
-                                            (True, True, True, False)] + [(True,) * 4] * 3
+                                            (True, True, True, False)] + [(True,) * 4] * 4
+    assert [c.train.muon_kernel for c in configs] == [False] * 10 + [True] * 3
     assert not any(c.model.fp8 for c in configs)
     assert [c.train.compile_mode for c in configs[-4:]] == ["default", "default", "coordinate-descent",
                                                              "max-autotune-no-cudagraphs"]
@@ -47,14 +48,15 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
     assert (base.model.loss_kernel, base.model.fused_loss, base.model.bf16_residual) == (False, False, False)
     assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fused_relu2, c.model.fused_qk_norm_rope,
-             c.model.bf16_residual, c.train.compile_mode) for c in others] == [
-        (True, False, False, False, False, "default"), (False, True, False, False, False, "default"),
-        (False, False, True, False, False, "default"), (False, False, False, True, False, "default"),
-        (False, False, False, False, True, "default"), (False, False, False, False, True, "default"),
-        (False, False, False, False, False, "coordinate-descent"),
-        (False, False, False, False, False, "max-autotune-no-cudagraphs")]
+             c.model.bf16_residual, c.train.muon_kernel, c.train.compile_mode) for c in others] == [
+        (True, False, False, False, False, False, "default"), (False, True, False, False, False, False, "default"),
+        (False, False, True, False, False, False, "default"), (False, False, False, True, False, False, "default"),
+        (False, False, False, False, True, False, "default"), (False, False, False, False, False, True, "default"),
+        (False, False, False, False, True, False, "default"),  # the preset's defaults
+        (False, False, False, False, False, False, "coordinate-descent"),
+        (False, False, False, False, False, False, "max-autotune-no-cudagraphs")]
     assert not any(c.model.fused_swiglu for c in others)  # ReLU²: no SwiGLU to fuse
-    defaults = others[5]  # what train.py runs with the preset: its file's fast paths, whatever they are
+    defaults = others[6]  # what train.py runs with the preset: its file's fast paths, whatever they are
     preset = B.C.preset("88m").model
     assert (defaults.model.fused_swiglu, defaults.model.bf16_residual) == (preset.fused_swiglu, preset.bf16_residual)
 
