@@ -90,3 +90,66 @@ def test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step(interprete
 @needs_triton
 def test_qk_norm_and_rope_in_one_kernel_match_the_plain_lines_forward_and_backward(interpreted):
     run_under_interpreter(interpreted, "qk_norm_rope_check")
+
+
+# Every Triton kernel as a GPU would build it, on a CPU: Triton compiles to PTX and ptxas (shipped in the
+# triton wheel) assembles it for Hopper (sm_90), with no GPU present. A kernel that only the interpreter
+# accepts (it checks no types, no register or shared-memory budget) fails here. Pointers are bf16 but
+# where named; the autotuned kernels build every tile they may pick.
+FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta"}
+HOPPER_SHARED = 232_448  # bytes of shared memory one block may use on an H100 or H200
+BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
+    ("_decode_step_kernel", dict(H=12, HKV=4, G=3, G_PAD=16, D=64, BLOCK=K.BLOCK_KEYS, QK_NORM=True), {"pos_ptr": "*i64"}),
+    ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=128, QK_NORM=False), {"pos_ptr": "*i64"}),
+    ("_swiglu_forward_kernel", dict(BLOCK=1024), {}),
+    ("_swiglu_backward_kernel", dict(BLOCK=1024), {}),
+    ("_cross_entropy_forward_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True),
+     {"t_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32"}),
+    ("_cross_entropy_forward_kernel", dict(BLOCK=2048, CAPPED=False, FIXED_SHIFT=False),
+     {"t_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32"}),
+    ("_cross_entropy_backward_kernel", dict(BLOCK=2048, CAPPED=True, FP8=True),
+     {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
+    ("_cross_entropy_backward_kernel", dict(BLOCK=2048, CAPPED=False, FP8=False),
+     {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
+    ("_relu2_matmul_kernel", dict(GROUP_M=8, BACKWARD=False), {}),
+    ("_relu2_matmul_kernel", dict(GROUP_M=8, BACKWARD=True), {}),
+    ("_qk_norm_rope_kernel", dict(H=6, HKV=6, NORM_P=16, V_P=8, D=128, TOKENS=16, BACKWARD=False),
+     {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
+    ("_qk_norm_rope_kernel", dict(H=12, HKV=4, NORM_P=16, V_P=4, D=64, TOKENS=16, BACKWARD=True),
+     {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
+    ("_gram_kernel", dict(ADD=False), {}),
+    ("_gram_kernel", dict(ADD=True), {}),
+]
+
+
+def build_for_hopper(name: str, constexprs: dict, pointers: dict) -> list[int]:
+    """Compile kernels.<name> for sm_90 with each launch configuration it may take; their shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.autotuner import Autotuner
+    kernel = getattr(K, name)
+    configs = kernel.configs if isinstance(kernel, Autotuner) else [None]
+    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+    shared = []
+    for config in configs:
+        consts = {**constexprs, **(config.kwargs if config else {})}
+        signature = {a: "constexpr" if a in consts else pointers.get(a, "*bf16") if a.endswith("_ptr")
+                     else "fp32" if a in FLOATS else "i32" for a in fn.arg_names}
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages} if config else {}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        shared.append(compiled.metadata.shared)
+    return shared
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("name, constexprs, pointers", BUILDS, ids=[f"{b[0]}-{i}" for i, b in enumerate(BUILDS)])
+def test_every_triton_kernel_compiles_for_hopper_without_a_gpu(name, constexprs, pointers):
+    assert all(0 <= s <= HOPPER_SHARED for s in build_for_hopper(name, constexprs, pointers))
+
+
+def test_the_hopper_builds_cover_every_kernel():
+    names = {n for n in dir(K) if n.startswith("_") and n.endswith("_kernel")}
+    assert {b[0] for b in BUILDS} == names or not K.AVAILABLE
