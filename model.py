@@ -41,8 +41,8 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 # between runs of the same checkpoint.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
-                "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window", "short_windows",
-                "skip_attn_layer", "attn_scale")
+                "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
+                "attn_window", "short_windows", "skip_attn_layer", "attn_scale")
 # The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
 # generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
 # loss has its own head and loss, so it excludes the FP8 head and the loss kernel; bench's ladder takes
@@ -635,7 +635,8 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, cfg.fp8)
         self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8)
         # QK-norm: one RMSNorm gain of head_dim shared by all query heads, one by all key heads (Qwen3's
-        # q_norm and k_norm). It bounds the attention logits, which is what lets Muon's larger steps stay stable.
+        # q_norm and k_norm; ones without norm_gains). It bounds the attention logits, which is what lets
+        # Muon's larger steps stay stable.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gains) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gains) if cfg.qk_norm else None
         # Value embeddings: v = a * v + b * ve, with (a, b) learned from (0.5, 0.5) as in modded-nanogpt; with
