@@ -358,6 +358,57 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     return rows
 
 
+def attended_pairs(doc_ids: torch.Tensor, window: int) -> int:
+    """(query, key) pairs causal attention within documents (doc_ids (B, T)) and `window` keys (0: all)
+    computes: each token sees the tokens of its document up to itself, at most `window` of them."""
+    T = doc_ids.shape[1]
+    pos = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    first = torch.zeros_like(doc_ids, dtype=torch.long)
+    first[:, 1:] = torch.where(doc_ids[:, 1:] != doc_ids[:, :-1], pos[:, 1:], 0)
+    seen = pos - first.cummax(dim=1).values + 1  # tokens of its document up to itself
+    return int((seen.clamp(max=window) if window else seen).sum())
+
+
+def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
+    """TFLOP/s of one layer's attention, forward and backward (median of 20 after 5 warm-ups), at the
+    preset's shape (micro_batch sequences of its context, its heads, bf16): cuDNN's dense causal attention,
+    then FlexAttention causal, and with documents masked apart (lengths drawn from 500 to 5,500 tokens)
+    at each window the preset's schedule passes (its start, half its end, its end). FLOPs count the
+    (query, key) pairs each computes: 4 hd a pair forward (two matmuls), 2.5 times that backward
+    (FlashAttention-2's count), so a masked-out block adds no FLOPs and a kernel that computes it anyway
+    shows a lower rate."""
+    mcfg = C.preset(preset).model
+    if not cuda:
+        return [{"rung": "attention kernels", "skipped": "cuDNN and FlexAttention's kernels: measured on CUDA only"}]
+    device, B, T = torch.device("cuda"), micro_batch, mcfg.context
+    g = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(B, h, T, mcfg.head_dim, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+               for h in (mcfg.n_heads, mcfg.n_kv_heads, mcfg.n_kv_heads))
+    starts = torch.zeros(B, T, dtype=torch.int32, device=device)
+    starts[:, torch.cumsum(torch.randint(500, 5500, (T // 500,), device=device, generator=g), 0).clamp(max=T - 1)] = 1
+    doc = torch.cumsum(starts, dim=1, dtype=torch.int32)
+    causal = torch.zeros_like(doc)
+    end = mcfg.attn_window if mcfg.windowed else 0
+    start = C.preset(preset).train.window_start or end
+    windows = sorted({w for w in (start, end // 2, end) if w}) or [0]
+    cases = [("cuDNN, dense causal", dict(kind="cudnn"), causal, 0),
+             ("FlexAttention, causal", dict(block_mask=M.flex_block_mask(None, 0, T, device)), causal, 0)]
+    cases += [(f"FlexAttention, documents, window {w or T}", dict(block_mask=M.flex_block_mask(doc, w, T, device)),
+               doc, w) for w in windows]
+    rows, scale = [], mcfg.attn_scale or None
+    for name, how, ids, window in cases:
+        run = lambda: M.attention(q, k, v, scale=scale, **how).sum().backward()  # noqa: E731
+        try:
+            seconds = ME.median_seconds(run, device, repeats=20, warmup=5)
+        except RuntimeError as e:  # cuDNN refuses some shapes (grouped kv heads on some versions): say so, go on
+            rows.append({"rung": name, "skipped": str(e).splitlines()[0][:200]})
+            continue
+        flops = 3.5 * 4 * mcfg.head_dim * mcfg.n_heads * attended_pairs(ids, window)
+        rows.append({"rung": name, "ms": round(1000 * seconds, 3), "tflops": round(flops / seconds / 1e12, 1)})
+        q.grad = k.grad = v.grad = None
+    return rows
+
+
 def loader_study(preset: str, micro_batch: int) -> list[dict]:
     """CPU microseconds per micro-batch of the shard loader, without and with document ids, on a
     shard of random tokens (the loader's cost does not depend on what the tokens say)."""
@@ -735,6 +786,8 @@ STUDY_TABLE = {
     "optimizer": (lambda s: optimizer_study(s.preset, s.cuda), "update_ms", "ms per update"),
     "loader": (lambda s: loader_study(s.preset, s.mb), "cpu_us", "CPU microseconds per micro-batch"),
     "loss": (lambda s: loss_study(s.preset, s.mb, s.cuda), "ms", "ms per micro-batch, forward and backward"),
+    "attention_rate": (lambda s: attention_rate_study(s.preset, s.mb, s.cuda), "tflops",
+                       "TFLOP/s of one layer's attention, forward and backward"),
     "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in M.TRAINING_FAST_PATHS
                                                                  if getattr(s.args, m)}, s.args.corpus),
                 "ms", "ms per 2 micro-batches"),

@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import bench as B
 import config as C
@@ -354,3 +355,11 @@ def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(dat
                                               "train__doc_mask": True}, corpus="the test corpus")
     assert set(seen) == {(3, (32, 0))}  # (x, y, document ids) from the corpus; the long window 32
     assert abs(sum(r["share"] for r in rows) - 1) < 1e-6 and not any("idle" in r["rung"] for r in rows)
+
+
+def test_attended_pairs_count_what_the_document_and_window_mask_lets_through():
+    """The attention rate study's FLOP count: (query, key) pairs equal the boolean mask's trues."""
+    doc = torch.cumsum(torch.rand(3, 300, generator=torch.Generator().manual_seed(0)) < 0.02, dim=1).int()
+    for window in (0, 1, 17, 64, 300):
+        assert B.attended_pairs(doc, window) == int(M.doc_mask(doc, window, 300).sum()), window
+    assert B.attended_pairs(torch.zeros(1, 8, dtype=torch.int32), 0) == 36  # dense causal: T (T + 1) / 2
