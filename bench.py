@@ -373,11 +373,12 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     """TFLOP/s of one layer's attention, forward and backward (median of 20 after 5 warm-ups), at the
     preset's shape (micro_batch sequences of its context, its heads, bf16): cuDNN's dense causal attention,
     then FlexAttention causal, and with documents masked apart (lengths drawn from 500 to 5,500 tokens)
-    at each window the preset's schedule passes (its start, half its end, its end). FLOPs count the
+    at the long and short windows the preset's schedule starts and ends with (train.window_at). FLOPs count the
     (query, key) pairs each computes: 4 hd a pair forward (two matmuls), 2.5 times that backward
     (FlashAttention-2's count), so a masked-out block adds no FLOPs and a kernel that computes it anyway
     shows a lower rate."""
-    mcfg = C.preset(preset).model
+    cfg = C.preset(preset)
+    mcfg = cfg.model
     if not cuda:
         return [{"rung": "attention kernels", "skipped": "cuDNN and FlexAttention's kernels: measured on CUDA only"}]
     device, B, T = torch.device("cuda"), micro_batch, mcfg.context
@@ -388,9 +389,7 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     starts[:, torch.cumsum(torch.randint(500, 5500, (T // 500,), device=device, generator=g), 0).clamp(max=T - 1)] = 1
     doc = torch.cumsum(starts, dim=1, dtype=torch.int32)
     causal = torch.zeros_like(doc)
-    end = mcfg.attn_window if mcfg.windowed else 0
-    start = C.preset(preset).train.window_start or end
-    windows = sorted({w for w in (start, end // 2, end) if w}) or [0]
+    windows = sorted({w for step in (0, 1) for w in TR.window_at(step, 1, cfg) if 0 < w < T}) or [0]
     cases = [("cuDNN, dense causal", dict(kind="cudnn"), causal, 0),
              ("FlexAttention, causal", dict(block_mask=M.flex_block_mask(None, 0, T, device)), causal, 0)]
     cases += [(f"FlexAttention, documents, window {w or T}", dict(block_mask=M.flex_block_mask(doc, w, T, device)),

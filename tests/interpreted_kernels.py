@@ -3,11 +3,24 @@ must be set before Triton is imported, so tests/test_kernels.py runs them all in
 with it set (one start of torch and Triton, not one a check); the file is not named test_*.py, so pytest does not collect it itself.
 float16 throughout: the interpreter computes with NumPy, which has no bfloat16."""
 
+import contextlib
+
 import torch
 
 import generate as G
 import kernels as K
 import model as M
+
+
+@contextlib.contextmanager
+def counted(module, name: str):
+    """module.name wrapped to count its calls (the list it yields), put back afterwards."""
+    calls, inner = [], getattr(module, name)
+    setattr(module, name, lambda *a, **k: calls.append(1) or inner(*a, **k))
+    try:
+        yield calls
+    finally:
+        setattr(module, name, inner)
 
 
 def decode_check():
@@ -192,16 +205,15 @@ def fp8_head_loss_check():
     cfg = dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300, context=16, tie_embeddings=False,
                logit_softcap=cap, fp8_head=True)
     idx, targets = torch.randint(0, 300, (2, 2, 16), generator=g)
-    grads, calls, one_function = [], [], M.fp8_head_cross_entropy
-    M.fp8_head_cross_entropy = lambda *a: calls.append(1) or one_function(*a)
-    for kernel in (True, False):
-        torch.manual_seed(0)
-        model = M.Llama(M.ModelConfig(**cfg, loss_kernel=kernel)).train()
-        torch.nn.init.normal_(model.head.weight, std=0.2)
-        loss = model(idx, targets)
-        loss.backward()
-        grads.append((loss.detach(), model.head.weight.grad))
-    M.fp8_head_cross_entropy = one_function
+    grads = []
+    with counted(M, "fp8_head_cross_entropy") as calls:
+        for kernel in (True, False):
+            torch.manual_seed(0)
+            model = M.Llama(M.ModelConfig(**cfg, loss_kernel=kernel)).train()
+            torch.nn.init.normal_(model.head.weight, std=0.2)
+            loss = model(idx, targets)
+            loss.backward()
+            grads.append((loss.detach(), model.head.weight.grad))
     (l1, h1), (l2, h2) = grads
     assert calls == [1] and abs(l1 - l2) < 1e-4 and ((h1 - h2).norm() / h2.norm()) < 0.05, (l1, l2)
 
@@ -255,15 +267,13 @@ def gram_check():
     reference = b * gram.float() + c * gram.float() @ gram.float()
     mix = K.gram(gram, gram, alpha=c, beta=b)
     assert (mix.float() - reference).abs().max() < 2e-3 * reference.abs().max()
-    calls, plain_gram = [], K.gram
-    K.gram = lambda *a, **k: calls.append(1) or plain_gram(*a, **k)
     steps = []
-    for kernel in (True, False):
-        w = torch.nn.Parameter(torch.randn(96, 160, generator=torch.Generator().manual_seed(4)))
-        w.grad = torch.randn(96, 160, generator=torch.Generator().manual_seed(5))
-        O.Muon([w], lr=0.1, ns_dtype=torch.float16, kernel=kernel).step()
-        steps.append(w.detach().clone())
-    K.gram = plain_gram
+    with counted(K, "gram") as calls:
+        for kernel in (True, False):
+            w = torch.nn.Parameter(torch.randn(96, 160, generator=torch.Generator().manual_seed(4)))
+            w.grad = torch.randn(96, 160, generator=torch.Generator().manual_seed(5))
+            O.Muon([w], lr=0.1, ns_dtype=torch.float16, kernel=kernel).step()
+            steps.append(w.detach().clone())
     assert len(calls) == 2 * O.NS_STEPS  # two symmetric products a Newton-Schulz step
     assert ((steps[0] - steps[1]).norm() / steps[1].norm()) < 1e-3
 
@@ -295,18 +305,16 @@ def qk_norm_rope_check():
             assert (got - want).abs().max() < 4e-3 * want.abs().max(), (truncate, (got - want).abs().max())
         assert results[0][0].dtype == torch.float32 and torch.equal(results[0][0][:, :, H + Hkv:], qkv0[:, :, H + Hkv:].float())
     cfg = M.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True)
-    calls, fused = [], K.qk_norm_rope
-    K.qk_norm_rope = lambda *a: calls.append(1) or fused(*a)
     losses = []
-    for on in (True, False):
-        torch.manual_seed(0)
-        model = M.Llama(M.replace(cfg, fused_qk_norm_rope=on)).train()
-        for gain in (model.blocks[0].attn.q_norm.weight, model.blocks[0].attn.k_norm.weight):
-            torch.nn.init.uniform_(gain, 0.5, 1.5)  # off one, so that norming twice would show
-        idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
-        loss = model(idx, idx)
-        loss.backward()
-        losses.append((loss.detach(), model.blocks[0].attn.q_norm.weight.grad))
-    K.qk_norm_rope = fused
+    with counted(K, "qk_norm_rope") as calls:
+        for on in (True, False):
+            torch.manual_seed(0)
+            model = M.Llama(M.replace(cfg, fused_qk_norm_rope=on)).train()
+            for gain in (model.blocks[0].attn.q_norm.weight, model.blocks[0].attn.k_norm.weight):
+                torch.nn.init.uniform_(gain, 0.5, 1.5)  # off one, so that norming twice would show
+            idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+            loss = model(idx, idx)
+            loss.backward()
+            losses.append((loss.detach(), model.blocks[0].attn.q_norm.weight.grad))
     assert calls == [1] and abs(losses[0][0] - losses[1][0]) < 1e-4
     assert ((losses[0][1] - losses[1][1]).norm() / losses[1][1].norm()) < 1e-3
