@@ -358,6 +358,48 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     return rows
 
 
+def parts_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
+    """Milliseconds of one micro-batch (micro_batch x context tokens) through each block part that a
+    fused kernel replaces, forward and backward, compiled, plain against fused, at the preset's shape
+    under bf16 autocast (median of 20 after 5 warm-ups): the ReLU² MLP (model.fused_relu2) and
+    QK-norm + RoPE on the qkv projection's output (model.fused_qk_norm_rope), each through the model's
+    own module. Muon's kernel is --optimizer's row."""
+    mcfg = C.preset(preset).model
+    device = torch.device("cuda" if cuda else "cpu")
+    g = torch.Generator(device).manual_seed(0)
+    B, T, hd = micro_batch, mcfg.context, mcfg.head_dim
+    x = torch.randn(B, T, mcfg.d_model, device=device, generator=g).requires_grad_()
+    qkv = torch.randn(B, T, mcfg.n_heads + 2 * mcfg.n_kv_heads, hd, device=device, generator=g).requires_grad_()
+    cos, sin = (t.float().to(device) for t in M.rope_tables(hd, T, mcfg.rope_theta, mcfg.rope_truncate))
+    rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
+    for fused in (False, True):
+        cfg = M.replace(mcfg, fused_relu2=fused, fused_qk_norm_rope=fused)
+        parts = []
+        if mcfg.mlp == "relu2":
+            mlp = M.ReLU2(cfg).to(device)
+            parts.append((f"ReLU² MLP ({mcfg.d_model} -> {cfg.ffn_hidden} -> {mcfg.d_model})", "fused_relu2",
+                          lambda: mlp(x), x))
+        if mcfg.qk_norm:
+            attn = M.Attention(cfg, layer=0).to(device)
+            parts.append(("QK-norm + RoPE", "fused_qk_norm_rope", lambda: torch.cat(attn.heads(qkv, cos, sin), 2), qkv))
+        for name, switch, part, inp in parts:
+            if fused and not cuda:
+                rows.append({"rung": f"{name}, fused", "skipped": "a Triton kernel: measured on CUDA only"})
+                continue
+
+            def forward(part=part):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    return part()
+            fn = torch.compile(forward) if cuda else forward
+            out = fn()
+            grad = torch.randn(out.shape, device=device, generator=g).to(out.dtype)
+            rows.append({"rung": f"{name}, {'fused' if fused else 'plain'}", "switch": switch,
+                         "forward_ms": round(1000 * ME.median_seconds(fn, device, **timing), 3),
+                         "ms": round(1000 * ME.median_seconds(lambda: fn().backward(grad), device, **timing), 3)})
+            inp.grad = None
+    return rows
+
+
 def attended_pairs(doc_ids: torch.Tensor, window: int) -> int:
     """(query, key) pairs causal attention within documents (doc_ids (B, T)) and `window` keys (0: all)
     computes: each token sees the tokens of its document up to itself, at most `window` of them."""
@@ -504,7 +546,7 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 def simple_table(rows: list[dict]) -> str:
     keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib",
-                        "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "cpu_us", "ms", "share", "tflops",
+                        "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "cpu_us", "forward_ms", "ms", "share", "tflops",
                         "fixed_gib", "gib_per_seq", "largest_fitting", "first_token_ms", "prefill_tok_s",
                         "decode_tok_s", "same_greedy_tokens", "skipped")
             if any(k in r for r in rows)]
@@ -785,6 +827,7 @@ STUDY_TABLE = {
     "optimizer": (lambda s: optimizer_study(s.preset, s.cuda), "update_ms", "ms per update"),
     "loader": (lambda s: loader_study(s.preset, s.mb), "cpu_us", "CPU microseconds per micro-batch"),
     "loss": (lambda s: loss_study(s.preset, s.mb, s.cuda), "ms", "ms per micro-batch, forward and backward"),
+    "parts": (lambda s: parts_study(s.preset, s.mb, s.cuda), "ms", "ms per micro-batch, forward and backward"),
     "attention_rate": (lambda s: attention_rate_study(s.preset, s.mb, s.cuda), "tflops",
                        "TFLOP/s of one layer's attention, forward and backward"),
     "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in M.TRAINING_FAST_PATHS

@@ -661,6 +661,17 @@ class Attention(nn.Module):
             v = self.v_mix[0] * v
         return q, k, v
 
+    def heads(self, qkv, cos, sin, ve=None, training: bool = True):
+        """(B, T, H + 2 Hkv, hd) -> q, k, v (B, T, heads, hd): split_heads, then RoPE on q and k (cos, sin:
+        (T, hd))."""
+        if training and self.fused_qk and torch.is_grad_enabled() and K.qk_norm_rope_supported(qkv, cos):
+            # Training: QK-norm and RoPE in one Triton kernel each way (kernels.qk_norm_rope), tested
+            # against the two lines below, which evaluation and decoding run.
+            qkv = K.qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads, self.q_norm.eps)
+            return self.split_heads(qkv, ve, norm=False)
+        q, k, v = self.split_heads(qkv, ve)
+        return apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v), v
+
     def gated(self, y, x):
         """y: (B, T, H, hd) head outputs; x: (B, T, d) the attention's input."""
         if self.gate is None:
@@ -685,14 +696,7 @@ class Attention(nn.Module):
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
                               self.scale or self.head_dim ** -0.5, **norm)  # (B, 1, H, hd)
             return self.wo(self.gated(y, x).reshape(B, T, -1))
-        if pos is None and self.fused_qk and torch.is_grad_enabled() and K.qk_norm_rope_supported(qkv, cos):
-            # Training: QK-norm and RoPE in one Triton kernel each way (kernels.qk_norm_rope), tested
-            # against the two lines below, which evaluation and decoding run.
-            qkv = K.qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads, self.q_norm.eps)
-            q, k, v = self.split_heads(qkv, ve, norm=False)
-        else:
-            q, k, v = self.split_heads(qkv, ve)  # (B, T, heads, hd)
-            q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
+        q, k, v = self.heads(qkv, cos, sin, ve, training=pos is None)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions
             k, v = self.cache.update(pos, k, v)

@@ -261,7 +261,11 @@ def gram_check():
         out = K.gram(stack)
         assert out.shape == (2, 150, 150) and out.dtype == stack.dtype
         assert (out.float() - reference).abs().max() < 1e-3 * reference.abs().max()
-        assert torch.equal(out, out.mT)  # each off-diagonal tile written with its mirror
+        # Each tile off the diagonal is stored with its mirror, bit for bit. A diagonal tile is one dot of
+        # its own, whose (a, b) and (b, a) sums may round apart (numpy's matmul under the interpreter).
+        tile = torch.arange(150) // K.GRAM_TILES[0][0]
+        off = tile[:, None] != tile[None, :]
+        assert torch.equal(out[:, off], out.mT[:, off])
     gram = (x.float() @ x.float().mT / 200).half()
     b, c = O.NS_COEFFICIENTS[1:]
     reference = b * gram.float() + c * gram.float() @ gram.float()

@@ -210,6 +210,9 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
         "Muon: optim.Muon (parts split, equal shapes batched)", "Muon: torch.optim.Muon (one matrix at a time)"]
     assert rows("generate")[0]["decode_tok_s"] > 0
     assert [r["rung"] for r in rows("loss")] == ["plain loss", "loss kernel"] and rows("loss")[0]["ms"] > 0
+    parts = {r["rung"].rsplit(", ", 1)[1]: r for r in rows("parts")}  # tiny: the ReLU² MLP, then QK-norm + RoPE
+    assert [r["rung"] for r in rows("parts")][1] == "QK-norm + RoPE, plain" and parts["plain"]["ms"] > 0
+    assert parts["fused"]["skipped"] == "a Triton kernel: measured on CUDA only"
     for study in B.STUDIES:  # a plot of every study that measured something (compile modes: none on CPU)
         if study != "loss_curves" and any(r.get(B.PLOTTED[study][0]) for r in rows(study)):
             assert (tmp_path / f"{study}.png").stat().st_size > 1000, study

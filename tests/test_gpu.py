@@ -26,7 +26,7 @@ def loss_and_grads(compiled: bool, seed: int, base: dict | None = None, **switch
     out = []
     for on in (False, True):
         torch.manual_seed(0)
-        model = M.Llama(M.ModelConfig(**CFG, **{**PLAIN, **(base or {}), **{k: v and on for k, v in switches.items()}})).cuda()
+        model = M.Llama(M.ModelConfig(**{**CFG, **PLAIN, **(base or {}), **{k: v and on for k, v in switches.items()}})).cuda()
         run = torch.compile(model) if compiled else model
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = run(idx, targets)
