@@ -361,15 +361,18 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
 def parts_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     """Milliseconds of one micro-batch (micro_batch x context tokens) through each block part that a
     fused kernel replaces, forward and backward, compiled, plain against fused, at the preset's shape
-    under bf16 autocast (median of 20 after 5 warm-ups): the ReLU² MLP (model.fused_relu2) and
+    under bf16 autocast on bf16 inputs (median of 20 after 5 warm-ups): the ReLU² MLP (model.fused_relu2) and
     QK-norm + RoPE on the qkv projection's output (model.fused_qk_norm_rope), each through the model's
     own module. Muon's kernel is --optimizer's row."""
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
     g = torch.Generator(device).manual_seed(0)
     B, T, hd = micro_batch, mcfg.context, mcfg.head_dim
-    x = torch.randn(B, T, mcfg.d_model, device=device, generator=g).requires_grad_()
-    qkv = torch.randn(B, T, mcfg.n_heads + 2 * mcfg.n_kv_heads, hd, device=device, generator=g).requires_grad_()
+    # In bf16 on CUDA, as the model hands them over under autocast: qkv from a bf16 matmul, x from a norm of
+    # the bf16 residual stream. (Float32 inputs would time an extra cast and twice the bytes.)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    x = torch.randn(B, T, mcfg.d_model, device=device, generator=g).to(dtype).requires_grad_()
+    qkv = torch.randn(B, T, mcfg.n_heads + 2 * mcfg.n_kv_heads, hd, device=device, generator=g).to(dtype).requires_grad_()
     cos, sin = (t.float().to(device) for t in M.rope_tables(hd, T, mcfg.rope_theta, mcfg.rope_truncate))
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     for fused in (False, True):

@@ -443,14 +443,16 @@ class ShardLoader:
     """(x, y[, doc_ids]) micro-batches of B windows of T tokens from memory-mapped shards.
 
     Each shard is cut into non-overlapping windows of T + 1 tokens (x is the first T, y the
-    last T). An epoch visits every window once, in an order shuffled by (seed, epoch); rank r
-    of W takes every W-th window of that order, so ranks never share data. The cursor
-    (epoch, position) is the whole state: load_state_dict(state_dict()) resumes exactly.
+    last T), or windows that start every `stride` tokens (evaluation's whole windows, below). An
+    epoch visits every window once, in an order shuffled by (seed, epoch); rank r of W takes every
+    W-th window of that order, so ranks never share data. The cursor (epoch, position) is the whole
+    state: load_state_dict(state_dict()) resumes exactly.
     """
 
     def __init__(self, files: list[Path], batch: int, seq_len: int, *, vocab_size: int | None = None,
                  tokenizer_hash: str | None = None, seed: int = 0, rank: int = 0, world: int = 1,
-                 shuffle: bool = True, doc_ids: bool = False, device="cpu", pin: bool = False):
+                 shuffle: bool = True, doc_ids: bool = False, device="cpu", pin: bool = False,
+                 stride: int | None = None):
         if not files:
             raise FileNotFoundError("ShardLoader got no shard files")
         self.infos = [read_header(f, vocab_size, tokenizer_hash) for f in files]
@@ -459,8 +461,12 @@ class ShardLoader:
         self.seed, self.rank, self.world, self.shuffle = seed, rank, world, shuffle
         self.want_doc_ids, self.device = doc_ids, torch.device(device)
         self.pin = pin and self.device.type == "cuda"
-        windows = np.array([max(0, (i.n_tokens - 1) // seq_len) for i in self.infos])
+        if stride is not None and not 0 < stride <= seq_len:
+            raise ValueError(f"ShardLoader stride={stride} must lie in 1..seq_len={seq_len}")
+        self.stride = stride or seq_len
+        windows = np.array([max(0, (i.n_tokens - 1 - seq_len) // self.stride + 1) for i in self.infos])
         self.first_window = np.concatenate([[0], np.cumsum(windows)])  # global window -> shard
+        self.last_starts = None  # (shard, start offset) of each row of the last batch
         self.per_rank = int(windows.sum()) // world
         if self.per_rank < batch:
             split = "validation" if Path(files[0]).name.startswith("val_") else "training"
@@ -507,7 +513,8 @@ class ShardLoader:
     def next_batch(self):
         windows = self.next_windows()
         shard = np.searchsorted(self.first_window, windows, side="right") - 1
-        starts = (windows - self.first_window[shard]) * self.T
+        starts = (windows - self.first_window[shard]) * self.stride
+        self.last_starts = (shard, starts)
         # One contiguous slice per sequence (B of them, widened to int64 as they are copied):
         # no Python loop over tokens.
         rows = np.empty((self.B, self.T + 1), np.int64)
@@ -517,6 +524,36 @@ class ShardLoader:
         if self.want_doc_ids:
             out.append(torch.from_numpy(self._doc_ids(shard, starts)))
         return tuple(self._to_device(t) for t in out)
+
+    # Whole windows: with sliding-window attention (window W < T), a token in the first W positions of a
+    # sequence sees fewer keys than it would in the stream, wherever its document began before the
+    # sequence did. An evaluation loader whose windows start every T - W tokens (shuffle off) gives each
+    # target the W tokens before it: each window scores only the targets the window before it did not
+    # (a shard's first window all of them). The targets are those of the first n windows that a loader
+    # of the same T without a stride reads, so the loss is over the same tokens as that evaluation.
+
+    def plain_windows(self) -> np.ndarray:
+        """Windows of T + 1 tokens without a stride in each shard (the plain evaluation's)."""
+        return np.array([max(0, (i.n_tokens - 1) // self.T) for i in self.infos])
+
+    def batches_covering(self, n: int) -> int:
+        """Micro-batches per rank (shuffle off) whose scored targets cover the first n plain windows'."""
+        plain = np.concatenate([[0], np.cumsum(self.plain_windows())])
+        n = min(n, int(plain[-1]))
+        shard = int(np.searchsorted(plain, n - 1, side="right") - 1)
+        end = (n - plain[shard]) * self.T  # the last target's offset in its shard, counted from 1
+        needed = int(self.first_window[shard]) + 1 + -(-max(0, end - self.T) // self.stride)
+        return -(-needed // (self.B * self.world))
+
+    def scored_targets(self, n: int) -> torch.Tensor:
+        """(B, T) bool for the last batch: targets no window before scored, within the first n plain windows."""
+        shard, starts = self.last_starts
+        plain = np.concatenate([[0], np.cumsum(self.plain_windows())])
+        j = np.arange(self.T)
+        fresh = (starts[:, None] == 0) | (j[None, :] >= self.T - self.stride)
+        target = starts[:, None] + j[None, :]  # offset of y's token in its shard, minus one
+        within = (plain[shard][:, None] + target // self.T < n) & (target // self.T < self.plain_windows()[shard][:, None])
+        return self._to_device(torch.from_numpy(fresh & within))
 
     def _doc_ids(self, shard, starts) -> np.ndarray:
         """(B, T) int32: for each token of x, the index of its document within the sequence."""

@@ -6,7 +6,8 @@
 
 Each checkpoint is evaluated with its own model config and tokenizer, as train.py's evaluate() does
 at a run's evaluations: by default on its own corpus, its eval_tokens, micro-batch and context, with
-its document masks and sliding window, so the last logged validation loss comes back. --corpus
+its document masks and sliding window, so the last logged validation loss comes back (and, for a
+window shorter than the context, the loss with whole windows: train.Run.whole_val_loader). --corpus
 evaluates on another corpus' validation split, tokenized with the checkpoint's tokenizer (prepared
 once, in a cache folder of its own: data.tokenizer_file). Losses compare between checkpoints of one
 tokenizer; bits per byte between any.
@@ -60,21 +61,30 @@ def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int
         raise ValueError(f"{folder} was tokenized by another tokenizer than {ckpt.path}'s: evaluate on the corpus "
                          f"the run trained on, or pass --corpus to tokenize one with the checkpoint's tokenizer")
     doc_ids = tcfg.doc_mask and T == mcfg.context
-    loader = D.ShardLoader(D.shard_files(folder, "val"), batch=B, seq_len=T, vocab_size=mcfg.vocab_size,
-                           tokenizer_hash=ckpt.tokenizer_hash, shuffle=False, doc_ids=doc_ids, device=dev)
+    loader_args = dict(batch=B, seq_len=T, vocab_size=mcfg.vocab_size, tokenizer_hash=ckpt.tokenizer_hash,
+                       shuffle=False, doc_ids=doc_ids, device=dev)
+    loader = D.ShardLoader(D.shard_files(folder, "val"), **loader_args)
     model = M.Llama(mcfg).to(dev)
     model.load_state_dict(ckpt.model, strict=True)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(tok_path)), device=dev, dtype=torch.float32)
     n_batches = max(1, (tokens or tcfg.eval_tokens) // (B * T))
     found = TR.evaluate(model, loader, n_batches, token_bytes, tcfg, dev, mcfg.windows())
+    if 0 < mcfg.attn_window < T:  # the same targets, each with its whole window before it
+        whole = D.ShardLoader(D.shard_files(folder, "val"), stride=T - mcfg.attn_window, **loader_args)
+        n = min(n_batches, len(loader)) * B
+        found |= {f"{k}_whole": v for k, v in TR.evaluate(model, whole, whole.batches_covering(n), token_bytes, tcfg,
+                                                          dev, mcfg.windows(), whole_windows=n).items()}
     return {"checkpoint": str(ckpt.path), "step": ckpt.step, "corpus": data_cfg.corpus,
             "tokens": min(n_batches, len(loader)) * B * T, "context": T, **found}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| checkpoint | step | corpus | tokens | context | val loss | val bpb |", "|---|---:|---|---:|---:|---:|---:|"]
+    whole = any("val_loss_whole" in r for r in rows)
+    lines = ["| checkpoint | step | corpus | tokens | context | val loss | val bpb |" + (" with whole windows |" * whole),
+             "|---|---:|---|---:|---:|---:|---:|" + ("---:|" * whole)]
     lines += [f"| {r['checkpoint']} | {r['step']} | {r['corpus']} | {r['tokens']:,} | {r['context']} | "
-              f"{r['val_loss']:.4f} | {r['val_bpb']:.4f} |" for r in rows]
+              f"{r['val_loss']:.4f} | {r['val_bpb']:.4f} |" + (f" {r['val_loss_whole']:.4f} |" if "val_loss_whole" in r
+                                                               else " |" * whole) for r in rows]
     return "\n".join(lines)
 
 

@@ -301,7 +301,7 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 def eval_curve(log_rows: list[dict]) -> list[dict]:
     """A run's validation passes: tokens, training seconds, loss and bits per byte (and the loss on
     plain 1,024-token windows where the run trains on something else)."""
-    keys = ("step", "tokens", "train_seconds", "val_loss", "val_bpb", "val_loss_1024")
+    keys = ("step", "tokens", "train_seconds", "val_loss", "val_bpb", "val_loss_1024", "val_loss_whole")
     return [{k: r[k] for k in keys if k in r} for r in log_rows if "val_loss" in r and "train_seconds" in r]
 
 

@@ -212,6 +212,10 @@ class Run:
     # something else (a longer context or document masks): the loss every recipe can be compared by.
     plain_val_loader: D.ShardLoader | None = None
     scaler: torch.amp.GradScaler | None = None  # train.fp16's gradient scaler
+    # With a sliding window shorter than the context: the same targets as val_loader's, each with the whole
+    # window before it (ShardLoader.scored_targets), as in one long sequence (modded-nanogpt evaluates on
+    # sequences of 262,144 tokens, where few documents are cut).
+    whole_val_loader: D.ShardLoader | None = None
 
 
 def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens_dir: Path | None = None) -> Run:
@@ -252,7 +256,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
                          "give train.steps")
     loader_args = dict(batch=B, seq_len=T, vocab_size=V, rank=rank, world=world, doc_ids=tcfg.doc_mask,
                        device=device)
-    plain_val = None
+    plain_val = whole_val = None
     if random_tokens_dir is not None:
         needed = (steps + 1) * tcfg.batch_tokens + 8 * B * (T + 1)
         files = D.random_shards(Path(random_tokens_dir), V, needed)
@@ -271,11 +275,14 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         if T > PLAIN_CONTEXT or (tcfg.doc_mask and T == PLAIN_CONTEXT):
             plain_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
                                       **{**loader_args, "seq_len": PLAIN_CONTEXT, "doc_ids": False})
+        if cfg.model.windowed:
+            whole_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
+                                      stride=T - cfg.model.attn_window, **loader_args)
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
     raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
     scaler = torch.amp.GradScaler(device.type) if tcfg.fp16 else None
     return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
-               accum, steps, tok_path, tok_hash, source, plain_val, scaler)
+               accum, steps, tok_path, tok_hash, source, plain_val, scaler, whole_val)
 
 
 # --- The step ------------------------------------------------------------------------------
@@ -345,29 +352,32 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
 
 @torch.no_grad()
 def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
-             device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
+             device: torch.device, windows: tuple[int, int] = (0, 0), whole_windows: int | None = None) -> dict:
     """Mean validation loss and bits per byte over the first n_batches of the val split, with the
     masks the run trains with (documents, the sliding window at this step) where the loader has
     document ids. Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets
-    decode to, so runs with different tokenizers compare."""
+    decode to, so runs with different tokenizers compare. whole_windows: n, for a loader with a
+    stride: only the targets ShardLoader.scored_targets(n) names count, each once, with a whole window
+    of tokens before it (the first n windows' targets of the loader without a stride)."""
     model.eval()
     loader.rewind()
-    nats, n_tokens, n_bytes = torch.zeros((), device=device, dtype=torch.float64), 0, torch.zeros((), device=device)
+    nats, n_tokens, n_bytes = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(3))
     for _ in range(min(n_batches, len(loader))):
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
             logits = model(x, **masks_for(batch, device, windows))
-        nats += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-        n_tokens += y.numel()
-        n_bytes += token_bytes[y].sum()
+        losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        keep = loader.scored_targets(whole_windows).flatten() if whole_windows else torch.ones_like(losses)
+        nats += (losses * keep).sum()
+        n_tokens += keep.sum()
+        n_bytes += (token_bytes[y.flatten()] * keep).sum()
     model.train()
     if dist.is_initialized():
-        totals = torch.stack([nats, torch.tensor(float(n_tokens), device=device, dtype=torch.float64),
-                              n_bytes.double()])
+        totals = torch.stack([nats, n_tokens, n_bytes])
         dist.all_reduce(totals)
-        nats, n_tokens, n_bytes = totals[0], totals[1].item(), totals[2]
-    return {"val_loss": nats.item() / n_tokens, "val_bpb": nats.item() / math.log(2) / max(n_bytes.item(), 1)}
+        nats, n_tokens, n_bytes = totals
+    return {"val_loss": nats.item() / n_tokens.item(), "val_bpb": nats.item() / math.log(2) / max(n_bytes.item(), 1)}
 
 
 # --- Provenance and logging ----------------------------------------------------------------
@@ -763,6 +773,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
     eval_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * r.cfg.model.context * r.world))
+    eval_windows = min(eval_batches, len(r.val_loader) if r.val_loader else 0) * tcfg.micro_batch * r.world
     plain_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * PLAIN_CONTEXT * r.world))
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
@@ -778,11 +789,16 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
             if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
                 windows = window_at(p.step, r.steps, r.cfg)
                 session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device, windows)
+                if r.whole_val_loader is not None:
+                    whole = evaluate(r.model, r.whole_val_loader, r.whole_val_loader.batches_covering(eval_windows),
+                                     token_bytes, tcfg, r.device, windows, whole_windows=eval_windows)
+                    session.last_eval |= {"val_loss_whole": whole["val_loss"], "val_bpb_whole": whole["val_bpb"]}
                 if r.plain_val_loader is not None:
                     plain = evaluate(r.model, r.plain_val_loader, plain_batches, token_bytes, tcfg, r.device, windows)
                     session.last_eval |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
                 say(f"step {p.step:>6} | val loss {session.last_eval['val_loss']:.4f} | "
                     f"val bpb {session.last_eval['val_bpb']:.4f}"
+                    + (f" | with whole windows {whole['val_loss']:.4f}" if r.whole_val_loader else "")
                     + (f" | on plain 1,024-token windows {plain['val_loss']:.4f}" if r.plain_val_loader else ""))
                 write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
                                        **session.last_eval}, board)

@@ -402,6 +402,36 @@ def test_ranks_read_disjoint_slices(shards):
     assert set(w0) | set(w1) == set(np.concatenate([one.next_windows() for _ in range(2 * len(r0))]))
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_whole_windows_score_each_plain_target_once_with_a_window_before_it(shards, world):
+    """A loader whose windows start every T - W tokens scores, over batches_covering(n) batches, each target
+    of the first n plain windows once, and each of them but a shard's first T has W tokens of x before it."""
+    T, W, B, n = 32, 12, 3, 7
+    files = shards[0][:1]
+    plain = D.ShardLoader(files, B, T, shuffle=False)
+    assert plain.stride == T and len(plain) == len(D.ShardLoader(files, B, T, shuffle=False, stride=T))
+    want = {w * T + j for w in range(n) for j in range(T)}  # y's offsets, minus one, of the plain windows
+    seen = []
+    for rank in range(world):
+        whole = D.ShardLoader(files, B, T, shuffle=False, stride=T - W, rank=rank, world=world)
+        for _ in range(whole.batches_covering(n)):
+            x, y = whole.next_batch()
+            keep = whole.scored_targets(n).numpy()
+            shard, starts = whole.last_starts
+            for row, start in enumerate(starts):
+                tokens = whole.shards[shard[row]][0]
+                assert torch.equal(y[row], torch.from_numpy(tokens[start + 1:start + T + 1].astype(np.int64)))
+                for j in np.flatnonzero(keep[row]):
+                    seen.append(start + j)
+                    assert start == 0 or j >= W  # W tokens of this window before the target
+    assert sorted(seen) == sorted(want)
+
+
+def test_a_stride_outside_the_window_is_refused(shards):
+    with pytest.raises(ValueError, match="stride=40 must lie in 1..seq_len=32"):
+        D.ShardLoader(shards[0], 2, 32, stride=40)
+
+
 def test_doc_ids_follow_the_document_index(shards):
     loader = D.ShardLoader(shards[0], 4, 64, doc_ids=True, shuffle=False)
     tokens, starts = loader.shards[0]

@@ -1,5 +1,6 @@
 """evaluate.py: a checkpoint's validation loss as its run logged it, several checkpoints on the same
-tokens, another corpus through the checkpoint's tokenizer, and its refusals in one line."""
+tokens, another corpus through the checkpoint's tokenizer, a windowed model's loss with whole windows,
+and its refusals in one line."""
 
 import json
 
@@ -8,7 +9,7 @@ import pytest
 import data as D
 import evaluate as EV
 import train as TR
-from conftest import tiny_run_config
+from conftest import tiny_model_cfg, tiny_run_config
 
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -38,6 +39,17 @@ def test_two_checkpoints_compare_in_one_table_and_json(two_runs, tmp_path, capsy
     assert rows[1]["val_loss"] < rows[0]["val_loss"]  # six steps learn more than three
     assert "\n| checkpoint | step | corpus | tokens | context | val loss | val bpb |\n" in printed
     assert f"| {two_runs / 'longer' / 'ckpt.pt'} | 6 |" in printed
+
+
+def test_a_windowed_checkpoint_also_evaluates_to_its_logged_loss_with_whole_windows(data_cfg, tmp_path, capsys):
+    cfg = tiny_run_config(data_cfg, tiny_model_cfg(attn_window=16), steps=3, eval_every=3, doc_mask=True)
+    TR.train(cfg, tmp_path / "windowed", **QUIET)
+    logged = [r for r in TR.read_log(tmp_path / "windowed" / "log.jsonl") if "val_loss" in r][-1]
+    found = EV.evaluate_checkpoint(tmp_path / "windowed", **QUIET)
+    assert abs(found["val_loss_whole"] - logged["val_loss_whole"]) < 1e-4
+    assert abs(found["val_loss"] - logged["val_loss"]) < 1e-4
+    EV.main([str(tmp_path / "windowed"), "--out", str(tmp_path / "eval.json")])
+    assert f"| {found['val_loss']:.4f} | {found['val_bpb']:.4f} | {found['val_loss_whole']:.4f} |" in capsys.readouterr().out
 
 
 def test_another_corpus_is_tokenized_with_the_checkpoints_tokenizer(two_runs, tmp_path):

@@ -457,7 +457,8 @@ def test_a_window_schedule_needs_a_window_to_grow_to():
 def test_a_run_on_long_or_masked_sequences_also_reports_plain_windows(train_config, tmp_path, monkeypatch):
     """Beside the loss as it trains, the loss on plain causal windows (here the tiny model's 64 tokens
     stand for 1,024): with document masks at that length, and on a longer context; a plain run at
-    that length has only the one loss."""
+    that length has only the one loss. A sliding window shorter than the context adds the loss with
+    whole windows."""
     short = with_train(train_config, steps=3, eval_every=3)
     monkeypatch.setattr(TR, "PLAIN_CONTEXT", 64)
     masked = TR.train(with_train(short, doc_mask=True), tmp_path / "masked", **QUIET)
@@ -466,6 +467,10 @@ def test_a_run_on_long_or_masked_sequences_also_reports_plain_windows(train_conf
     monkeypatch.setattr(TR, "PLAIN_CONTEXT", 32)
     longer = TR.train(short, tmp_path / "longer", **QUIET)
     assert longer["val_loss_1024"] > longer["val_loss"]  # half the context to predict from
+    assert "val_loss_whole" not in longer  # no window shorter than the context: no target is cut short
+    windowed = dataclasses.replace(short, model=dataclasses.replace(short.model, attn_window=16))
+    whole = TR.train(windowed, tmp_path / "windowed", **QUIET)
+    assert math.isfinite(whole["val_loss_whole"]) and whole["val_loss_whole"] != whole["val_loss"]
 
 
 def test_a_resume_applies_the_optimizer_changes_it_reports(train_config, tmp_path):
@@ -657,3 +662,30 @@ def test_init_from_refuses_another_model_value_or_tokenizer_in_one_line(trained,
 def tokenizer_file_of(run):
     ckpt = TR.CK.load(run)
     return TR.D.data_dir(ckpt.config.data, ckpt.config.model.vocab_size) / "tokenizer.json"
+
+
+def test_whole_window_evaluation_equals_the_loss_of_one_long_sequence(data_cfg):
+    """One layer with a window of 12 keys: a target's loss depends on its window alone, so the whole-window
+    evaluation (a loader with stride T - 12) equals the loss over one sequence of all the targets, where the
+    plain evaluation of 32-token windows cuts each window's first targets short."""
+    import data as D
+    import tokenizer as tk
+    from conftest import VOCAB, tiny_model_cfg
+    T, W, B, n = 32, 12, 2, 6
+    folder = D.data_dir(data_cfg, VOCAB)
+    files = D.shard_files(folder, "val")
+    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(folder / "tokenizer.json")), dtype=torch.float32)
+    cfg = C.TrainConfig(steps=1, device="cpu", bf16=False)
+    torch.manual_seed(0)
+    model = M.Llama(tiny_model_cfg(n_layers=1, context=T, attn_window=W)).double()
+    long = M.Llama(tiny_model_cfg(n_layers=1, context=n * T, attn_window=W)).double()
+    long.load_state_dict(model.state_dict())
+    tokens = torch.from_numpy(D.ShardLoader(files, 1, n * T, shuffle=False).shards[0][0][:n * T + 1].astype("int64"))
+    want = long(tokens[None, :-1], tokens[None, 1:]).item()
+    device = torch.device("cpu")
+    whole = D.ShardLoader(files, B, T, shuffle=False, stride=T - W)
+    got = TR.evaluate(model, whole, whole.batches_covering(n), token_bytes, cfg, device, (W, 0), whole_windows=n)
+    plain = TR.evaluate(model, D.ShardLoader(files, B, T, shuffle=False), n // B, token_bytes, cfg, device, (W, 0))
+    assert got["val_loss"] == pytest.approx(want, rel=1e-6)  # evaluate takes the loss of float32 logits
+    assert abs(plain["val_loss"] - want) > 1e-4  # the cut windows differ
+    assert got["val_bpb"] == pytest.approx(want / math.log(2) * n * T / token_bytes[tokens[1:]].sum().item(), rel=1e-6)
