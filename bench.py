@@ -421,7 +421,7 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     at the long and short windows the preset's schedule starts and ends with (train.window_at). FLOPs count the
     (query, key) pairs each computes: 4 hd a pair forward (two matmuls), 2.5 times that backward
     (FlashAttention-2's count), so a masked-out block adds no FLOPs and a kernel that computes it anyway
-    shows a lower rate."""
+    shows a lower rate. kernel_ms: the device time of the call's kernels alone (torch.profiler)."""
     cfg = C.preset(preset)
     mcfg = cfg.model
     if not cuda:
@@ -448,7 +448,11 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
             rows.append({"rung": name, "skipped": str(e).splitlines()[0][:200]})
             continue
         flops = 3.5 * 4 * mcfg.head_dim * mcfg.n_heads * attended_pairs(ids, window)
-        rows.append({"rung": name, "ms": round(1000 * seconds, 3), "tflops": round(flops / seconds / 1e12, 1)})
+        # The kernels' own time too: wall time around a call also holds its launch and guard overhead,
+        # which at small windows is most of it (a compiled model pays it per layer as well).
+        kernel_s = sum(ME.kernel_times(run, device).values()) / 1000
+        rows.append({"rung": name, "ms": round(1000 * seconds, 3), "tflops": round(flops / seconds / 1e12, 1),
+                     "kernel_ms": round(1000 * kernel_s, 3), "kernel_tflops": round(flops / kernel_s / 1e12, 1)})
         q.grad = k.grad = v.grad = None
     return rows
 
@@ -549,7 +553,7 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
 
 def simple_table(rows: list[dict]) -> str:
     keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib",
-                        "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "cpu_us", "forward_ms", "ms", "share", "tflops",
+                        "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "cpu_us", "forward_ms", "ms", "share", "tflops", "kernel_ms", "kernel_tflops",
                         "fixed_gib", "gib_per_seq", "largest_fitting", "first_token_ms", "prefill_tok_s",
                         "decode_tok_s", "same_greedy_tokens", "skipped")
             if any(k in r for r in rows)]
