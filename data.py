@@ -466,6 +466,10 @@ class ShardLoader:
         self.stride = stride or seq_len
         windows = np.array([max(0, (i.n_tokens - 1 - seq_len) // self.stride + 1) for i in self.infos])
         self.first_window = np.concatenate([[0], np.cumsum(windows)])  # global window -> shard
+        # Windows of T + 1 tokens without a stride per shard, and their global index of each shard's first:
+        # the plain evaluation's, whose targets a strided loader scores (scored_targets).
+        self.plain = np.array([max(0, (i.n_tokens - 1) // seq_len) for i in self.infos])
+        self.plain_first = np.concatenate([[0], np.cumsum(self.plain)])
         self.last_starts = None  # (shard, start offset) of each row of the last batch
         self.per_rank = int(windows.sum()) // world
         if self.per_rank < batch:
@@ -532,27 +536,21 @@ class ShardLoader:
     # (a shard's first window all of them). The targets are those of the first n windows that a loader
     # of the same T without a stride reads, so the loss is over the same tokens as that evaluation.
 
-    def plain_windows(self) -> np.ndarray:
-        """Windows of T + 1 tokens without a stride in each shard (the plain evaluation's)."""
-        return np.array([max(0, (i.n_tokens - 1) // self.T) for i in self.infos])
-
     def batches_covering(self, n: int) -> int:
         """Micro-batches per rank (shuffle off) whose scored targets cover the first n plain windows'."""
-        plain = np.concatenate([[0], np.cumsum(self.plain_windows())])
-        n = min(n, int(plain[-1]))
-        shard = int(np.searchsorted(plain, n - 1, side="right") - 1)
-        end = (n - plain[shard]) * self.T  # the last target's offset in its shard, counted from 1
+        n = min(n, int(self.plain_first[-1]))
+        shard = int(np.searchsorted(self.plain_first, n - 1, side="right") - 1)
+        end = (n - self.plain_first[shard]) * self.T  # the last target's offset in its shard, counted from 1
         needed = int(self.first_window[shard]) + 1 + -(-max(0, end - self.T) // self.stride)
         return -(-needed // (self.B * self.world))
 
     def scored_targets(self, n: int) -> torch.Tensor:
         """(B, T) bool for the last batch: targets no window before scored, within the first n plain windows."""
         shard, starts = self.last_starts
-        plain = np.concatenate([[0], np.cumsum(self.plain_windows())])
         j = np.arange(self.T)
         fresh = (starts[:, None] == 0) | (j[None, :] >= self.T - self.stride)
-        target = starts[:, None] + j[None, :]  # offset of y's token in its shard, minus one
-        within = (plain[shard][:, None] + target // self.T < n) & (target // self.T < self.plain_windows()[shard][:, None])
+        window = (starts[:, None] + j[None, :]) // self.T  # the plain window holding y's token, in its shard
+        within = (self.plain_first[shard][:, None] + window < n) & (window < self.plain[shard][:, None])
         return self._to_device(torch.from_numpy(fresh & within))
 
     def _doc_ids(self, shard, starts) -> np.ndarray:

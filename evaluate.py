@@ -71,9 +71,8 @@ def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int
     found = TR.evaluate(model, loader, n_batches, token_bytes, tcfg, dev, mcfg.windows())
     if 0 < mcfg.attn_window < T:  # the same targets, each with its whole window before it
         whole = D.ShardLoader(D.shard_files(folder, "val"), stride=T - mcfg.attn_window, **loader_args)
-        n = min(n_batches, len(loader)) * B
-        found |= {f"{k}_whole": v for k, v in TR.evaluate(model, whole, whole.batches_covering(n), token_bytes, tcfg,
-                                                          dev, mcfg.windows(), whole_windows=n).items()}
+        found |= {f"{k}_whole": v for k, v in TR.evaluate(model, whole, min(n_batches, len(loader)), token_bytes,
+                                                          tcfg, dev, mcfg.windows()).items()}
     return {"checkpoint": str(ckpt.path), "step": ckpt.step, "corpus": data_cfg.corpus,
             "tokens": min(n_batches, len(loader)) * B * T, "context": T, **found}
 

@@ -352,23 +352,25 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
 
 @torch.no_grad()
 def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
-             device: torch.device, windows: tuple[int, int] = (0, 0), whole_windows: int | None = None) -> dict:
+             device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
     """Mean validation loss and bits per byte over the first n_batches of the val split, with the
     masks the run trains with (documents, the sliding window at this step) where the loader has
     document ids. Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets
-    decode to, so runs with different tokenizers compare. whole_windows: n, for a loader with a
-    stride: only the targets ShardLoader.scored_targets(n) names count, each once, with a whole window
-    of tokens before it (the first n windows' targets of the loader without a stride)."""
+    decode to, so runs with different tokenizers compare. A loader with a stride (whole windows) scores
+    the targets of the n_batches a loader without one would read, each once, with its window before it
+    (ShardLoader.scored_targets), over as many batches as that takes."""
     model.eval()
     loader.rewind()
+    strided = loader.stride < loader.T
+    plain_windows = n_batches * loader.B * loader.world  # what a loader without a stride reads, over all ranks
     nats, n_tokens, n_bytes = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(3))
-    for _ in range(min(n_batches, len(loader))):
+    for _ in range(min(loader.batches_covering(plain_windows) if strided else n_batches, len(loader))):
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
             logits = model(x, **masks_for(batch, device, windows))
         losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-        keep = loader.scored_targets(whole_windows).flatten() if whole_windows else torch.ones_like(losses)
+        keep = loader.scored_targets(plain_windows).flatten() if strided else torch.ones_like(losses)
         nats += (losses * keep).sum()
         n_tokens += keep.sum()
         n_bytes += (token_bytes[y.flatten()] * keep).sum()
@@ -773,7 +775,6 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
     eval_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * r.cfg.model.context * r.world))
-    eval_windows = min(eval_batches, len(r.val_loader) if r.val_loader else 0) * tcfg.micro_batch * r.world
     plain_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * PLAIN_CONTEXT * r.world))
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
@@ -790,8 +791,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                 windows = window_at(p.step, r.steps, r.cfg)
                 session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device, windows)
                 if r.whole_val_loader is not None:
-                    whole = evaluate(r.model, r.whole_val_loader, r.whole_val_loader.batches_covering(eval_windows),
-                                     token_bytes, tcfg, r.device, windows, whole_windows=eval_windows)
+                    whole = evaluate(r.model, r.whole_val_loader, eval_batches, token_bytes, tcfg, r.device, windows)
                     session.last_eval |= {"val_loss_whole": whole["val_loss"], "val_bpb_whole": whole["val_bpb"]}
                 if r.plain_val_loader is not None:
                     plain = evaluate(r.model, r.plain_val_loader, plain_batches, token_bytes, tcfg, r.device, windows)
