@@ -198,13 +198,19 @@ class ModelConfig:
         return None
 
 
-def for_device(cfg: ModelConfig, device: torch.device) -> ModelConfig:
-    """cfg for a model that will train on `device`: the Triton fast paths off on a GPU Triton cannot run
-    (older than Ampere), where the plain paths compute the same functions. On CPU they pick the plain path
-    themselves; the decode kernel asks the same question per cache (KVCache.fusable)."""
+def for_device(cfg: ModelConfig, device: torch.device) -> tuple[ModelConfig, str]:
+    """(cfg for a model that will train on `device`, why it differs: "" where it does not). On a GPU
+    Triton cannot run (older than Ampere) the Triton fast paths are off, and on a CPU the FP8 matmuls,
+    where the plain paths compute the same functions. A CPU has no FP8 units: torch._scaled_mm emulates
+    them there, and one step of the tiny model with an FP8 head at 2,048 tokens took 176 s against 8 s
+    without (2 cores, torch 2.13). On CPU the Triton paths pick the plain path themselves; the decode
+    kernel asks the same question per cache (KVCache.fusable)."""
     if device.type == "cuda" and not K.device_supported(device):
-        return replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False, fused_qk_norm_rope=False)
-    return cfg
+        return (replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False, fused_qk_norm_rope=False),
+                "its Triton kernels need a GPU of compute capability 8.0 (Ampere) or newer")
+    if device.type == "cpu" and (cfg.fp8 or cfg.fp8_head):
+        return replace(cfg, fp8=False, fp8_head=False), "a CPU has no FP8 matmul units (emulated, about 20x slower)"
+    return cfg, ""
 
 
 def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:

@@ -25,6 +25,9 @@ The rungs, in the order they run:
 --versus skips the search: it runs the article and configs/<preset>.toml (the default
 recipe), each once per seed. That is how a result is confirmed on a larger preset. With
 --fractions it runs the default on shorter schedules instead, or as well (see versus_plan).
+With --record the other side is the record recipe at the preset (record_recipe) instead of its
+default. A rung that trains on something else than the article's 1,024-token windows (longer
+document-masked sequences) is timed to the target on plain 1,024-token windows: equal context.
 
 --seconds S is the record ladder (record_plan): every rung trains for the same S training seconds,
 its steps sized from its own measured speed (train.seconds), so a change that slows the step must
@@ -241,16 +244,21 @@ def ladder_plan(preset: str, seeds: int) -> list[Recipe]:
 WHOLE_BUDGET = (1.0,)  # --fractions' default: the default recipe on all of the tokens
 
 
-def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = WHOLE_BUDGET) -> list[Recipe]:
+def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = WHOLE_BUDGET,
+                record_micro_batch: int | None = None) -> list[Recipe]:
     """Per seed, the article against the default recipe on each fraction of the budget (1: all of it).
     A warm-down recipe reaches its lowest loss only at the end of its own schedule, so where its
     full-budget curve crosses the target is not the fastest it gets there: the shortest schedule
-    whose final loss reaches the target is. Leaving 1 out saves the longest run of the default."""
+    whose final loss reaches the target is. Leaving 1 out saves the longest run of the default.
+    With record_micro_batch the other side is the record recipe (record_recipe at that micro-batch)."""
+    name = "record recipe" if record_micro_batch else "default recipe"
+    own = record_recipe(preset, record_micro_batch) if record_micro_batch else {}
+
     def default(f, seed):
         if f == 1:
-            return Recipe("default recipe", preset, "default", seed=seed)
-        return Recipe(f"default recipe, {f:.0%} of the tokens", preset, "default",
-                      {"train__tokens": int(tokens * f)}, seed)
+            return Recipe(name, preset, "default", dict(own), seed=seed)
+        return Recipe(f"{name}, {f:.0%} of the tokens", preset, "default",
+                      {**own, "train__tokens": int(tokens * f)}, seed)
     return [r for i in range(seeds)
             for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
                       *(default(f, SEED + i) for f in fractions))]
@@ -283,16 +291,28 @@ def final_recipes(preset: str, kept: list[str], seeds: int) -> list[Recipe]:
             for i in range(seeds)]
 
 
+def record_chain(preset: str, micro_batch: int, carried: dict) -> list[tuple[str, dict]]:
+    """(name, overrides) per RECORD_CHAIN rung at the preset, each carrying the rungs before it."""
+    base, rungs = C.preset(preset), []
+    for name, change in RECORD_CHAIN:
+        carried = {**carried, **(change(base, micro_batch) if callable(change) else change)}
+        rungs.append((name, carried))
+    return rungs
+
+
+def record_recipe(preset: str, micro_batch: int) -> dict:
+    """The overrides that make configs/<preset>.toml the record recipe: the whole RECORD_CHAIN."""
+    return record_chain(preset, micro_batch, {})[-1][1]
+
+
 def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
     """The default (its warm-up at SECONDS_WARMUP), then each RECORD_CHAIN change on top of the rungs
     before it, one seed each; then the whole chain once more per further seed."""
-    base = C.preset(preset)
     carried = {"train__warmup_steps": SECONDS_WARMUP}
+    rungs = record_chain(preset, micro_batch, carried)
     plan = [Recipe("default recipe", preset, "default", dict(carried))]
-    for name, change in RECORD_CHAIN:
-        carried = {**carried, **(change(base, micro_batch) if callable(change) else change)}
-        plan.append(Recipe(name, preset, "chain", dict(carried)))
-    plan += [Recipe(RECORD_CHAIN[-1][0], preset, "chain", dict(carried), SEED + i) for i in range(1, seeds)]
+    plan += [Recipe(name, preset, "chain", dict(overrides)) for name, overrides in rungs]
+    plan += [Recipe(rungs[-1][0], preset, "chain", dict(rungs[-1][1]), SEED + i) for i in range(1, seeds)]
     return plan
 
 
@@ -301,14 +321,15 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 def eval_curve(log_rows: list[dict]) -> list[dict]:
     """A run's validation passes: tokens, training seconds, loss and bits per byte (and the loss on
     plain 1,024-token windows where the run trains on something else)."""
-    keys = ("step", "tokens", "train_seconds", "val_loss", "val_bpb", "val_loss_1024", "val_loss_whole")
+    keys = ("step", "tokens", "train_seconds", "val_loss", "val_bpb", "val_loss_1024", "val_bpb_1024", "val_loss_whole")
     return [{k: r[k] for k in keys if k in r} for r in log_rows if "val_loss" in r and "train_seconds" in r]
 
 
 def time_to(curve: list[dict], target: float) -> tuple[float, float] | None:
-    """(tokens, seconds) at which the validation loss first reaches `target`, linearly
+    """(tokens, seconds) at which the validation loss at equal context (on plain 1,024-token windows
+    where the run trains on something else, the target's own windows) first reaches `target`, linearly
     interpolated between the passes either side; None when it never does."""
-    losses = [p["val_loss"] for p in curve]
+    losses = [p.get("val_loss_1024", p["val_loss"]) for p in curve]
     at = [TR.first_crossing([float(p[key]) for p in curve], losses, target) for key in ("tokens", "train_seconds")]
     return None if at[0] is None else (at[0][0], at[1][0])
 
@@ -327,7 +348,8 @@ def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: 
            "tok_s": float(np.mean([r["tok_s"] for r in runs if r.get("tok_s")] or [np.nan])),
            "steps": int(np.mean([f["step"] for f in finals])),
            # equal context: the plain-window loss where the rung has one, else its own (it trains on them)
-           "val_loss_1024": float(np.mean([f.get("val_loss_1024", f["val_loss"]) for f in finals]))}
+           "val_loss_1024": float(np.mean([f.get("val_loss_1024", f["val_loss"]) for f in finals])),
+           "val_bpb_1024": float(np.mean([f.get("val_bpb_1024", f["val_bpb"]) for f in finals]))}
     if target is not None:
         reached = [time_to(r["curve"], target) for r in runs if r.get("curve")]
         if all(reached):
@@ -352,7 +374,8 @@ def spread_text(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """The ladder as markdown; "x article's time" is the seconds to the target over the article's."""
+    """The ladder as markdown; "x article's time" is the seconds to the target over the article's. Losses
+    at equal context, as the target is timed (time_to), with the loss as trained beside where it differs."""
     article_seconds = rows[0].get("train_seconds") if rows else None
     head = ("| rung | seeds | final val loss | spread | bits/byte | tokens to target | seconds to target | "
             "x article's time | tok/s | step overhead |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -363,7 +386,9 @@ def table(rows: list[dict]) -> str:
             continue
         to_t, to_s = r.get("tokens_to_target"), r.get("seconds_to_target")
         ratio = f"{to_s / article_seconds:.2f}" if to_s is not None and article_seconds else "not reached"
-        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {spread_text(r)} | {r['val_bpb']:.4f} | "
+        trained = f" ({r['val_loss']:.4f} as trained)" if f"{r['val_loss']:.4f}" != f"{r['val_loss_1024']:.4f}" else ""
+        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss_1024']:.4f}{trained} | {spread_text(r)} | "
+                     f"{r['val_bpb_1024']:.4f} | "
                      f"{'not reached' if to_t is None else tokens_text(to_t)} | "
                      f"{'' if to_s is None else f'{to_s:,.1f}'} | {ratio} | {r['tok_s']:,.0f} | "
                      f"{r.get('step_overhead', 0):+.1%} |")
@@ -543,8 +568,10 @@ def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_ba
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
-          timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...]) -> dict:
-    """Run the ladder (or --versus) and return its rows, curves, target and kept changes."""
+          timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...],
+          record: bool = False) -> dict:
+    """Run the ladder (or --versus, against the record recipe with record) and return its rows, curves,
+    target and kept changes."""
     for name in (preset, f"{preset}-gpt3"):
         if not (C.PRESETS_DIR / f"{name}.toml").is_file():
             raise ValueError(f"--recipes --preset {preset}: configs/{name}.toml does not exist; the recipe ladder "
@@ -553,7 +580,8 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
     tokens = tokens or base.train.tokens or base.train.steps * base.train.batch_tokens
     fixed = fixed_settings(base, tokens, corpus, micro_batch)
     runs_dir = out / "recipes" / f"{preset}_{corpus}_{tokens}"  # --resume never mixes budgets or corpora
-    plan = versus_plan(preset, seeds, tokens, fractions) if versus else ladder_plan(preset, seeds)
+    record_micro_batch = (micro_batch or base.train.micro_batch) if record else None
+    plan = versus_plan(preset, seeds, tokens, fractions, record_micro_batch) if versus else ladder_plan(preset, seeds)
     cfg = check_and_prepare(plan, fixed)
     print(f"recipes: {preset} ({M.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "
           f"{len(devices)} at a time", flush=True)
@@ -568,7 +596,7 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
         plan += final
         rows = rows_for(plan, results)
     curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
-    return {"rows": rows, "curves": curves, "kept": kept, "tokens": tokens, "corpus": corpus,
+    return {"rows": rows, "curves": curves, "kept": kept, "tokens": tokens, "corpus": corpus, "record": record,
             "params": M.param_count(cfg.model), "target": rows[0].get("val_loss")}
 
 
@@ -585,11 +613,13 @@ def rows_for(plan: list[Recipe], results: dict) -> list[dict]:
 
 def plot(curves: dict, title: str, path: Path, target: float | None = None):
     """Validation loss against training seconds, one line per run; with a target (the article's loss),
-    its line and where each run crosses it."""
-    series = {name: ([p["train_seconds"] for p in c], [p["val_loss"] for p in c], "-")
+    its line and where each run crosses it, at equal context as time_to reads it."""
+    key = (lambda p: p.get("val_loss_1024", p["val_loss"])) if target is not None else (lambda p: p["val_loss"])
+    series = {name: ([p["train_seconds"] for p in c], [key(p) for p in c], "-")
               for name, c in curves.items() if c}
     if series:
-        TR.plot_lines(series, "training seconds (compile, evaluation and saving left out)", "validation loss (nats)",
+        TR.plot_lines(series, "training seconds (compile, evaluation and saving left out)",
+                      "validation loss (nats" + (", 1,024-token windows)" if target is not None else ")"),
                       title, path, target)
 
 
@@ -651,7 +681,7 @@ def save(found: dict, name: str, title: str, preset: str, out: Path, device_name
 def report_ladder(found: dict, preset: str, versus: bool, out: Path, device_name: str, devices: list,
                   command: str) -> str:
     """Save a --recipes study (study()) and return its table."""
-    name = f"recipes-{preset}{'-versus' if versus else ''}"
+    name = f"recipes-{preset}{'-versus' if versus else ''}{'-record' if found.get('record') else ''}"
     date = save(found, name, f"validation loss | {preset} | {found['corpus']} | {tokens_text(found['tokens'])} tokens",
                 preset, out, device_name, devices, command)
     return (f"## recipes | {preset} ({found['params']:,} parameters) | {found['corpus']} corpus | "

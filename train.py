@@ -236,10 +236,12 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     if cfg.model.fp8_head and tcfg.fp16:
         raise ValueError("model.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
                          "overflow: use --no-fp8-head with --fp16")
-    model_cfg = M.for_device(cfg.model, device)
+    model_cfg, why = M.for_device(cfg.model, device)
     if model_cfg != cfg.model:
-        say(f"note: the fused SwiGLU needs Triton and a GPU of compute capability 8.0 (Ampere) or newer, so "
-            f"{torch.cuda.get_device_name(device)} runs the plain SwiGLU")
+        off = [f"--no-{f.name.replace('_', '-')}" for f in dataclasses.fields(model_cfg)
+               if getattr(model_cfg, f.name) != getattr(cfg.model, f.name)]
+        say(f"note: {', '.join(off)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
+            f"{why}; the plain paths compute the same functions")
         cfg = dataclasses.replace(cfg, model=model_cfg)
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size

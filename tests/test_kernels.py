@@ -63,8 +63,16 @@ def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
         assert K.device_supported(torch.device("cuda")) is expected
         # fused_swiglu is on in the SwiGLU presets; where Triton cannot run, train.setup builds the model
         # without it and says so in one line (generation never uses it: no gradients).
-        assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cuda")).fused_swiglu is expected
-    assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cpu")).fused_swiglu  # CPU: SwiGLU's own check
+        assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cuda"))[0].fused_swiglu is expected
+    assert M.for_device(M.ModelConfig(fused_swiglu=True), torch.device("cpu"))[0].fused_swiglu  # CPU: SwiGLU's own check
+
+
+def test_fp8_matmuls_are_off_on_a_cpu_which_emulates_them_slowly():
+    """A CPU has no FP8 units: train.setup builds the model with the plain head and block matmuls there."""
+    cfg = M.ModelConfig(tie_embeddings=False, fp8=True, fp8_head=True)
+    plain, why = M.for_device(cfg, torch.device("cpu"))
+    assert (plain.fp8, plain.fp8_head, plain.tie_embeddings) == (False, False, False) and "FP8" in why
+    assert M.for_device(M.ModelConfig(), torch.device("cpu")) == (M.ModelConfig(), "")
 
 
 @needs_triton

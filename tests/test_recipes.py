@@ -70,6 +70,37 @@ def test_versus_runs_the_default_on_each_fraction_of_the_budget_seed_by_seed():
     assert [r.name for r in only_short] == ["article (GPT-3 2020)", "default recipe, 40% of the tokens"]
 
 
+def test_versus_record_runs_the_record_recipe_at_the_preset_against_the_article():
+    """--versus --record: the other side is configs/<preset>.toml with the whole record ladder on it, at the
+    micro-batch that holds as many tokens (64 x 1,024 = 8 x 8,192); its warm-up is the recipe's none."""
+    plan = RE.versus_plan("22m", 1, tokens=440_401_920, fractions=(0.4,), record_micro_batch=64)
+    assert [r.name for r in plan] == ["article (GPT-3 2020)", "record recipe, 40% of the tokens"]
+    assert plan[1].overrides == {**RE.record_recipe("22m", 64), "train__tokens": 176_160_768}
+    fixed = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
+    cfg = RE.resolved(plan[1], fixed)[0]
+    assert (cfg.model.context, cfg.train.micro_batch, cfg.train.doc_mask, cfg.train.batch_tokens) == (8192, 8, True, 393_216)
+    assert cfg.train.warmup_steps == 1 and cfg.model.value_embeds and cfg.train.embed_lr == 0.6
+    assert RE.record_recipe("126m", 32) == RE.record_plan("126m", 1, 32)[-1].overrides | {
+        "train__warmup_steps": 0}  # the ladder's rung 0 warm-up, which the chain's "no warm-up" sets to 0
+
+
+def test_a_rung_on_long_sequences_is_timed_and_tabled_at_equal_context():
+    """time_to reads the 1,024-window loss where a run has one: its 8,192-token loss as trained is lower, and
+    would reach the article's target (measured on 1,024 windows) sooner than the model does at equal context."""
+    curve = [dict(p, val_loss=p["val_loss"] - 1, val_loss_1024=p["val_loss"], val_bpb_1024=p["val_bpb"]) for p in CURVE]
+    assert RE.time_to(curve, 3.5) == (250.0, 2.5)
+    row = RE.summarize("record", [{"curve": curve, "tok_s": 100.0}], 3.5, 100.0)
+    assert row["seconds_to_target"] == 2.5 and row["val_loss_1024"] == 3.0 and row["val_loss"] == 2.0
+    assert "| record | 1 | 3.0000 (2.0000 as trained) |  | 1.2000 | 250 | 2.5 |" in RE.table([row])
+
+
+def test_record_needs_the_versus_study(capsys):
+    import bench as B
+    with pytest.raises(SystemExit):
+        B.main(["--recipes", "--record"])
+    assert "--record: it picks the other side of --recipes --versus; add both flags" in capsys.readouterr().err
+
+
 def test_fractions_need_the_versus_study_and_a_share_of_the_budget(capsys):
     import bench as B
     with pytest.raises(SystemExit):
@@ -160,6 +191,18 @@ def test_versus_with_a_fraction_runs_end_to_end_on_cpu(tmp_path):
                                                          ("default recipe, 50% of the tokens", 16384)]
     assert sorted(p.name for p in (tmp_path / "recipes" / "tiny_stdlib_32768").iterdir()) == [
         "article-gpt-3-2020-s1337", "default-recipe-50-of-the-tokens-s1337", "default-recipe-s1337"]
+
+
+@pytest.mark.slow
+def test_versus_record_runs_end_to_end_on_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--recipes", "--versus", "--record", "--preset",
+                           "tiny", "--tokens", "65536", "--seeds", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    found = json.loads((tmp_path / "recipes-tiny-versus-record.json").read_text())
+    assert [r["rung"] for r in found["rows"]] == ["article (GPT-3 2020)", "record recipe"] and found["record"]
+    curve = found["curves"]["record recipe s1337"]
+    assert curve and all("val_loss_1024" in p and "val_loss_whole" in p for p in curve)  # 4,096-token windows
 
 
 def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():

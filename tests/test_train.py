@@ -322,6 +322,16 @@ def test_cuda_only_flags_are_named_on_cpu(train_config):
     assert not cfg.bf16 and cfg.optimizer == "foreach"
 
 
+def test_fp8_settings_are_named_and_off_on_cpu(train_config):
+    said = []
+    cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, tie_embeddings=False,
+                                                                      fp8_head=True))
+    r = TR.setup(cfg, log=said.append)
+    assert not r.cfg.model.fp8_head and not r.raw.cfg.fp8_head
+    assert "note: --no-fp8-head on CPU: a CPU has no FP8 matmul units (emulated, about 20x slower); the plain " \
+           "paths compute the same functions" in said
+
+
 # --- Faults --------------------------------------------------------------------------------
 
 def poison(monkeypatch, at_call: int, value=float("nan"), error=None, raise_signal=None):
