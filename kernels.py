@@ -3,8 +3,7 @@ reference, the CPU path and the fallback.
 
 decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, KV-cache write, attention).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
-relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, and the down-projection's
-input gradient with the square's derivative in its own.
+relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
 backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
 qk_norm_rope: QK-norm and RoPE on the QKV projection's output, forward and backward, one pass each.
@@ -327,17 +326,20 @@ if AVAILABLE:
     # kernel after the up-projection (it reads h and writes a, 2 x 2 bytes per hidden unit) and its
     # derivative one after the down-projection's input gradient (3 x 2 bytes); on the record preset
     # on an H200 the two took 2.3 and 3.3 ms per two micro-batches of 32,768 tokens (the real-data profile
-    # in docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/). Here the up-projection's tiles are squared before they are stored, and the gradient's
-    # tiles are multiplied by 2 relu(h) = 2 sqrt(a) before theirs: h is never written or read.
+    # in docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/). Here the
+    # up-projection's tiles are squared before they are stored: h is never written or read. A version
+    # that also multiplied the down-projection's input gradient by 2 sqrt(a) in its epilogue was slower
+    # than cuBLAS's matmul and Inductor's elementwise pass (1.72 against 1.17 ms for the MLP's backward at
+    # 88m on an H200, docs/LOG.md 2026-12-02), so the backward is theirs (model.FusedReLU2MLP).
     # A plain tiled matmul (grouped tile order for L2 reuse), its tiles autotuned (RELU2_TILES).
     @triton.autotune([triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
                       for m, n, k, w, st in (RELU2_TILES[:1] if INTERPRET else RELU2_TILES)],
-                     key=["M", "N", "K", "BACKWARD"])
+                     key=["M", "N", "K"])
     @triton.jit
-    def _relu2_matmul_kernel(a_ptr, b_ptr, c_ptr, act_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
+    def _relu2_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, BACKWARD: tl.constexpr):
-        """c = relu(a @ b)^2, or with BACKWARD c = (a @ b) * 2 sqrt(act); a (M, K), b (K, N), c and act (M, N)."""
+                             GROUP_M: tl.constexpr):
+        """c = relu(a @ b)^2; a (M, K), b (K, N), c (M, N)."""
         pid = tl.program_id(0)
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = pid // (GROUP_M * tiles_n)
@@ -355,43 +357,26 @@ if AVAILABLE:
             b = tl.load(b_ptr + (k + rk)[:, None] * s_bk + rn[None, :] * s_bn,
                         mask=(k + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
             acc = tl.dot(a, b, acc)
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
         keep = (rm[:, None] < M) & (rn[None, :] < N)
-        out = rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn  # c's and act's offsets (the same layout)
-        if BACKWARD:
-            acc = acc * 2.0 * tl.sqrt(tl.load(act_ptr + out, mask=keep, other=0.0).to(tl.float32))
-        else:
-            acc = tl.maximum(acc, 0.0)
-            acc = acc * acc
+        out = rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn
         tl.store(c_ptr + out, acc.to(c_ptr.dtype.element_ty), mask=keep)
-
-    def _relu2_launch(a, b, out, act, backward: bool):
-        (M, K), N = a.shape, b.shape[1]
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        _relu2_matmul_kernel[grid](a, b, out, act, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                   out.stride(0), out.stride(1), GROUP_M=8, BACKWARD=backward)
-        return out
 
     @torch.library.custom_op("onegpu::relu2_matmul", mutates_args=())
     def relu2_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """relu(a @ b)^2 in a's dtype, the product accumulated in float32. a: (M, K); b: (K, N), any
         strides (a weight's transpose is read as it lies)."""
-        out = a.new_empty(a.shape[0], b.shape[1])
-        return _relu2_launch(a, b, out, out, backward=False)
+        (M, K), N = a.shape, b.shape[1]
+        out = a.new_empty(M, N)
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _relu2_matmul_kernel[grid](a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                   out.stride(0), out.stride(1), GROUP_M=8)
+        return out
 
     @relu2_matmul.register_fake
     def _(a, b):
         return a.new_empty(a.shape[0], b.shape[1])
-
-    @torch.library.custom_op("onegpu::relu2_matmul_backward", mutates_args=())
-    def relu2_matmul_backward(a: torch.Tensor, b: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        """(a @ b) * 2 sqrt(act): the gradient with respect to h of relu(h)^2 = act, given a @ b, the
-        gradient with respect to act. a: (M, K); b: (K, N); act: (M, N), contiguous."""
-        out = torch.empty_like(act)
-        return _relu2_launch(a, b, out, act, backward=True)
-
-    @relu2_matmul_backward.register_fake
-    def _(a, b, act):
-        return torch.empty_like(act)
 
 
     # QK-norm and RoPE between the QKV projection and attention. Compiled, they took one kernel forward

@@ -219,9 +219,9 @@ def fp8_head_loss_check():
 
 
 def relu2_check():
-    """The fused ReLU² MLP against the plain ReLU2 module: relu2_matmul and its backward against
-    float32 matmuls, then model.FusedReLU2MLP's output and gradients against autograd through the
-    plain line, float16, shapes that the kernel's tiles do not divide."""
+    """The fused ReLU² MLP against the plain ReLU2 module: relu2_matmul against a float32 matmul, then
+    model.FusedReLU2MLP's output and gradients (its backward from the kept activation alone) against
+    autograd through the plain line, float16, shapes that the kernel's tiles do not divide."""
     g = torch.Generator().manual_seed(2)
     n, d, hidden = 150, 96, 200
     x = torch.randn(n, d, generator=g).half()
@@ -230,9 +230,6 @@ def relu2_check():
     ref = torch.relu(x.float() @ w1.float().t()).square()
     assert act.dtype == x.dtype and ((act.float() - ref).abs().max() / ref.abs().max()) < 2e-3
     gy = torch.randn(n, d, generator=g).half()
-    grad_h = K.relu2_matmul_backward(gy, w2, act)
-    ref_h = (gy.float() @ w2.float()) * 2 * torch.relu(x.float() @ w1.float().t())
-    assert ((grad_h.float() - ref_h).abs().max() / ref_h.abs().max()) < 5e-3
     cfg = M.ModelConfig(d_model=d, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
                         ffn_hidden=hidden)
     out = []
