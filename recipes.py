@@ -349,7 +349,8 @@ def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: 
            "steps": int(np.mean([f["step"] for f in finals])),
            # equal context: the plain-window loss where the rung has one, else its own (it trains on them)
            "val_loss_1024": float(np.mean([f.get("val_loss_1024", f["val_loss"]) for f in finals])),
-           "val_bpb_1024": float(np.mean([f.get("val_bpb_1024", f["val_bpb"]) for f in finals]))}
+           "val_bpb_1024": float(np.mean([f.get("val_bpb_1024", f["val_bpb"]) for f in finals])),
+           "spread_1024": float(np.ptp([f.get("val_loss_1024", f["val_loss"]) for f in finals]))}
     if target is not None:
         reached = [time_to(r["curve"], target) for r in runs if r.get("curve")]
         if all(reached):
@@ -368,9 +369,9 @@ def tokens_text(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def spread_text(row: dict) -> str:
-    """The spread of the seeds' final losses; blank for one seed, which has none."""
-    return f"{row['spread']:.4f}" if row["seeds"] > 1 else ""
+def spread_text(row: dict, key: str = "spread") -> str:
+    """The spread of the seeds' final losses (key: spread_1024 at equal context); blank for one seed."""
+    return f"{row[key]:.4f}" if row["seeds"] > 1 else ""
 
 
 def table(rows: list[dict]) -> str:
@@ -387,7 +388,7 @@ def table(rows: list[dict]) -> str:
         to_t, to_s = r.get("tokens_to_target"), r.get("seconds_to_target")
         ratio = f"{to_s / article_seconds:.2f}" if to_s is not None and article_seconds else "not reached"
         trained = f" ({r['val_loss']:.4f} as trained)" if f"{r['val_loss']:.4f}" != f"{r['val_loss_1024']:.4f}" else ""
-        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss_1024']:.4f}{trained} | {spread_text(r)} | "
+        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss_1024']:.4f}{trained} | {spread_text(r, 'spread_1024')} | "
                      f"{r['val_bpb_1024']:.4f} | "
                      f"{'not reached' if to_t is None else tokens_text(to_t)} | "
                      f"{'' if to_s is None else f'{to_s:,.1f}'} | {ratio} | {r['tok_s']:,.0f} | "
