@@ -325,11 +325,17 @@ def eval_curve(log_rows: list[dict]) -> list[dict]:
     return [{k: r[k] for k in keys if k in r} for r in log_rows if "val_loss" in r and "train_seconds" in r]
 
 
+def equal_context(point: dict, key: str = "val_loss") -> float:
+    """A validation pass's loss (or val_bpb) at equal context: on plain 1,024-token windows where the run
+    trains on something else (longer document-masked sequences), else its own, which are those windows."""
+    return point.get(f"{key}_1024", point[key])
+
+
 def time_to(curve: list[dict], target: float) -> tuple[float, float] | None:
     """(tokens, seconds) at which the validation loss at equal context (on plain 1,024-token windows
     where the run trains on something else, the target's own windows) first reaches `target`, linearly
     interpolated between the passes either side; None when it never does."""
-    losses = [p.get("val_loss_1024", p["val_loss"]) for p in curve]
+    losses = [equal_context(p) for p in curve]
     at = [TR.first_crossing([float(p[key]) for p in curve], losses, target) for key in ("tokens", "train_seconds")]
     return None if at[0] is None else (at[0][0], at[1][0])
 
@@ -347,10 +353,9 @@ def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: 
            "train_seconds": float(np.mean([f["train_seconds"] for f in finals])),
            "tok_s": float(np.mean([r["tok_s"] for r in runs if r.get("tok_s")] or [np.nan])),
            "steps": int(np.mean([f["step"] for f in finals])),
-           # equal context: the plain-window loss where the rung has one, else its own (it trains on them)
-           "val_loss_1024": float(np.mean([f.get("val_loss_1024", f["val_loss"]) for f in finals])),
-           "val_bpb_1024": float(np.mean([f.get("val_bpb_1024", f["val_bpb"]) for f in finals])),
-           "spread_1024": float(np.ptp([f.get("val_loss_1024", f["val_loss"]) for f in finals]))}
+           "val_loss_1024": float(np.mean([equal_context(f) for f in finals])),
+           "val_bpb_1024": float(np.mean([equal_context(f, "val_bpb") for f in finals])),
+           "spread_1024": float(np.ptp([equal_context(f) for f in finals]))}
     if target is not None:
         reached = [time_to(r["curve"], target) for r in runs if r.get("curve")]
         if all(reached):
@@ -581,7 +586,7 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
     tokens = tokens or base.train.tokens or base.train.steps * base.train.batch_tokens
     fixed = fixed_settings(base, tokens, corpus, micro_batch)
     runs_dir = out / "recipes" / f"{preset}_{corpus}_{tokens}"  # --resume never mixes budgets or corpora
-    record_micro_batch = (micro_batch or base.train.micro_batch) if record else None
+    record_micro_batch = fixed["train__micro_batch"] if record else None
     plan = versus_plan(preset, seeds, tokens, fractions, record_micro_batch) if versus else ladder_plan(preset, seeds)
     cfg = check_and_prepare(plan, fixed)
     print(f"recipes: {preset} ({M.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "
@@ -615,8 +620,8 @@ def rows_for(plan: list[Recipe], results: dict) -> list[dict]:
 def plot(curves: dict, title: str, path: Path, target: float | None = None):
     """Validation loss against training seconds, one line per run; with a target (the article's loss),
     its line and where each run crosses it, at equal context as time_to reads it."""
-    key = (lambda p: p.get("val_loss_1024", p["val_loss"])) if target is not None else (lambda p: p["val_loss"])
-    series = {name: ([p["train_seconds"] for p in c], [key(p) for p in c], "-")
+    loss = equal_context if target is not None else (lambda p: p["val_loss"])
+    series = {name: ([p["train_seconds"] for p in c], [loss(p) for p in c], "-")
               for name, c in curves.items() if c}
     if series:
         TR.plot_lines(series, "training seconds (compile, evaluation and saving left out)",
