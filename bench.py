@@ -678,8 +678,8 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
         speed.add_argument(flag(switch), action="store_true", help=f"--profile with model.{switch} on")
     recipes = p.add_argument_group("--recipes")
     recipes.add_argument("--versus", action="store_true", help="only the article recipe against the preset's default")
-    recipes.add_argument("--record", action="store_true", help="with --versus: against the record recipe at the "
-                         "preset (configs/<preset>.toml with every --seconds ladder rung) instead of its default")
+    recipes.add_argument("--muon", action="store_true", help="with --versus: against the Muon recipe, "
+                         "configs/<preset>-muon.toml (the default until 2026-12-02), instead of the default")
     recipes.add_argument("--fractions", type=float, nargs="+", default=None, metavar="F", help="with --versus: "
                          "train the default recipe on these fractions of the tokens (default 1; e.g. 1 0.4): a "
                          "warm-down reaches its lowest loss at the end of its own schedule, so the shortest schedule "
@@ -717,8 +717,8 @@ def main(argv=None):
                 f"with --recipes, without --versus or --tokens")
     if args.fractions and not (args.recipes and args.versus):
         p.error("--fractions: they size the default recipe's schedules in --recipes --versus; add both flags")
-    if args.record and not (args.recipes and args.versus):
-        p.error("--record: it picks the other side of --recipes --versus; add both flags")
+    if args.muon and not (args.recipes and args.versus):
+        p.error("--muon: it picks the other side of --recipes --versus; add both flags")
     if any(not 0 < f <= 1 for f in args.fractions or ()):
         p.error(f"--fractions {' '.join(map(str, args.fractions))}: each is a share of the token budget, "
                 "more than 0 and at most 1 (e.g. --fractions 1 0.4)")
@@ -787,7 +787,7 @@ def recipes_study(args, argv):
         print(RE.report_record(found, preset, **where))
     else:
         found = RE.study(preset, args.tokens, args.seeds, corpus, args.micro_batch, where["out"], args.timeout,
-                         args.resume, args.versus, devices, tuple(args.fractions or RE.WHOLE_BUDGET), args.record)
+                         args.resume, args.versus, devices, tuple(args.fractions or RE.WHOLE_BUDGET), args.muon)
         print(RE.report_ladder(found, preset, args.versus, **where))
 
 

@@ -47,7 +47,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 # generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
 # loss has its own head and loss, so it excludes the FP8 head and the loss kernel; bench's ladder takes
 # the switches in this order and skips one that a switch before it excludes, so it keeps those two, which
-# configs/126m-record.toml runs.
+# the default presets (configs/recipes/record.toml) run.
 TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fused_loss": "fused loss",
                        "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²",
                        "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
@@ -540,8 +540,8 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     Its backward has the loss kernel write the logits' gradient twice in one pass, in the logits' dtype
     for the weight gradient and in e5m2, scaled by the bound 1/n, for the input gradient. Apart, the
     FP8 head casts that gradient in a pass of its own: 2 bytes read and 1 written per logit. On one H200,
-    a micro-batch of the record preset (32,768 tokens) took 8.34 ms forward and backward this way, 8.91
-    apart and 9.70 with the plain loss (`python bench.py --loss --preset 126m-record --micro-batch-size 4`,
+    a micro-batch of the 126m preset (32,768 tokens) took 8.34 ms forward and backward this way, 8.91
+    apart and 9.70 with the plain loss (`python bench.py --loss --preset 126m --micro-batch-size 4`,
     docs/PERFORMANCE.md). The model runs it where fp8_head and loss_kernel are both on."""
 
     @staticmethod

@@ -25,14 +25,15 @@ The rungs, in the order they run:
 --versus skips the search: it runs the article and configs/<preset>.toml (the default
 recipe), each once per seed. That is how a result is confirmed on a larger preset. With
 --fractions it runs the default on shorter schedules instead, or as well (see versus_plan).
-With --record the other side is the record recipe at the preset (record_recipe) instead of its
-default. A rung that trains on something else than the article's 1,024-token windows (longer
-document-masked sequences) is timed to the target on plain 1,024-token windows: equal context.
+With --muon the other side is configs/<preset>-muon.toml, the default until 2026-12-02. A rung
+that trains on something else than the article's 1,024-token windows (longer document-masked
+sequences) holds as many tokens per micro-batch, and is timed to the target on plain
+1,024-token windows: equal context.
 
 --seconds S is the record ladder (record_plan): every rung trains for the same S training seconds,
 its steps sized from its own measured speed (train.seconds), so a change that slows the step must
-pay for it in loss. From configs/<preset>.toml one record-holder idea is added per rung (RECORD_CHAIN),
-ending at configs/<preset>-record.toml's recipe, which then runs once per seed. Rows compare final
+pay for it in loss. From configs/<preset>-muon.toml one record-holder idea is added per rung
+(RECORD_CHAIN), ending at configs/<preset>.toml's recipe, which then runs once per seed. Rows compare final
 losses at equal seconds, as each rung trains and on plain 1,024-token windows.
 """
 
@@ -80,8 +81,8 @@ def chain(article: C.Config) -> list[tuple[str, dict]]:
     return [*CHAIN, (f"{half / 1000:.0f}K batch", {"train__batch_tokens": half})]
 
 
-# The record ladder (--seconds): modded-nanogpt's ideas one at a time from today's default, each on top of
-# the rungs before it; after the last, the rung is configs/<preset>-record.toml (a test checks). The values
+# The record ladder (--seconds): modded-nanogpt's ideas one at a time from the Muon recipe, each on top of
+# the rungs before it; after the last, the rung is configs/<preset>.toml (a test checks). The values
 # are modded's (its train_gpt.py at commit 9d9dc969). A change that depends on the preset is a function of
 # (preset config, micro-batch): three value tables, or fewer where the preset has fewer than six layers;
 # 1.5x the batch; sequences 8x the context, documents masked apart, with the micro-batch shrunk to hold as
@@ -161,7 +162,7 @@ RECORD_CHAIN = (
                                                                                  "train__adam_eps": 2.5e-16}),
     ("+ norms without gains (modded's norm(x))", {"model__norm_gains": False}),
 )
-# The default rung's warm-up under --seconds: about 10% of the 288 steps configs/126m.toml takes in 150 s on
+# The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
 SECONDS_WARMUP = 30
 SECONDS_EVAL_EVERY = 25  # steps between evaluations: about a dozen per 150-s run at 126m
@@ -244,20 +245,34 @@ def ladder_plan(preset: str, seeds: int) -> list[Recipe]:
 WHOLE_BUDGET = (1.0,)  # --fractions' default: the default recipe on all of the tokens
 
 
+def muon_preset(preset: str) -> str:
+    """The preset's Muon recipe, the default until 2026-12-02, where the record ladder starts."""
+    return f"{preset}-muon"
+
+
+def same_tokens(config: str, article: str, micro_batch: int) -> dict:
+    """The micro-batch of `config` that holds the tokens of `micro_batch` sequences of `article`'s context,
+    where its sequences are longer ({} where they are not): one --micro-batch-size fits either side."""
+    own, theirs = C.preset(config).model.context, C.preset(article).model.context
+    return {} if own == theirs else {"train__micro_batch": max(1, micro_batch * theirs // own)}
+
+
 def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = WHOLE_BUDGET,
-                record_micro_batch: int | None = None) -> list[Recipe]:
+                micro_batch: int = 1, muon: bool = False) -> list[Recipe]:
     """Per seed, the article against the default recipe on each fraction of the budget (1: all of it).
     A warm-down recipe reaches its lowest loss only at the end of its own schedule, so where its
     full-budget curve crosses the target is not the fastest it gets there: the shortest schedule
     whose final loss reaches the target is. Leaving 1 out saves the longest run of the default.
-    With record_micro_batch the other side is the record recipe (record_recipe at that micro-batch)."""
-    name = "record recipe" if record_micro_batch else "default recipe"
-    own = record_recipe(preset, record_micro_batch) if record_micro_batch else {}
+    With muon the other side is configs/<preset>-muon.toml. micro_batch: sequences of the article's
+    context per micro-batch; the other side takes as many tokens (same_tokens)."""
+    config = muon_preset(preset) if muon else preset
+    name = "Muon recipe" if muon else "default recipe"
+    own = same_tokens(config, f"{preset}-gpt3", micro_batch)
 
     def default(f, seed):
         if f == 1:
-            return Recipe(name, preset, "default", dict(own), seed=seed)
-        return Recipe(f"{name}, {f:.0%} of the tokens", preset, "default",
+            return Recipe(name, config, "default", dict(own), seed=seed)
+        return Recipe(f"{name}, {f:.0%} of the tokens", config, "default",
                       {**own, "train__tokens": int(tokens * f)}, seed)
     return [r for i in range(seeds)
             for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
@@ -293,7 +308,7 @@ def final_recipes(preset: str, kept: list[str], seeds: int) -> list[Recipe]:
 
 def record_chain(preset: str, micro_batch: int, carried: dict) -> list[tuple[str, dict]]:
     """(name, overrides) per RECORD_CHAIN rung at the preset, each carrying the rungs before it."""
-    base, rungs = C.preset(preset), []
+    base, rungs = C.preset(muon_preset(preset)), []
     for name, change in RECORD_CHAIN:
         carried = {**carried, **(change(base, micro_batch) if callable(change) else change)}
         rungs.append((name, carried))
@@ -301,18 +316,18 @@ def record_chain(preset: str, micro_batch: int, carried: dict) -> list[tuple[str
 
 
 def record_recipe(preset: str, micro_batch: int) -> dict:
-    """The overrides that make configs/<preset>.toml the record recipe: the whole RECORD_CHAIN."""
+    """The overrides that make configs/<preset>-muon.toml the record recipe: the whole RECORD_CHAIN."""
     return record_chain(preset, micro_batch, {})[-1][1]
 
 
 def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
-    """The default (its warm-up at SECONDS_WARMUP), then each RECORD_CHAIN change on top of the rungs
+    """The Muon recipe (its warm-up at SECONDS_WARMUP), then each RECORD_CHAIN change on top of the rungs
     before it, one seed each; then the whole chain once more per further seed."""
-    carried = {"train__warmup_steps": SECONDS_WARMUP}
+    carried, muon = {"train__warmup_steps": SECONDS_WARMUP}, muon_preset(preset)
     rungs = record_chain(preset, micro_batch, carried)
-    plan = [Recipe("default recipe", preset, "default", dict(carried))]
-    plan += [Recipe(name, preset, "chain", dict(overrides)) for name, overrides in rungs]
-    plan += [Recipe(rungs[-1][0], preset, "chain", dict(rungs[-1][1]), SEED + i) for i in range(1, seeds)]
+    plan = [Recipe("Muon recipe", muon, "default", dict(carried))]
+    plan += [Recipe(name, muon, "chain", dict(overrides)) for name, overrides in rungs]
+    plan += [Recipe(rungs[-1][0], muon, "chain", dict(rungs[-1][1]), SEED + i) for i in range(1, seeds)]
     return plan
 
 
@@ -557,7 +572,7 @@ def check_and_prepare(plan: list[Recipe], fixed: dict, sized: bool = True) -> C.
 def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_batch: int | None, out: Path,
                   timeout: int, resume: bool, devices: list[str | None]) -> dict:
     """Run the record ladder: every rung for `seconds` training seconds. Returns rows and curves."""
-    base = C.preset(preset)
+    base = C.preset(muon_preset(preset))
     micro_batch = micro_batch or base.train.micro_batch
     fixed = {**fixed_settings(base, 0, corpus, micro_batch), "train__seconds": seconds,
              "train__eval_every": SECONDS_EVAL_EVERY, "train__ckpt_every": 10**6}  # saved at the end and on a signal
@@ -575,8 +590,8 @@ def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_ba
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
           timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...],
-          record: bool = False) -> dict:
-    """Run the ladder (or --versus, against the record recipe with record) and return its rows, curves,
+          muon: bool = False) -> dict:
+    """Run the ladder (or --versus, against the Muon recipe with muon) and return its rows, curves,
     target and kept changes."""
     for name in (preset, f"{preset}-gpt3"):
         if not (C.PRESETS_DIR / f"{name}.toml").is_file():
@@ -586,8 +601,8 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
     tokens = tokens or base.train.tokens or base.train.steps * base.train.batch_tokens
     fixed = fixed_settings(base, tokens, corpus, micro_batch)
     runs_dir = out / "recipes" / f"{preset}_{corpus}_{tokens}"  # --resume never mixes budgets or corpora
-    record_micro_batch = fixed["train__micro_batch"] if record else None
-    plan = versus_plan(preset, seeds, tokens, fractions, record_micro_batch) if versus else ladder_plan(preset, seeds)
+    plan = (versus_plan(preset, seeds, tokens, fractions, fixed["train__micro_batch"], muon) if versus
+            else ladder_plan(preset, seeds))
     cfg = check_and_prepare(plan, fixed)
     print(f"recipes: {preset} ({M.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "
           f"{len(devices)} at a time", flush=True)
@@ -602,7 +617,7 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
         plan += final
         rows = rows_for(plan, results)
     curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
-    return {"rows": rows, "curves": curves, "kept": kept, "tokens": tokens, "corpus": corpus, "record": record,
+    return {"rows": rows, "curves": curves, "kept": kept, "tokens": tokens, "corpus": corpus, "muon": muon,
             "params": M.param_count(cfg.model), "target": rows[0].get("val_loss")}
 
 
@@ -687,7 +702,7 @@ def save(found: dict, name: str, title: str, preset: str, out: Path, device_name
 def report_ladder(found: dict, preset: str, versus: bool, out: Path, device_name: str, devices: list,
                   command: str) -> str:
     """Save a --recipes study (study()) and return its table."""
-    name = f"recipes-{preset}{'-versus' if versus else ''}{'-record' if found.get('record') else ''}"
+    name = f"recipes-{preset}{'-versus' if versus else ''}{'-muon' if found.get('muon') else ''}"
     date = save(found, name, f"validation loss | {preset} | {found['corpus']} | {tokens_text(found['tokens'])} tokens",
                 preset, out, device_name, devices, command)
     return (f"## recipes | {preset} ({found['params']:,} parameters) | {found['corpus']} corpus | "

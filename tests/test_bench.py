@@ -18,9 +18,9 @@ import train as TR
 # --- Plans ---------------------------------------------------------------------------------
 
 def test_ladder_plan_adds_one_setting_per_rung():
-    rungs = B.ladder_rungs("88m", 16, 3) + B.ladder_tail("88m", 64, 3)
+    rungs = B.ladder_rungs("88m-muon", 16, 3) + B.ladder_tail("88m-muon", 64, 3)
     names = [r.name for r in rungs]
-    # 88m is ReLU² with a tied head: no fused SwiGLU rung, no FP8 head rung, and no FP8 block matmuls once
+    # 88m-muon is ReLU² with a tied head: no fused SwiGLU rung, no FP8 head rung, and no FP8 block matmuls once
     # the fused ReLU² has its own (model.fast_path_applies)
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
                      "+loss kernel", "+fused ReLU²", "+fused QK-norm + RoPE", "+bf16 residual", "+muon kernel",
@@ -39,13 +39,13 @@ def test_ladder_plan_adds_one_setting_per_rung():
     assert configs[-1].train.micro_batch == 64 and configs[-6].train.pin
     assert [r.name for r in B.ladder_tail("88m-gpt3", 64, 3)][2:4] == ["+loss kernel", "+fused SwiGLU"]  # SwiGLU runs it
     # the record's untied head runs the FP8 head and the loss kernel; the fused loss would need its own head and loss
-    record = B.ladder_tail("126m-record", 4, 3)
+    record = B.ladder_tail("126m", 4, 3)
     assert {"+fp8 head", "+loss kernel"} <= {r.name for r in record} and "+fused loss" not in {r.name for r in record}
     assert all(r.config() for r in record)  # no rung combines what the model refuses
 
 
 def test_kernel_plan_switches_on_one_kernel_at_a_time():
-    base, *others = [r.config() for r in B.kernel_rungs("88m", 64, 3)]
+    base, *others = [r.config() for r in B.kernel_rungs("88m-muon", 64, 3)]
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
     assert (base.model.loss_kernel, base.model.fused_loss, base.model.bf16_residual) == (False, False, False)
     assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fused_relu2, c.model.fused_qk_norm_rope,
@@ -130,8 +130,8 @@ def test_ladder_table_math():
 
 
 def test_budget_command_prints_table(capsys):
-    B.main(["--budget", "--tok-s", "88m=29408"])
-    assert "| 88m | 88,097,792 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in capsys.readouterr().out
+    B.main(["--budget", "--tok-s", "88m-muon=29408"])
+    assert "| 88m-muon | 88,097,792 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--tok-s '99m=5': expected PRESET=TOKENS_PER_S with a preset from configs/"):
         B.main(["--budget", "--tok-s", "99m=5"])
 
@@ -247,7 +247,7 @@ def test_bench_trains_through_recipes_alone_and_shares_train_py_flag_names():
                                       "bf16 residual", "fp8 matmuls", "defaults"]
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
     assert plan[0].overrides == plain and plan[5].overrides == {**plain, "model__bf16_residual": True}
-    assert [r.name for r in RE.curves_plan("126m-record")] == ["plain", "fp8 head", "loss kernel", "fused loss",
+    assert [r.name for r in RE.curves_plan("126m")] == ["plain", "fp8 head", "loss kernel", "fused loss",
                                                                "fused ReLU²", "fused QK-norm + RoPE", "bf16 residual",
                                                                "fp8 matmuls", "defaults"]
     ours = {o: a.dest for a in B.build_parser()._actions for o in a.option_strings}

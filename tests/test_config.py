@@ -59,14 +59,14 @@ def test_every_flag_has_help_from_the_field_comment(capsys):
 
 def test_a_misspelled_config_file_suggests_the_preset_and_lists_them():
     with pytest.raises(FileNotFoundError, match=r"configs/88M.toml does not exist: did you mean configs/88m.toml\? "
-                                                r"the presets in .* are 126m, 126m-gpt3, 126m-record, 22m,"):
+                                                r"the presets in .* are 126m, 126m-gpt3, 126m-muon, 22m,"):
         C.load_config("configs/88M.toml")
     with pytest.raises(FileNotFoundError, match=r"nothing.toml does not exist: the presets in"):
         C.load_config("nothing.toml")
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '126m-record', '22m'"):
+    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '126m-muon', '22m'"):
         C.preset("99m")
 
 
@@ -125,14 +125,41 @@ def test_each_model_range_refuses_a_value_outside_it(name):
 
 
 @pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m"])
-def test_each_default_preset_is_its_article_preset_plus_the_one_shared_recipe(name):
-    """A recipe change edits configs/recipes/default.toml alone: no default preset restates it."""
+def test_each_muon_preset_is_its_article_preset_plus_the_one_shared_muon_recipe(name):
+    """A change of the Muon recipe edits configs/recipes/muon.toml alone: no Muon preset restates it."""
+    import tomllib
+    raw = tomllib.loads((C.PRESETS_DIR / f"{name}-muon.toml").read_text())
+    assert raw.pop("extends") == [f"{name}-gpt3", "recipes/muon.toml"]
+    assert raw == ({} if name == "tiny" else {"train": {"batch_tokens": 262144}})  # half the article's batch
+    assert_holds(C.preset(f"{name}-muon"), "muon.toml")
+
+
+# What a default preset may say beside its Muon preset and the record recipe: the record's shape at its
+# width and its micro-batch (tests/test_recipes.py checks their values against recipes.record_recipe).
+OWN_SETTINGS = {"model": {"n_layers", "n_heads", "n_kv_heads", "value_embeds", "skip_attn_layer"},
+                "train": {"micro_batch"}}
+
+
+@pytest.mark.parametrize("name", ["22m", "47m", "88m", "126m"])
+def test_each_default_preset_is_its_muon_preset_plus_the_one_shared_record_recipe(name):
+    """A change of the default recipe edits configs/recipes/record.toml alone; a preset adds only its shape."""
     import tomllib
     raw = tomllib.loads((C.PRESETS_DIR / f"{name}.toml").read_text())
-    assert raw.pop("extends") == [f"{name}-gpt3", "recipes/default.toml"]
-    assert raw == ({} if name == "tiny" else {"train": {"batch_tokens": 262144}})  # half the article's batch
-    recipe = C.read_toml(C.PRESETS_DIR / "recipes" / "default.toml")
-    cfg = C.preset(name)
-    for section, table in recipe.items():
+    assert raw.pop("extends") == [f"{name}-muon", "recipes/record.toml"]
+    assert set(raw) == set(OWN_SETTINGS) and all(set(raw[s]) <= OWN_SETTINGS[s] for s in raw)
+    assert_holds(C.preset(name), "record.toml")
+
+
+def test_tiny_keeps_the_muon_recipe():
+    """The CPU preset stays on the Muon recipe (configs/tiny.toml says why): it is tiny-muon, unchanged."""
+    import tomllib
+    assert tomllib.loads((C.PRESETS_DIR / "tiny.toml").read_text()) == {"extends": "tiny-muon"}
+    assert C.preset("tiny") == C.preset("tiny-muon")
+
+
+def assert_holds(cfg: C.Config, recipe: str):
+    """Every setting of configs/recipes/<recipe> is the preset's (ffn_hidden 0: resolved to a width)."""
+    for section, table in C.read_toml(C.PRESETS_DIR / "recipes" / recipe).items():
         for key, value in table.items():
-            assert getattr(getattr(cfg, section), key) == value or (key == "ffn_hidden" and value == 0)
+            assert getattr(getattr(cfg, section), key) == value or (key == "ffn_hidden" and value == 0), key
+

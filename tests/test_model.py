@@ -22,9 +22,9 @@ def small_model(dtype=torch.float64, **overrides):
 @pytest.mark.parametrize("name, params", [("22m", 22_025_088), ("47m", 47_195_712),
                                           ("88m", 88_096_512), ("126m", 125_854_464)])
 def test_preset_parameter_counts(name, params):
-    """The article's presets (configs/<name>-gpt3.toml) have the article's counts; today's presets
+    """The article's presets (configs/<name>-gpt3.toml) have the article's counts; the Muon presets
     (ReLU² at 1.5x SwiGLU's width, QK-norm) have the same matrices plus two head_dim gains a layer."""
-    article, today = C.preset(f"{name}-gpt3").model, C.preset(name).model
+    article, today = C.preset(f"{name}-gpt3").model, C.preset(f"{name}-muon").model
     assert article.head_dim == 64 and article.vocab_size == 32768 and article.context == 1024
     assert article.ffn_hidden == M.swiglu_hidden(article.d_model) and today.ffn_hidden == article.ffn_hidden * 3 // 2
     for cfg, expected in ((article, params), (today, params + 2 * today.head_dim * today.n_layers)):
@@ -278,11 +278,11 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
 
 
 def test_the_record_preset_has_the_record_holders_parameter_count():
-    """configs/126m-record.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
+    """configs/126m.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
     attention-free layer 7 and untied head included, and the module's tensors agree with param_count
     (modded's scalars are 64 whether used or not; ours are the used ones: 5 value scales among them, and
     like modded's its norms have no gains)."""
-    cfg = C.preset("126m-record").model
+    cfg = C.preset("126m").model
     with torch.device("meta"):
         model = M.Llama(cfg)
     assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_405_319
@@ -291,8 +291,8 @@ def test_the_record_preset_has_the_record_holders_parameter_count():
 
 def test_flops_per_token_count_matmuls_and_the_windows_keys():
     """6N over the weights that multiply (no lookup tables) plus 12*H*Q per layer times the keys it
-    may see, min(T, 2w) with a window w: configs/126m-record.toml at 8,192 tokens, written out."""
-    cfg = C.preset("126m-record").model
+    may see, min(T, 2w) with a window w: configs/126m.toml at 8,192 tokens, written out."""
+    cfg = C.preset("126m").model
     d, L, H, hd, V, f = 768, 12, 6, 128, 32768, 3072
     # blocks (q, k, v, o, the MLP, the gate) and the head; layer 7 has no attention (its q, k, v, o and gate)
     matmuls = L * (4 * d * d + 2 * d * f + 12 * H) - (4 * d * d + 12 * H) + V * d

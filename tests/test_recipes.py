@@ -34,17 +34,19 @@ def test_the_plan_runs_the_article_per_seed_the_sweep_then_a_cumulative_chain():
 def test_every_rung_config_passes_the_strict_loader_with_its_run_settings():
     base = C.preset("22m-gpt3")
     fixed = RE.fixed_settings(base, tokens=83_886_080, corpus="python", micro_batch=64)
-    for recipe in RE.ladder_plan("22m", 1) + RE.versus_plan("88m", 1):
+    for recipe in RE.ladder_plan("22m", 1) + RE.versus_plan("88m", 1, muon=True) + RE.versus_plan("88m", 1, micro_batch=64):
         cfg, overrides = RE.resolved(recipe, fixed)
         steps = cfg.train.tokens // cfg.train.batch_tokens
         assert cfg.data.corpus == "python" and cfg.data.max_documents == 0 and cfg.train.sample_tokens == 0
-        assert cfg.train.warmup_steps >= steps // 10 and cfg.train.eval_every == max(1, steps // RE.EVALS_PER_RUN)
+        warms_up = C.preset(recipe.config).train.warmup_steps > 0  # the record recipe warms up none: 1 step
+        assert cfg.train.warmup_steps >= (steps // 10 if warms_up else 1)
+        assert cfg.train.eval_every == max(1, steps // RE.EVALS_PER_RUN)
     assert RE.to_flags({"train__lr": 0.003, "train__muon": True, "model__qk_norm": False}) == [
         "--lr", "0.003", "--muon", "--no-qk-norm"]
 
 
 def test_a_full_budget_rung_warms_up_as_its_preset_and_a_short_one_for_the_same_share():
-    article, default = RE.versus_plan("22m", 1)
+    article, default = RE.versus_plan("22m", 1, muon=True)
     full = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
     assert RE.resolved(article, full)[0].train.warmup_steps == 200  # 200 of 840 steps, as configs/22m-gpt3.toml
     assert RE.resolved(default, full)[0].train.warmup_steps == 200  # 200 of 1,680
@@ -57,29 +59,34 @@ def test_a_full_budget_rung_warms_up_as_its_preset_and_a_short_one_for_the_same_
 
 
 def test_versus_runs_the_default_on_each_fraction_of_the_budget_seed_by_seed():
-    plan = RE.versus_plan("22m", 2, tokens=440_401_920, fractions=(1, 0.4))
+    """The default (the record recipe) on 8,192-token sequences holds as many tokens a micro-batch as the
+    article's 64 x 1,024: 8 of them; its warm-up is the recipe's none (one step)."""
+    plan = RE.versus_plan("22m", 2, tokens=440_401_920, fractions=(1, 0.4), micro_batch=64)
     assert [(r.name, r.seed) for r in plan] == [
         ("article (GPT-3 2020)", 1337), ("default recipe", 1337), ("default recipe, 40% of the tokens", 1337),
         ("article (GPT-3 2020)", 1338), ("default recipe", 1338), ("default recipe, 40% of the tokens", 1338)]
     fixed = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
-    short = RE.resolved(plan[2], fixed)[0].train
+    cfg = RE.resolved(plan[2], fixed)[0]
+    short = cfg.train
     assert short.tokens == 176_160_768 and short.schedule == "wsd"  # the whole warm-down, on 40% of the tokens
-    assert short.warmup_steps == 80 and short.eval_every == 33  # 200 x 672 / 1,680 steps; 20 passes
+    assert short.warmup_steps == 1 and short.eval_every == 22  # 448 steps of 393,216 tokens; 20 passes
+    assert (cfg.model.context, short.micro_batch, short.doc_mask, short.batch_tokens) == (8192, 8, True, 393_216)
+    assert plan[2].overrides == {"train__micro_batch": 8, "train__tokens": 176_160_768}
     assert len({r.folder for r in plan}) == len(plan)
     only_short = RE.versus_plan("22m", 1, tokens=440_401_920, fractions=(0.4,))  # the full-length default left out
     assert [r.name for r in only_short] == ["article (GPT-3 2020)", "default recipe, 40% of the tokens"]
 
 
-def test_versus_record_runs_the_record_recipe_at_the_preset_against_the_article():
-    """--versus --record: the other side is configs/<preset>.toml with the whole record ladder on it, at the
-    micro-batch that holds as many tokens (64 x 1,024 = 8 x 8,192); its warm-up is the recipe's none."""
-    plan = RE.versus_plan("22m", 1, tokens=440_401_920, fractions=(0.4,), record_micro_batch=64)
-    assert [r.name for r in plan] == ["article (GPT-3 2020)", "record recipe, 40% of the tokens"]
-    assert plan[1].overrides == {**RE.record_recipe("22m", 64), "train__tokens": 176_160_768}
+def test_versus_muon_runs_the_muon_recipe_against_the_article():
+    """--versus --muon: the other side is configs/<preset>-muon.toml, on the article's 1,024-token windows at
+    the same micro-batch, warming up over the same share of its steps as at its full budget."""
+    plan = RE.versus_plan("22m", 1, tokens=440_401_920, fractions=(0.4,), micro_batch=64, muon=True)
+    assert [(r.name, r.config) for r in plan] == [("article (GPT-3 2020)", "22m-gpt3"),
+                                                  ("Muon recipe, 40% of the tokens", "22m-muon")]
+    assert plan[1].overrides == {"train__tokens": 176_160_768}
     fixed = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
     cfg = RE.resolved(plan[1], fixed)[0]
-    assert (cfg.model.context, cfg.train.micro_batch, cfg.train.doc_mask, cfg.train.batch_tokens) == (8192, 8, True, 393_216)
-    assert cfg.train.warmup_steps == 1 and cfg.model.value_embeds and cfg.train.embed_lr == 0.6
+    assert (cfg.model.context, cfg.train.micro_batch, cfg.train.muon, cfg.train.warmup_steps) == (1024, 64, True, 80)
     assert RE.record_recipe("126m", 32) == RE.record_plan("126m", 1, 32)[-1].overrides | {
         "train__warmup_steps": 0}  # the ladder's rung 0 warm-up, which the chain's "no warm-up" sets to 0
 
@@ -94,11 +101,11 @@ def test_a_rung_on_long_sequences_is_timed_and_tabled_at_equal_context():
     assert "| record | 1 | 3.0000 (2.0000 as trained) |  | 1.2000 | 250 | 2.5 |" in RE.table([row])
 
 
-def test_record_needs_the_versus_study(capsys):
+def test_muon_needs_the_versus_study(capsys):
     import bench as B
     with pytest.raises(SystemExit):
-        B.main(["--recipes", "--record"])
-    assert "--record: it picks the other side of --recipes --versus; add both flags" in capsys.readouterr().err
+        B.main(["--recipes", "--muon"])
+    assert "--muon: it picks the other side of --recipes --versus; add both flags" in capsys.readouterr().err
 
 
 def test_fractions_need_the_versus_study_and_a_share_of_the_budget(capsys):
@@ -194,26 +201,25 @@ def test_versus_with_a_fraction_runs_end_to_end_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_versus_record_runs_end_to_end_on_cpu(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--recipes", "--versus", "--record", "--preset",
-                           "tiny", "--tokens", "65536", "--seeds", "1", "--out", str(tmp_path)],
+def test_versus_muon_runs_end_to_end_on_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--recipes", "--versus", "--muon", "--preset",
+                           "tiny", "--tokens", "32768", "--seeds", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    found = json.loads((tmp_path / "recipes-tiny-versus-record.json").read_text())
-    assert [r["rung"] for r in found["rows"]] == ["article (GPT-3 2020)", "record recipe"] and found["record"]
-    curve = found["curves"]["record recipe s1337"]
-    assert curve and all("val_loss_1024" in p and "val_loss_whole" in p for p in curve)  # 4,096-token windows
+    found = json.loads((tmp_path / "recipes-tiny-versus-muon.json").read_text())
+    assert [r["rung"] for r in found["rows"]] == ["article (GPT-3 2020)", "Muon recipe"] and found["muon"]
 
 
 def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():
-    """--seconds: the default, then RECORD_CHAIN cumulatively; its last rung is configs/126m-record.toml
-    (at the micro-batch that holds as many tokens: 32 x 1,024 = 4 x 8,192), so the preset is what the
-    ladder measures; further seeds repeat only the last rung."""
+    """--seconds: the Muon recipe, then RECORD_CHAIN cumulatively; its last rung is configs/126m.toml (at the
+    micro-batch that holds as many tokens: 32 x 1,024 = 4 x 8,192), so the default is what the ladder
+    measures; further seeds repeat only the last rung."""
     plan = RE.record_plan("126m", seeds=2, micro_batch=32)
-    assert [r.name for r in plan] == ["default recipe", *(n for n, _ in RE.RECORD_CHAIN), RE.RECORD_CHAIN[-1][0]]
+    assert [r.name for r in plan] == ["Muon recipe", *(n for n, _ in RE.RECORD_CHAIN), RE.RECORD_CHAIN[-1][0]]
+    assert {r.config for r in plan} == {"126m-muon"}
     assert [r.seed for r in plan[-2:]] == [RE.SEED, RE.SEED + 1] and plan[0].overrides == {"train__warmup_steps": 30}
-    fixed = {**RE.fixed_settings(C.preset("126m"), 0, "python", 32), "train__seconds": 150.0}
-    assert C.preset("126m", **{**fixed, **plan[-1].overrides}) == C.preset("126m-record", **{**fixed, "train__micro_batch": 4})
+    fixed = {**RE.fixed_settings(C.preset("126m-muon"), 0, "python", 32), "train__seconds": 150.0}
+    assert C.preset("126m-muon", **{**fixed, **plan[-1].overrides}) == C.preset("126m", **{**fixed, "train__micro_batch": 4})
     long = C.preset("tiny", **{**RE.fixed_settings(C.preset("tiny"), 0, "stdlib", 16), "train__seconds": 5.0,
                                **RE.record_plan("tiny", 1, 16)[-1].overrides})
     assert (long.model.context, long.model.attn_window, long.train.window_start, long.train.micro_batch) == (4096, 896, 64, 2)
@@ -304,3 +310,11 @@ def test_a_full_budget_ladder_on_a_cpu_says_what_it_costs_first(monkeypatch, cap
     with pytest.raises(Stop):
         bench.main(["--recipes", "--preset", "22m"])
     assert "every rung trains 440,401,920 tokens (--preset 22m's full budget) on the CPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["22m", "47m", "88m", "126m"])
+def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_batch(name):
+    """configs/<preset>.toml is configs/<preset>-muon.toml with every RECORD_CHAIN rung, at the micro-batch that
+    holds the Muon preset's tokens (an 8 GB card's): what the record ladder and --versus measure is the default."""
+    muon = C.preset(f"{name}-muon")
+    assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch)) == C.preset(name)

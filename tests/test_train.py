@@ -519,7 +519,7 @@ def test_flags_override_file_override_defaults(tmp_path):
     assert (cfg.train.steps, cfg.train.lr, cfg.train.compile, cfg.train.optimizer) == (9, 1.0, False, "fused")
 
 
-# The 126m-record recipe (docs/PERFORMANCE.md, against the record holder) as flags over configs/126m.toml:
+# The 126m default (docs/PERFORMANCE.md, against the record holder) as flags over configs/126m-muon.toml:
 # the record's ideas, then long-short windows, the record's shape, its attention-free layer and FP8 head,
 # pinned copies, modded's optimizer details, the loss kernel, and the value scales, Adam epsilon at
 # modded's gradient scale and gainless norms (those three not yet measured on a GPU).
@@ -532,11 +532,10 @@ RECORD_FLAGS = ("--no-tie-embeddings --embed-norm --logit-softcap 15 --lr 0.008 
                 "--grad-clip 0 --loss-kernel --no-norm-gains")
 
 
-def test_the_record_preset_is_the_measured_recipe_and_holds_only_its_changes():
-    measured, _ = TR.resolve_config(TR.build_parser().parse_args(["--config", str(C.PRESETS_DIR / "126m.toml"),
+def test_the_126m_default_is_the_measured_record_recipe():
+    measured, _ = TR.resolve_config(TR.build_parser().parse_args(["--config", str(C.PRESETS_DIR / "126m-muon.toml"),
                                                                   *RECORD_FLAGS.split()]))
-    assert C.preset("126m-record", train__micro_batch=4) == measured
-    assert set(C.read_toml(C.PRESETS_DIR / "126m-record.toml")) == {"model", "train", "data"}  # 126m's [data]
+    assert C.preset("126m", train__micro_batch=4) == measured
 
 
 def test_extends_reads_the_base_first_and_refuses_a_cycle(tmp_path):
@@ -549,11 +548,11 @@ def test_extends_reads_the_base_first_and_refuses_a_cycle(tmp_path):
         C.load_config(tmp_path / "a.toml")
 
 
-@pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m", "126m-record"])
+@pytest.mark.parametrize("name", ["tiny", "22m", "47m", "88m", "126m", "tiny-muon", "88m-muon", "126m-muon"])
 def test_every_preset_file_loads(name):
     cfg, _ = TR.resolve_config(TR.build_parser().parse_args(["--config", str(ROOT / "configs" / f"{name}.toml")]))
     assert cfg == C.preset(name)
-    if name != "tiny":  # the fast path is on for the GPU presets
+    if not name.startswith("tiny"):  # the fast path is on for the GPU presets
         assert cfg.train.compile and cfg.train.bf16 and cfg.train.tf32 and cfg.train.optimizer == "fused"
         assert TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1) > 0
 
