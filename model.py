@@ -200,17 +200,27 @@ class ModelConfig:
 
 def for_device(cfg: ModelConfig, device: torch.device) -> tuple[ModelConfig, str]:
     """(cfg for a model that will train on `device`, why it differs: "" where it does not). On a GPU
-    Triton cannot run (older than Ampere) the Triton fast paths are off, and on a CPU the FP8 matmuls,
-    where the plain paths compute the same functions. A CPU has no FP8 units: torch._scaled_mm emulates
-    them there, and one step of the tiny model with an FP8 head at 2,048 tokens took 176 s against 8 s
-    without (2 cores, torch 2.13). On CPU the Triton paths pick the plain path themselves; the decode
-    kernel asks the same question per cache (KVCache.fusable)."""
+    Triton cannot run (older than Ampere) the Triton fast paths are off, and the FP8 matmuls wherever
+    there are no FP8 units, where the plain paths compute the same functions in bf16. FP8 tensor cores
+    came with compute capability 8.9 (Ada, then Hopper), so an A100 or an RTX 3090 trains the default
+    presets with the plain head. A CPU has none either: torch._scaled_mm emulates them there, and one
+    step of the tiny model with an FP8 head at 2,048 tokens took 176 s against 8 s without (2 cores,
+    torch 2.13). On CPU the Triton paths pick the plain path themselves; the decode kernel asks the same
+    question per cache (KVCache.fusable)."""
+    whys = []
     if device.type == "cuda" and not K.device_supported(device):
-        return (replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False, fused_qk_norm_rope=False),
-                "its Triton kernels need a GPU of compute capability 8.0 (Ampere) or newer")
-    if device.type == "cpu" and (cfg.fp8 or cfg.fp8_head):
-        return replace(cfg, fp8=False, fp8_head=False), "a CPU has no FP8 matmul units (emulated, about 20x slower)"
-    return cfg, ""
+        cfg = replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False, fused_qk_norm_rope=False)
+        whys.append("its Triton kernels need a GPU of compute capability 8.0 (Ampere) or newer")
+    if (cfg.fp8 or cfg.fp8_head) and not fp8_units(device):
+        cfg = replace(cfg, fp8=False, fp8_head=False)
+        whys.append("a CPU has no FP8 matmul units (emulated, about 20x slower)" if device.type == "cpu" else
+                    "FP8 matmuls need a GPU of compute capability 8.9 (Ada, Hopper) or newer")
+    return cfg, "; ".join(whys)
+
+
+def fp8_units(device: torch.device) -> bool:
+    """Whether `device` has FP8 tensor cores: an NVIDIA GPU of compute capability 8.9 or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
@@ -395,13 +405,14 @@ def doc_mask(doc_ids, window: int = 0, T: int | None = None, device=None):
 def mask_inputs(seq_len: int, device: torch.device, doc_ids=None, windows: tuple[int, int] = (0, 0)) -> dict:
     """The model's keyword arguments for attention within documents (doc_ids (B, T), or None) and
     within sliding windows: windows is (long, short), ModelConfig.windows at this step (0: none).
-    FlexAttention's block masks on CUDA, built once per micro-batch outside any compiled model, so
-    blocks wholly outside the documents and the window cost nothing; the boolean masks elsewhere.
+    FlexAttention's block masks on a GPU Triton runs on (Ampere and newer), built once per micro-batch
+    outside any compiled model, so blocks wholly outside the documents and the window cost nothing; the
+    boolean masks elsewhere (a CPU, or a Turing card, where FlexAttention has no kernel).
     {} when neither applies: plain causal attention, the fastest kernel."""
     long, short = (w if 0 < w < seq_len else 0 for w in windows)  # a window as long as the sequence hides nothing
     if doc_ids is None and not long and not short:
         return {}
-    if device.type == "cuda":
+    if device.type == "cuda" and K.device_supported(device):
         masks = {"block_mask": flex_block_mask(doc_ids, long, seq_len, device)}
         if short:
             masks["short_block_mask"] = flex_block_mask(doc_ids, short, seq_len, device)

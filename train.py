@@ -229,10 +229,6 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         torch.cuda.set_device(device)
     tcfg = half_precision(cpu_fallbacks(cfg.train, device, say), device, say)
     cfg = dataclasses.replace(cfg, train=tcfg)
-    for name in ("fp8", "fp8_head"):
-        if getattr(cfg.model, name) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError(f"model.{name} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
-                             f"which {torch.cuda.get_device_name(device)} lacks: use --no-{name.replace('_', '-')}")
     if cfg.model.fp8_head and tcfg.fp16:
         raise ValueError("model.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
                          "overflow: use --no-fp8-head with --fp16")

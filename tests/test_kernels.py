@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,24 @@ def test_fp8_matmuls_are_off_on_a_cpu_which_emulates_them_slowly():
     plain, why = M.for_device(cfg, torch.device("cpu"))
     assert (plain.fp8, plain.fp8_head, plain.tie_embeddings) == (False, False, False) and "FP8" in why
     assert M.for_device(M.ModelConfig(), torch.device("cpu")) == (M.ModelConfig(), "")
+
+
+def test_fp8_matmuls_are_off_on_a_gpu_without_fp8_units_and_on_from_ada(monkeypatch):
+    """FP8 tensor cores came with compute capability 8.9: the default presets' FP8 head trains on an A100
+    (8.0) with the plain head, saying why in one line, and stays on for an RTX 4060 (8.9) or an H200 (9.0)."""
+    monkeypatch.setattr(K, "AVAILABLE", True)
+    cfg = M.ModelConfig(tie_embeddings=False, fp8=True, fp8_head=True)
+    for capability, expected in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        on, why = M.for_device(cfg, torch.device("cuda"))
+        assert (on.fp8, on.fp8_head) == (expected, expected) and on.tie_embeddings is False
+        assert ("compute capability 8.9" in why) is not expected
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # Turing: both reasons
+    on, why = M.for_device(replace(cfg, loss_kernel=True), torch.device("cuda"))
+    assert not (on.fp8_head or on.loss_kernel) and "8.0 (Ampere)" in why and "8.9" in why
+    # ...and its documents and windows are boolean masks for SDPA: FlexAttention needs Triton
+    masks = M.mask_inputs(8, torch.device("cuda"), doc_ids=torch.zeros(1, 8, dtype=torch.long), windows=(4, 2))
+    assert masks.keys() == {"doc_ids", "attn_window", "short_window"}
 
 
 @needs_triton
