@@ -111,11 +111,14 @@ def _growing_window(base: C.Config, micro_batch: int) -> dict:
 
 def _record_shape(base: C.Config, micro_batch: int) -> dict:
     """modded's 12 layers of 6 heads of 128 at the 126m width, where the preset has 16 layers of 12 heads
-    of 64 sharing 4 kv heads: elsewhere 3/4 of the layers, heads of about 128, no grouped kv heads."""
+    of 64 sharing 4 kv heads: elsewhere 3/4 of the layers and no grouped kv heads, with the largest head
+    of at most 128 whose size is a power of two (47m's 576: 9 heads of 64, not 4 of 144). FlexAttention's
+    kernels pad a head to the next power of two, so 144 would do the attention work of 256."""
     layers = max(2, round(3 * base.model.n_layers / 4))
-    heads = max(1, base.model.d_model // 128)
-    while heads > 1 and (base.model.d_model % heads or (base.model.d_model // heads) % 2):
-        heads -= 1
+    size = 128
+    while size > 2 and base.model.d_model % size:
+        size //= 2
+    heads = base.model.d_model // size
     return {"model__n_layers": layers, "model__n_heads": heads, "model__n_kv_heads": heads,
             "model__value_embeds": min(3, layers // 2)}
 

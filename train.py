@@ -229,9 +229,6 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         torch.cuda.set_device(device)
     tcfg = half_precision(cpu_fallbacks(cfg.train, device, say), device, say)
     cfg = dataclasses.replace(cfg, train=tcfg)
-    if cfg.model.fp8_head and tcfg.fp16:
-        raise ValueError("model.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
-                         "overflow: use --no-fp8-head with --fp16")
     model_cfg, why = M.for_device(cfg.model, device)
     if model_cfg != cfg.model:
         off = [f"--no-{f.name.replace('_', '-')}" for f in dataclasses.fields(model_cfg)
@@ -239,6 +236,9 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         say(f"note: {', '.join(off)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
             f"{why}; the plain paths compute the same functions")
         cfg = dataclasses.replace(cfg, model=model_cfg)
+    if cfg.model.fp8_head and tcfg.fp16:  # after for_device: a card without bf16 has no FP8 units either
+        raise ValueError("model.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
+                         "overflow: use --no-fp8-head with --fp16")
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)

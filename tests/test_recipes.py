@@ -316,5 +316,7 @@ def test_a_full_budget_ladder_on_a_cpu_says_what_it_costs_first(monkeypatch, cap
 def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_batch(name):
     """configs/<preset>.toml is configs/<preset>-muon.toml with every RECORD_CHAIN rung, at the micro-batch that
     holds the Muon preset's tokens (an 8 GB card's): what the record ladder and --versus measure is the default."""
-    muon = C.preset(f"{name}-muon")
-    assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch)) == C.preset(name)
+    muon, default = C.preset(f"{name}-muon"), C.preset(name)
+    assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch)) == default
+    head = default.model.head_dim  # a power of two up to 128: FlexAttention pads any other to the next one
+    assert head <= 128 and head & (head - 1) == 0 and default.model.n_kv_heads == default.model.n_heads
