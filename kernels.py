@@ -63,14 +63,14 @@ if AVAILABLE:
 
     @triton.jit
     def _decode_step_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr, pos_ptr, qg_ptr, kg_ptr, scale, eps,
-                            s_qkv_b, s_qkv_h, s_c_b, s_c_h, s_c_s, s_o_b, s_o_h,
+                            window, s_qkv_b, s_qkv_h, s_c_b, s_c_h, s_c_s, s_o_b, s_o_h,
                             H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
         """One program per (sequence, kv head): with QK_NORM, RMSNorm with the gains at qg_ptr and kg_ptr
         on its G query heads and its new key; RoPE on them; the new key and value written to the cache
-        at pos, then attention over positions 0..pos with an online softmax in float32 (running max m,
-        running sum l, rescaled accumulator). The new token's own key and value come from registers, so
-        nothing written here is read back."""
+        at pos, then attention over positions 0..pos (with a sliding window > 0, pos - window + 1..pos)
+        with an online softmax in float32 (running max m, running sum l, rescaled accumulator). The new
+        token's own key and value come from registers, so nothing written here is read back."""
         b, h = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr)
         g, d = tl.arange(0, G_PAD), tl.arange(0, D)
@@ -103,7 +103,8 @@ if AVAILABLE:
         m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # the new key's score
         l = tl.full([G_PAD], 1.0, tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :]
-        for start in range(0, pos, BLOCK):  # the earlier positions, from the cache
+        first = tl.where(window > 0, tl.maximum(pos + 1 - window, 0), 0)  # the window's oldest key
+        for start in range(first, pos, BLOCK):  # the earlier positions, from the cache
             s = start + tl.arange(0, BLOCK)
             valid = s < pos
             k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
@@ -123,10 +124,10 @@ if AVAILABLE:
     @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache"))
     def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, pos: torch.Tensor, scale: float, q_gain: Optional[torch.Tensor] = None,
-                    k_gain: Optional[torch.Tensor] = None, eps: float = 0.0) -> torch.Tensor:
+                    k_gain: Optional[torch.Tensor] = None, eps: float = 0.0, window: int = 0) -> torch.Tensor:
         """One new token's attention, fused: QK-norm (given its gains q_gain and k_gain, (hd,) each,
         and eps), RoPE on q and k, k and v written into the caches at pos, softmax(q k^T * scale) v
-        over positions 0..pos (scale: 1/sqrt(hd) for Llama's). qkv: (B, 1, H + 2 Hkv, hd), the QKV
+        over positions 0..pos, or the last `window` of them (scale: 1/sqrt(hd) for Llama's). qkv: (B, 1, H + 2 Hkv, hd), the QKV
         projection's output; cos, sin: (hd,) for position pos; k_cache, v_cache: (B, Hkv, S, hd);
         pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile calls it as one opaque
         step of the compiled decode, and the CUDA graph captures its launch."""
@@ -137,13 +138,13 @@ if AVAILABLE:
         norm = q_gain is not None
         _decode_step_kernel[(B, Hkv)](
             qkv, cos, sin, k_cache, v_cache, out, pos, q_gain if norm else qkv, k_gain if norm else qkv, scale, eps,
-            qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+            window, qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
             out.stride(2), H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D,
             BLOCK=BLOCK_KEYS, QK_NORM=norm, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
     @decode_step.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain=None, k_gain=None, eps=0.0):  # shapes for tracing
+    def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain=None, k_gain=None, eps=0.0, window=0):  # shapes for tracing
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 

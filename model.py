@@ -228,10 +228,8 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (and
     those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
     head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
-    fused QK-norm + RoPE for a model with QK-norm, the fused decode for a model without a sliding window
-    (its kernel reads the whole cache)."""
-    if name == "fused_decode":
-        return not cfg.windowed
+    fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
+    sliding window's keys alone)."""
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
     if name == "fused_relu2":
@@ -644,7 +642,8 @@ class Attention(nn.Module):
         self.short = cfg.short_layer(layer)  # attends over the short window (Attend's short_* fields)
         self.kind = cfg.attention
         self.scale = cfg.attn_scale or None  # None: each kernel's own 1/sqrt(head size)
-        self.fused_decode = cfg.fused_decode and fast_path_applies("fused_decode", cfg)  # it reads the whole cache
+        self.fused_decode = cfg.fused_decode
+        self.window = cfg.windows()[1 if self.short else 0]  # the keys decoding sees (0: all before it)
         self.fused_qk = cfg.fused_qk_norm_rope and fast_path_applies("fused_qk_norm_rope", cfg)  # with QK-norm
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
@@ -711,7 +710,7 @@ class Attention(nn.Module):
             elif self.q_norm is not None:
                 norm = dict(q_gain=self.q_norm.weight, k_gain=self.k_norm.weight, eps=self.q_norm.eps)
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
-                              self.scale or self.head_dim ** -0.5, **norm)  # (B, 1, H, hd)
+                              self.scale or self.head_dim ** -0.5, **norm, window=self.window)  # (B, 1, H, hd)
             return self.wo(self.gated(y, x).reshape(B, T, -1))
         q, k, v = self.heads(qkv, cos, sin, ve, training=pos is None)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)

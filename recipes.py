@@ -105,8 +105,8 @@ def _long_sequences(base: C.Config, micro_batch: int) -> dict:
 
 
 def _growing_window(base: C.Config, micro_batch: int) -> dict:
-    T = base.model.context  # (the fused decode reads the whole cache: a windowed model decodes without it)
-    return {"model__attn_window": 7 * T // 4, "train__window_start": max(1, T // 8), "model__fused_decode": False}
+    T = base.model.context
+    return {"model__attn_window": 7 * T // 4, "train__window_start": max(1, T // 8)}
 
 
 def _record_shape(base: C.Config, micro_batch: int) -> dict:

@@ -25,11 +25,16 @@ def counted(module, name: str):
 
 def decode_check():
     """The fused decode step against QK-norm, RoPE, the cache write and two matmuls, float16; one case at
-    modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at 1/sqrt(64); two with QK-norm."""
+    modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at 1/sqrt(64); two with QK-norm;
+    three with a sliding window (keys pos - window + 1..pos: one starting mid-block, one of a single key,
+    one longer than the positions so far)."""
     g = torch.Generator().manual_seed(0)
     llama = 64 ** -0.5
-    for B, H, Hkv, S, pos, scale, qk_norm in [(1, 12, 4, 1024, 17, llama, True), (2, 2, 1, 512, 300, 0.12, False),
-                                              (1, 6, 2, 256, 255, llama, True), (1, 1, 1, 128, 0, llama, False)]:
+    for B, H, Hkv, S, pos, scale, qk_norm, window in [
+            (1, 12, 4, 1024, 17, llama, True, 0), (2, 2, 1, 512, 300, 0.12, False, 0),
+            (1, 6, 2, 256, 255, llama, True, 0), (1, 1, 1, 128, 0, llama, False, 0),
+            (2, 6, 2, 512, 300, 0.12, True, 100), (1, 2, 1, 128, 40, llama, False, 1),
+            (1, 2, 1, 128, 40, llama, False, 64)]:
         qkv = torch.randn(B, 1, H + 2 * Hkv, 64, generator=g).half()
         cos, sin = (t[pos:pos + 1].half() for t in M.rope_tables(64, S, 10000.0))
         k_cache, v_cache = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
@@ -41,15 +46,18 @@ def decode_check():
         q, k = M.apply_rope(q, cos.float(), sin.float()).half(), M.apply_rope(k, cos.float(), sin.float()).half()
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0].half()
-        mask = (torch.arange(S) <= pos)[None, :]
+        keys = torch.arange(S)
+        mask = ((keys <= pos) & ((pos - keys < window) if window else True))[None, :]
         reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask,
                                                scale)
+        first = max(0, pos + 1 - window) if window else 0  # the window's oldest key
         k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
-        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale, *gains, 1e-5)
+        k_cache[:, :, :first] = v_cache[:, :, :first] = float("nan")  # nor before the window
+        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale, *gains, 1e-5, window)
         err = (out.float().reshape(reference.shape) - reference).abs().max().item()
-        assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, err)
+        assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, window, err)
         assert torch.equal(k_cache[:, :, pos], k_ref[:, :, pos]) and torch.equal(v_cache[:, :, pos], v_ref[:, :, pos])
-        assert torch.equal(k_cache[:, :, :pos], k_ref[:, :, :pos])  # the rest of the cache is left alone
+        assert torch.equal(k_cache[:, :, first:pos], k_ref[:, :, first:pos])  # the rest of the cache is left alone
 
     # Traced as one opaque op (its fake implementation gives the shapes), as in the compiled decode step.
     step = torch.compile(K.decode_step, backend="aot_eager", fullgraph=True)
@@ -61,10 +69,14 @@ def decode_check():
     assert torch.equal(caches[0][:, :, 150], caches[2][:, :, 150])  # the cache write survives tracing
 
     # Inside the model (fused_decode): the same logits as the plain path, prefill then 10 decode steps,
-    # for the article's Llama and for today's recipe, whose QK-norm the kernel computes (its gains off
-    # their init, so a kernel that skipped them would differ).
+    # for the article's Llama, for the Muon recipe, whose QK-norm the kernel computes (its gains off
+    # their init, so a kernel that skipped them would differ), and for the record recipe's attention:
+    # long and short sliding windows shorter than the 20 positions, value tables, the gate, gainless
+    # QK-norm and half-truncated RoPE.
     kernel = K.decode_step
-    for recipe in ({}, {"mlp": "relu2", "qk_norm": True}):
+    record = {"mlp": "relu2", "qk_norm": True, "attn_window": 8, "short_windows": True, "value_embeds": 1,
+              "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
+    for recipe in ({}, {"mlp": "relu2", "qk_norm": True}, record):
         cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64, **recipe)
         plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
         with torch.no_grad():
@@ -84,11 +96,12 @@ def decode_check():
                 steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 20)]
                 logits.append(torch.stack(steps).float())
         assert len(calls) == 2 * 10 and (logits[0] - logits[1]).abs().max() < 1e-2, (recipe, len(calls))
-        assert calls[0] == (["eps", "k_gain", "q_gain"] if recipe else []), calls[0]  # the norm went in
+        norm = ["eps", "k_gain", "q_gain"] if recipe.get("qk_norm") and not recipe.get("value_embeds") else []
+        assert calls[0] == sorted(norm + ["window"]), calls[0]  # the norm went in, or was done before
 
     # The decode step compiled whole, as GraphDecoder compiles it: the graph calls the fused op (the
     # model's checks, the cache's `fusable` flag among them, trace as constants) and gives the same logits.
-    K.decode_step, traced = kernel, []  # (the compiled step of today's recipe, the last model above)
+    K.decode_step, traced = kernel, []  # (the compiled step of the record recipe, the last model above)
     def record(gm, example_inputs):
         traced.extend(str(node.target) for node in gm.graph.nodes)
         return gm

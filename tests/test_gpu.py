@@ -93,11 +93,17 @@ def test_fused_decode_step_matches_the_plain_path_in_bf16():
         assert rel(k_cache[:, :, pos], k_ref[:, :, pos]) < 1e-2 and torch.equal(v_cache[:, :, pos].float(), v_ref[:, :, pos])
 
 
-@pytest.mark.parametrize("recipe", [{}, {"mlp": "relu2", "qk_norm": True}], ids=["article", "today"])
+# The record recipe's attention at this size: windows of 16 and 8 keys, shorter than the 40 positions decoded.
+RECORD_ATTENTION = {"mlp": "relu2", "qk_norm": True, "attn_window": 16, "short_windows": True, "value_embeds": 1,
+                    "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
+
+
+@pytest.mark.parametrize("recipe", [{}, {"mlp": "relu2", "qk_norm": True}, RECORD_ATTENTION],
+                         ids=["article", "muon", "record"])
 def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe):
     """Teacher-forced: the same tokens go through the plain model, the fused model eagerly and the
-    fused model's CUDA graph; their logits agree at every position (bf16 rounding apart). Today's
-    recipe norms q and k before the kernel applies RoPE."""
+    fused model's CUDA graph; their logits agree at every position (bf16 rounding apart). The Muon
+    recipe norms q and k before the kernel applies RoPE; the record's slides its windows."""
     torch.manual_seed(0)
     plain = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=False)).cuda().eval().to(torch.bfloat16)
     fused = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=True)).cuda().eval().to(torch.bfloat16)
