@@ -698,3 +698,19 @@ def test_whole_window_evaluation_equals_the_loss_of_one_long_sequence(data_cfg):
     assert got["val_loss"] == pytest.approx(want, rel=1e-6)  # evaluate takes the loss of float32 logits
     assert abs(plain["val_loss"] - want) > 1e-4  # the cut windows differ
     assert got["val_bpb"] == pytest.approx(want / math.log(2) * n * T / token_bytes[tokens[1:]].sum().item(), rel=1e-6)
+
+
+def test_every_train_command_in_the_readme_loads_and_its_batch_divides():
+    """A README line `python train.py --config ...` (or torchrun's) is a config that loads with its flags and a
+    micro-batch that divides its batch, on as many processes as it asks for: the examples run as written."""
+    import re
+    import shlex
+    lines = [line.split("#")[0] for line in (ROOT / "README.md").read_text().splitlines()
+             if re.match(r"(python|torchrun .*) train\.py --config", line)]
+    assert len(lines) >= 5
+    for line in lines:
+        words = shlex.split(line)
+        world = int(next((w.split("=")[1] for w in words if w.startswith("--nproc_per_node=")), 1))
+        argv = [w for w in words[words.index("train.py") + 1:] if w != "--resume"]
+        cfg, _ = TR.resolve_config(TR.build_parser().parse_args(argv))
+        assert TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, world), line
