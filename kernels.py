@@ -127,10 +127,10 @@ if AVAILABLE:
                     k_gain: Optional[torch.Tensor] = None, eps: float = 0.0, window: int = 0) -> torch.Tensor:
         """One new token's attention, fused: QK-norm (given its gains q_gain and k_gain, (hd,) each,
         and eps), RoPE on q and k, k and v written into the caches at pos, softmax(q k^T * scale) v
-        over positions 0..pos, or the last `window` of them (scale: 1/sqrt(hd) for Llama's). qkv: (B, 1, H + 2 Hkv, hd), the QKV
-        projection's output; cos, sin: (hd,) for position pos; k_cache, v_cache: (B, Hkv, S, hd);
-        pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile calls it as one opaque
-        step of the compiled decode, and the CUDA graph captures its launch."""
+        over positions 0..pos, or the last `window` of them (scale: 1/sqrt(hd) for Llama's). qkv:
+        (B, 1, H + 2 Hkv, hd), the QKV projection's output; cos, sin: (hd,) for position pos; k_cache,
+        v_cache: (B, Hkv, S, hd); pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile
+        calls it as one opaque step of the compiled decode, and the CUDA graph captures its launch."""
         B, _, n, D = qkv.shape
         Hkv = k_cache.shape[1]
         H = n - 2 * Hkv
@@ -138,9 +138,9 @@ if AVAILABLE:
         norm = q_gain is not None
         _decode_step_kernel[(B, Hkv)](
             qkv, cos, sin, k_cache, v_cache, out, pos, q_gain if norm else qkv, k_gain if norm else qkv, scale, eps,
-            window, qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-            out.stride(2), H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D,
-            BLOCK=BLOCK_KEYS, QK_NORM=norm, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+            window, qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out.stride(0), out.stride(2), H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
+            D=D, BLOCK=BLOCK_KEYS, QK_NORM=norm, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
     @decode_step.register_fake
