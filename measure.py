@@ -360,6 +360,10 @@ def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batch
     prompt and number of new tokens: its dynamic cache, and on CUDA its compiled static cache.
     ours: {batch: onegpu's tokens}, to count the greedy tokens both agree on."""
     try:
+        CK.hf_architecture(model.cfg)
+    except ValueError as e:  # the default presets: value embeddings, windows and more that no class computes
+        return [{"rung": "transformers", "skipped": f"no transformers class runs this model: {e}"}]
+    try:
         import transformers
     except ImportError:
         return [{"rung": "transformers", "skipped": "transformers is not installed (pip install -e '.[dev]')"}]

@@ -138,6 +138,16 @@ def test_budget_command_prints_table(capsys):
 
 # --- Measuring -----------------------------------------------------------------------------
 
+def test_generate_skips_transformers_for_a_model_no_class_computes():
+    """--generate on a default preset (value tables, windows, ...): its transformers rows are one skipped row
+    saying why, not an export error after onegpu's own rows were measured."""
+    model = M.Llama(M.ModelConfig(d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=256, context=64,
+                                  value_embeds=1, tie_embeddings=False))
+    [row] = ME.transformers_speed(model, [1, 2, 3], 4, (1,), {})
+    assert row["rung"] == "transformers" and row["skipped"].startswith("no transformers class runs this model")
+    assert "model.value_embeds=1" in row["skipped"]
+
+
 def test_one_rung_in_process_uses_train_setup():
     result = ME.measure(ME.Rung("fp32", "tiny", {"train__micro_batch": 2, "train__batch_tokens": 2048}, 1))
     assert result.tok_s > 0 and result.data == "random tokens" and result.accum == 2 and result.skipped is None
