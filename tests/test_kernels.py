@@ -18,23 +18,41 @@ import model as M
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
-CHECKS = ("decode_check", "swiglu_check", "cross_entropy_check", "fp8_head_loss_check", "relu2_check", "gram_check", "qk_norm_rope_check")
+# float16 in the checks: the interpreter computes with NumPy, which has no bfloat16. Two processes run at
+# once, the checks split about evenly by their time (about 9 s each on a 2-core machine, 2026-12-02): one
+# process left the second core idle through the suite's longest fixture (19 s).
+CHECK_GROUPS = (("decode_check", "cross_entropy_check", "relu2_check", "gram_check"),
+                ("swiglu_check", "fp8_head_loss_check", "qk_norm_rope_check"))
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """Every check of tests/interpreted_kernels.py, run in one process with the interpreter on:
+    """Every check of tests/interpreted_kernels.py, run with the interpreter on in CHECK_GROUPS' processes:
     check -> "" where it passed, else its traceback."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    code = ("import json, traceback\nimport interpreted_kernels as I\nout = {}\n"
-            f"for check in {CHECKS!r}:\n"
+    results = {}
+    running = [subprocess.Popen([sys.executable, "-c", checks_code(group)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for group in CHECK_GROUPS]
+    for process in running:
+        out, err = process.communicate()
+        assert process.returncode == 0, err[-2000:]
+        results.update(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def checks_code(checks: tuple[str, ...]) -> str:
+    """A program that runs `checks` and prints {check: "" or its traceback} as JSON."""
+    return ("import json, traceback\nimport interpreted_kernels as I\nout = {}\n"
+            f"for check in {checks!r}:\n"
             "    try:\n        getattr(I, check)()\n        out[check] = ''\n"
             "    except Exception:\n        out[check] = traceback.format_exc()\n"
             "print(json.dumps(out))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_interpreted_check_is_in_a_group():
+    import re
+    source = (ROOT / "tests" / "interpreted_kernels.py").read_text()
+    assert set(re.findall(r"^def (\w+_check)\(", source, re.M)) == {check for group in CHECK_GROUPS for check in group}
 
 
 def run_under_interpreter(results: dict, check: str):

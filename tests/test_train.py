@@ -607,10 +607,14 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe):
     toml += ["[train]"] + [f"{k} = {json.dumps(v)}" for k, v in train.items()]
     (tmp_path / "c.toml").write_text("\n".join(toml))  # JSON scalars are valid TOML values
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for launcher, name in (([], "one"), (["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533"], "two")):
-        done = subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *common, "--name", name],
-                              env=env, capture_output=True, text=True, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Both runs at once: each process uses one thread, so the one-process run takes the core the launcher leaves.
+    running = [subprocess.Popen([sys.executable, *launcher, str(ROOT / "train.py"), *common, "--name", name], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+               for launcher, name in (([], "one"), (["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                                     "--master_port=29533"], "two"))]
+    for process in running:
+        out, err = process.communicate()
+        assert process.returncode == 0, out[-3000:] + err[-3000:]
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in one:
         torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-5)
