@@ -99,9 +99,15 @@ def _larger_batch(base: C.Config, micro_batch: int) -> dict:  # in whole micro-b
     return {"train__batch_tokens": max(per_pass, round(1.5 * base.train.batch_tokens / per_pass) * per_pass)}
 
 
+def as_many_tokens(micro_batch: int, context: int, longer: int) -> int:
+    """Sequences of `longer` tokens a micro-batch holds for `micro_batch` sequences of `context` tokens."""
+    return max(1, micro_batch * context // longer)
+
+
 def _long_sequences(base: C.Config, micro_batch: int) -> dict:
-    return {"model__context": 8 * base.model.context, "train__doc_mask": True,
-            "train__micro_batch": max(1, micro_batch // 8)}
+    T = base.model.context
+    return {"model__context": 8 * T, "train__doc_mask": True,
+            "train__micro_batch": as_many_tokens(micro_batch, T, 8 * T)}
 
 
 def _growing_window(base: C.Config, micro_batch: int) -> dict:
@@ -257,7 +263,7 @@ def same_tokens(config: str, article: str, micro_batch: int) -> dict:
     """The micro-batch of `config` that holds the tokens of `micro_batch` sequences of `article`'s context,
     where its sequences are longer ({} where they are not): one --micro-batch-size fits either side."""
     own, theirs = C.preset(config).model.context, C.preset(article).model.context
-    return {} if own == theirs else {"train__micro_batch": max(1, micro_batch * theirs // own)}
+    return {} if own == theirs else {"train__micro_batch": as_many_tokens(micro_batch, theirs, own)}
 
 
 def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = WHOLE_BUDGET,

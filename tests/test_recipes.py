@@ -34,7 +34,8 @@ def test_the_plan_runs_the_article_per_seed_the_sweep_then_a_cumulative_chain():
 def test_every_rung_config_passes_the_strict_loader_with_its_run_settings():
     base = C.preset("22m-gpt3")
     fixed = RE.fixed_settings(base, tokens=83_886_080, corpus="python", micro_batch=64)
-    for recipe in RE.ladder_plan("22m", 1) + RE.versus_plan("88m", 1, muon=True) + RE.versus_plan("88m", 1, micro_batch=64):
+    versus = RE.versus_plan("88m", 1, muon=True) + RE.versus_plan("88m", 1, micro_batch=64)
+    for recipe in RE.ladder_plan("22m", 1) + versus:
         cfg, overrides = RE.resolved(recipe, fixed)
         steps = cfg.train.tokens // cfg.train.batch_tokens
         assert cfg.data.corpus == "python" and cfg.data.max_documents == 0 and cfg.train.sample_tokens == 0
@@ -72,6 +73,7 @@ def test_versus_runs_the_default_on_each_fraction_of_the_budget_seed_by_seed():
     assert short.warmup_steps == 1 and short.eval_every == 22  # 448 steps of 393,216 tokens; 20 passes
     assert (cfg.model.context, short.micro_batch, short.doc_mask, short.batch_tokens) == (8192, 8, True, 393_216)
     assert plan[2].overrides == {"train__micro_batch": 8, "train__tokens": 176_160_768}
+    assert cfg.model.value_embeds and cfg.train.embed_lr == 0.6  # the record's parts, from configs/22m.toml
     assert len({r.folder for r in plan}) == len(plan)
     only_short = RE.versus_plan("22m", 1, tokens=440_401_920, fractions=(0.4,))  # the full-length default left out
     assert [r.name for r in only_short] == ["article (GPT-3 2020)", "default recipe, 40% of the tokens"]
@@ -219,7 +221,8 @@ def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():
     assert {r.config for r in plan} == {"126m-muon"}
     assert [r.seed for r in plan[-2:]] == [RE.SEED, RE.SEED + 1] and plan[0].overrides == {"train__warmup_steps": 30}
     fixed = {**RE.fixed_settings(C.preset("126m-muon"), 0, "python", 32), "train__seconds": 150.0}
-    assert C.preset("126m-muon", **{**fixed, **plan[-1].overrides}) == C.preset("126m", **{**fixed, "train__micro_batch": 4})
+    last = C.preset("126m-muon", **{**fixed, **plan[-1].overrides})
+    assert last == C.preset("126m", **{**fixed, "train__micro_batch": 4})
     long = C.preset("tiny", **{**RE.fixed_settings(C.preset("tiny"), 0, "stdlib", 16), "train__seconds": 5.0,
                                **RE.record_plan("tiny", 1, 16)[-1].overrides})
     assert (long.model.context, long.model.attn_window, long.train.window_start, long.train.micro_batch) == (4096, 896, 64, 2)
