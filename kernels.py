@@ -1,7 +1,8 @@
 """Fused GPU kernels, each the fast twin of plain PyTorch code in model.py that stays the
 reference, the CPU path and the fallback.
 
-decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, KV-cache write, attention).
+decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, the value's mix, KV-cache
+write, attention, the gate).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
@@ -18,9 +19,9 @@ kernels per layer (RoPE on q, RoPE on k with its cache write, the v cache write,
 the weighted sum of values); this is one. It reads the position from a tensor, so a CUDA graph
 replays it at every position, and it stops there instead of reading a masked window. Measured
 (`python bench.py --generate`, batch 1): 132 kernels became 88, and with Inductor's max-autotune
-decoding went from 2,861 to 3,342 tok/s. Today's recipe norms q and k before RoPE: in the kernel too,
-where the plain path would run the norms as kernels of their own and concatenate q, k and v again
-(not yet measured on a GPU).
+decoding went from 2,861 to 3,342 tok/s. The recipes since norm q and k before RoPE, and the record's
+mixes a value table into v and gates each head's output: in the kernel too, where the plain path runs
+them as kernels of their own (the gate's 12-channel matmul alone is one per layer).
 
 Why swiglu (on in the article's SwiGLU presets, since it measured +3.3-3.5% on an H200; today's ReLU²
 presets do not run it): see the comment above its kernels.
@@ -63,14 +64,18 @@ if AVAILABLE:
 
     @triton.jit
     def _decode_step_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr, pos_ptr, qg_ptr, kg_ptr, scale, eps,
-                            window, s_qkv_b, s_qkv_h, s_c_b, s_c_h, s_c_s, s_o_b, s_o_h,
-                            H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                            D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
+                            window, vm_ptr, ve_ptr, gx_ptr, gw_ptr, s_qkv_b, s_qkv_h, s_c_b, s_c_h, s_c_s, s_o_b, s_o_h,
+                            s_ve_b, s_gx_b, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr, V_MIX: tl.constexpr,
+                            GATE: tl.constexpr, GC: tl.constexpr, GC_PAD: tl.constexpr):
         """One program per (sequence, kv head): with QK_NORM, RMSNorm with the gains at qg_ptr and kg_ptr
-        on its G query heads and its new key; RoPE on them; the new key and value written to the cache
+        on its G query heads and its new key; RoPE on them; the new value times vm_ptr[0] (V_MIX 1), plus
+        vm_ptr[1] times its value embedding at ve_ptr (V_MIX 2); the new key and value written to the cache
         at pos, then attention over positions 0..pos (with a sliding window > 0, pos - window + 1..pos)
-        with an online softmax in float32 (running max m, running sum l, rescaled accumulator). The new
-        token's own key and value come from registers, so nothing written here is read back."""
+        with an online softmax in float32 (running max m, running sum l, rescaled accumulator); with GATE,
+        each head's output times sigmoid(the first GC channels of the attention's input at gx_ptr dotted
+        with the head's row of gw_ptr (H, GC)). The new token's own key and value come from registers, so
+        nothing written here is read back."""
         b, h = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr)
         g, d = tl.arange(0, G_PAD), tl.arange(0, D)
@@ -96,7 +101,12 @@ if AVAILABLE:
             k_partner = k_partner * k_scale * tl.load(kg_ptr + partner).to(tl.float32)
         q = (q_own * cos[None, :] + q_partner * sin[None, :]).to(qkv_ptr.dtype.element_ty)
         k_new = (k_own * cos + k_partner * sin).to(kc_ptr.dtype.element_ty)
-        v_new = tl.load(token + (H + HKV + h) * s_qkv_h + d).to(vc_ptr.dtype.element_ty)
+        v_new = tl.load(token + (H + HKV + h) * s_qkv_h + d).to(tl.float32)
+        if V_MIX > 0:  # as model.Attention.split_heads: a v (value_scale), a v + b ve (value embeddings)
+            v_new = v_new * tl.load(vm_ptr).to(tl.float32)
+            if V_MIX == 2:
+                v_new += tl.load(vm_ptr + 1).to(tl.float32) * tl.load(ve_ptr + b * s_ve_b + h * D + d).to(tl.float32)
+        v_new = v_new.to(vc_ptr.dtype.element_ty)
         cache = b * s_c_b + h * s_c_h
         tl.store(kc_ptr + cache + pos * s_c_s + d, k_new)
         tl.store(vc_ptr + cache + pos * s_c_s + d, v_new)
@@ -118,33 +128,53 @@ if AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         out = acc / l[:, None]
+        if GATE:  # as model.Attention.gated: (G_PAD, GC_PAD) gate rows against the input's first GC channels
+            c = tl.arange(0, GC_PAD)
+            x_gate = tl.load(gx_ptr + b * s_gx_b + c, mask=c < GC, other=0.0).to(tl.float32)
+            w_gate = tl.load(gw_ptr + (h * G + g)[:, None] * GC + c[None, :], mask=rows & (c[None, :] < GC),
+                             other=0.0).to(tl.float32)
+            out = out * tl.sigmoid(tl.sum(w_gate * x_gate[None, :], axis=1))[:, None]
         tl.store(out_ptr + b * s_o_b + (h * G + g)[:, None] * s_o_h + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rows)
 
     @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache"))
     def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, pos: torch.Tensor, scale: float, q_gain: Optional[torch.Tensor] = None,
-                    k_gain: Optional[torch.Tensor] = None, eps: float = 0.0, window: int = 0) -> torch.Tensor:
+                    k_gain: Optional[torch.Tensor] = None, eps: float = 0.0, window: int = 0,
+                    v_mix: Optional[torch.Tensor] = None, ve: Optional[torch.Tensor] = None,
+                    gate_x: Optional[torch.Tensor] = None, gate_w: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One new token's attention, fused: QK-norm (given its gains q_gain and k_gain, (hd,) each,
-        and eps), RoPE on q and k, k and v written into the caches at pos, softmax(q k^T * scale) v
-        over positions 0..pos, or the last `window` of them (scale: 1/sqrt(hd) for Llama's). qkv:
-        (B, 1, H + 2 Hkv, hd), the QKV projection's output; cos, sin: (hd,) for position pos; k_cache,
-        v_cache: (B, Hkv, S, hd); pos: (1,) int64. Returns (B, 1, H, hd). A custom op: torch.compile
-        calls it as one opaque step of the compiled decode, and the CUDA graph captures its launch."""
+        and eps), RoPE on q and k, the value mixed (v_mix: (a,) or (a, b): a v, or a v + b ve with ve
+        (B, 1, Hkv * hd) the layer's value embedding), k and v written into the caches at pos,
+        softmax(q k^T * scale) v over positions 0..pos, or the last `window` of them (scale: 1/sqrt(hd)
+        for Llama's), and each head gated (gate_w (H, C) against the first C channels of gate_x
+        (B, 1, d), the attention's input). qkv: (B, 1, H + 2 Hkv, hd), the QKV projection's output;
+        cos, sin: (hd,) for position pos; k_cache, v_cache: (B, Hkv, S, hd); pos: (1,) int64. Returns
+        (B, 1, H, hd). A custom op: torch.compile calls it as one opaque step of the compiled decode, and
+        the CUDA graph captures its launch; what it folds in would otherwise be kernels of their own
+        around it (the gate's one-row matmul was one, docs/LOG.md, 2026-12-02)."""
         B, _, n, D = qkv.shape
         Hkv = k_cache.shape[1]
         H = n - 2 * Hkv
         out = qkv.new_empty(B, 1, H, D)
-        norm = q_gain is not None
+        norm, gated = q_gain is not None, gate_w is not None
+        mix = 0 if v_mix is None else 1 if ve is None else 2
+        ve_rows = ve.reshape(B, -1).contiguous() if ve is not None else qkv  # rows of unit-stride channels
+        gate_rows = gate_x.reshape(B, -1).contiguous() if gated else qkv
+        channels = gate_w.shape[1] if gated else 1
         _decode_step_kernel[(B, Hkv)](
             qkv, cos, sin, k_cache, v_cache, out, pos, q_gain if norm else qkv, k_gain if norm else qkv, scale, eps,
-            window, qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            out.stride(0), out.stride(2), H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
-            D=D, BLOCK=BLOCK_KEYS, QK_NORM=norm, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+            window, v_mix if mix else qkv, ve_rows, gate_rows, gate_w.contiguous() if gated else qkv,
+            qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out.stride(0), out.stride(2), ve_rows.stride(0), gate_rows.stride(0),
+            H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D, BLOCK=BLOCK_KEYS,
+            QK_NORM=norm, V_MIX=mix, GATE=gated, GC=channels, GC_PAD=max(16, triton.next_power_of_2(channels)),
+            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
     @decode_step.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain=None, k_gain=None, eps=0.0, window=0):  # shapes for tracing
+    def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain=None, k_gain=None, eps=0.0, window=0, v_mix=None,
+          ve=None, gate_x=None, gate_w=None):  # shapes for tracing
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 

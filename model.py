@@ -701,17 +701,19 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         if (pos is not None and self.fused_decode and self.cache.fusable and not torch.is_grad_enabled()
                 and K.decode_step_supported(qkv, self.cache.k)):
-            # One new token: QK-norm, RoPE, the cache write and attention over positions 0..pos in
-            # one Triton kernel (kernels.decode_step), tested against the plain path below. It has no
-            # backward pass: with gradients on, the plain path runs.
-            norm = {}
-            if self.v_mix is not None:  # the kernel takes v as it goes into attention: mix or scale it first
-                qkv = torch.cat(self.split_heads(qkv, ve), dim=2)
-            elif self.q_norm is not None:
-                norm = dict(q_gain=self.q_norm.weight, k_gain=self.k_norm.weight, eps=self.q_norm.eps)
+            # One new token: QK-norm, RoPE, the value's mix, the cache write, attention over positions
+            # 0..pos and the gate in one Triton kernel (kernels.decode_step), tested against the plain
+            # path below. It has no backward pass: with gradients on, the plain path runs.
+            parts = {}
+            if self.q_norm is not None:
+                parts.update(q_gain=self.q_norm.weight, k_gain=self.k_norm.weight, eps=self.q_norm.eps)
+            if self.v_mix is not None:
+                parts.update(v_mix=self.v_mix, ve=ve)
+            if self.gate is not None:
+                parts.update(gate_x=x, gate_w=self.gate.weight)
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
-                              self.scale or self.head_dim ** -0.5, **norm, window=self.window)  # (B, 1, H, hd)
-            return self.wo(self.gated(y, x).reshape(B, T, -1))
+                              self.scale or self.head_dim ** -0.5, window=self.window, **parts)  # (B, 1, H, hd)
+            return self.wo(y.reshape(B, T, -1))
         q, k, v = self.heads(qkv, cos, sin, ve, training=pos is None)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if pos is not None:  # generation: attend over the first `cache_mask.shape[1]` cache positions

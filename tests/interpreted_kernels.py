@@ -24,25 +24,33 @@ def counted(module, name: str):
 
 
 def decode_check():
-    """The fused decode step against QK-norm, RoPE, the cache write and two matmuls, float16; one case at
-    modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at 1/sqrt(64); two with QK-norm;
-    three with a sliding window (keys pos - window + 1..pos: one starting mid-block, one of a single key,
-    one longer than the positions so far)."""
+    """The fused decode step against QK-norm, RoPE, the value's mix, the cache write, two matmuls and the
+    gate, float16; one case at modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at
+    1/sqrt(64); three with QK-norm; three with a sliding window (keys pos - window + 1..pos: one starting
+    mid-block, one of a single key, one longer than the positions so far); one with the value scaled (mix 1)
+    and two with a value embedding mixed in (mix 2), two of them gated (the record's attention)."""
     g = torch.Generator().manual_seed(0)
     llama = 64 ** -0.5
-    for B, H, Hkv, S, pos, scale, qk_norm, window in [
-            (1, 12, 4, 1024, 17, llama, True, 0), (2, 2, 1, 512, 300, 0.12, False, 0),
-            (1, 6, 2, 256, 255, llama, True, 0), (1, 1, 1, 128, 0, llama, False, 0),
-            (2, 6, 2, 512, 300, 0.12, True, 100), (1, 2, 1, 128, 40, llama, False, 1),
-            (1, 2, 1, 128, 40, llama, False, 64)]:
+    for B, H, Hkv, S, pos, scale, qk_norm, window, mix, gate in [
+            (1, 12, 4, 1024, 17, llama, True, 0, 0, False), (2, 2, 1, 512, 300, 0.12, False, 0, 0, False),
+            (1, 6, 2, 256, 255, llama, True, 0, 0, False), (1, 1, 1, 128, 0, llama, False, 0, 0, False),
+            (2, 6, 2, 512, 300, 0.12, True, 100, 2, True), (1, 2, 1, 128, 40, llama, False, 1, 1, False),
+            (1, 2, 1, 128, 40, llama, False, 64, 0, False), (2, 3, 3, 128, 70, llama, False, 0, 2, True)]:
         qkv = torch.randn(B, 1, H + 2 * Hkv, 64, generator=g).half()
         cos, sin = (t[pos:pos + 1].half() for t in M.rope_tables(64, S, 10000.0))
         k_cache, v_cache = (torch.randn(B, Hkv, S, 64, generator=g).half() for _ in range(2))
         gains = [torch.rand(64, generator=g).half() + 0.5 for _ in range(2)] if qk_norm else [None, None]
-        # The plain path: QK-norm, RoPE, the cache write, then two matmuls and a softmax over positions 0..pos.
+        v_mix = (torch.rand(mix, generator=g) + 0.5).half() if mix else None
+        ve = torch.randn(B, 1, Hkv * 64, generator=g).half() if mix == 2 else None
+        gate_x, gate_w = torch.randn(B, 1, 40, generator=g).half(), torch.randn(H, M.GATE_CHANNELS, generator=g).half()
+        parts = dict(v_mix=v_mix, ve=ve, **(dict(gate_x=gate_x, gate_w=gate_w) if gate else {}))
+        # The plain path: QK-norm, RoPE, the value's mix, the cache write, then two matmuls and a softmax
+        # over positions 0..pos, then the gate.
         q, k, v = qkv.float().split([H, Hkv, Hkv], dim=2)
         if qk_norm:
             q, k = M.rms_norm(q, 1e-5) * gains[0].float(), M.rms_norm(k, 1e-5) * gains[1].float()
+        if mix:
+            v = v * v_mix[0].float() + (v_mix[1].float() * ve.float().view_as(v) if mix == 2 else 0)
         q, k = M.apply_rope(q, cos.float(), sin.float()).half(), M.apply_rope(k, cos.float(), sin.float()).half()
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0].half()
@@ -50,12 +58,16 @@ def decode_check():
         mask = ((keys <= pos) & ((pos - keys < window) if window else True))[None, :]
         reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask,
                                                scale)
+        if gate:
+            reference = reference * torch.sigmoid(gate_x[:, 0, :M.GATE_CHANNELS].float() @ gate_w.float().t()).view(
+                B, Hkv, H // Hkv, 1)
         first = max(0, pos + 1 - window) if window else 0  # the window's oldest key
         k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
         k_cache[:, :, :first] = v_cache[:, :, :first] = float("nan")  # nor before the window
-        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale, *gains, 1e-5, window)
+        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale, *gains, 1e-5, window,
+                            **parts)
         err = (out.float().reshape(reference.shape) - reference).abs().max().item()
-        assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, window, err)
+        assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, window, mix, err)
         assert torch.equal(k_cache[:, :, pos], k_ref[:, :, pos]) and torch.equal(v_cache[:, :, pos], v_ref[:, :, pos])
         assert torch.equal(k_cache[:, :, first:pos], k_ref[:, :, first:pos])  # the rest of the cache is left alone
 
@@ -71,8 +83,9 @@ def decode_check():
     # Inside the model (fused_decode): the same logits as the plain path, prefill then 6 decode steps,
     # for the article's Llama, for the Muon recipe, whose QK-norm the kernel computes (its gains off
     # their init, so a kernel that skipped them would differ), and for the record recipe's attention:
-    # long and short sliding windows (8 and 4 keys) shorter than the 16 positions, value tables, the gate,
-    # gainless QK-norm and half-truncated RoPE.
+    # long and short sliding windows (8 and 4 keys) shorter than the 16 positions, value tables and the
+    # gate (both off their init too: the gate starts at zero, where every head's factor is 1/2), gainless
+    # QK-norm and half-truncated RoPE, all of which the kernel computes.
     kernel = K.decode_step
     record = {"mlp": "relu2", "qk_norm": True, "attn_window": 8, "short_windows": True, "value_embeds": 1,
               "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
@@ -81,8 +94,10 @@ def decode_check():
         plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
         with torch.no_grad():
             for name, p in plain.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                if name.endswith(("q_norm.weight", "k_norm.weight", "v_mix")):
                     p.uniform_(0.5, 1.5, generator=g)
+                elif name.endswith("gate.weight"):
+                    p.normal_(0.0, 1.0, generator=g)
         fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True)).eval().half()
         fused.load_state_dict(plain.state_dict())
         calls = []
@@ -96,8 +111,9 @@ def decode_check():
                 steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 16)]
                 logits.append(torch.stack(steps).float())
         assert len(calls) == 2 * 6 and (logits[0] - logits[1]).abs().max() < 1e-2, (recipe, len(calls))
-        norm = ["eps", "k_gain", "q_gain"] if recipe.get("qk_norm") and not recipe.get("value_embeds") else []
-        assert calls[0] == sorted(norm + ["window"]), calls[0]  # the norm went in, or was done before
+        norm = ["eps", "k_gain", "q_gain"] if recipe.get("qk_norm") else []
+        record_parts = ["gate_w", "gate_x", "v_mix", "ve"] if recipe.get("value_embeds") else []
+        assert calls[0] == sorted(norm + record_parts + ["window"]), calls[0]  # everything went into the kernel
 
     # The decode step compiled whole, as GraphDecoder compiles it: the graph calls the fused op (the
     # model's checks, the cache's `fusable` flag among them, trace as constants) and gives the same logits.

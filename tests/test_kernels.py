@@ -144,8 +144,13 @@ def test_qk_norm_and_rope_in_one_kernel_match_the_plain_lines_forward_and_backwa
 FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta"}
 HOPPER_SHARED = 232_448  # bytes of shared memory one block may use on an H100 or H200
 BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
-    ("_decode_step_kernel", dict(H=12, HKV=4, G=3, G_PAD=16, D=64, BLOCK=K.BLOCK_KEYS, QK_NORM=True), {"pos_ptr": "*i64"}),
-    ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=128, QK_NORM=False), {"pos_ptr": "*i64"}),
+    ("_decode_step_kernel", dict(H=12, HKV=4, G=3, G_PAD=16, D=64, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=0,
+                                 GATE=False, GC=1, GC_PAD=16), {"pos_ptr": "*i64"}),
+    ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=128, QK_NORM=False, V_MIX=1, GATE=False,
+                                 GC=1, GC_PAD=16), {"pos_ptr": "*i64"}),
+    # the record's attention: gainless QK-norm (ones), a value table, the gate
+    ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=2,
+                                 GATE=True, GC=12, GC_PAD=16), {"pos_ptr": "*i64"}),
     ("_swiglu_forward_kernel", dict(BLOCK=1024), {}),
     ("_swiglu_backward_kernel", dict(BLOCK=1024), {}),
     ("_cross_entropy_forward_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True),
