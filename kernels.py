@@ -5,6 +5,7 @@ decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, the 
 write, attention, the gate).
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
+small_matmul: the decode step's matmuls of one to sixteen rows, spread over many programs.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
 backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
 qk_norm_rope: QK-norm and RoPE on the QKV projection's output, forward and backward, one pass each.
@@ -58,6 +59,16 @@ QK_TOKENS = 16  # tokens per program in qk_norm_rope: its backward writes one pa
 # gram's candidate square tiles (side, inner), warps and stages, autotuned once per shape; the interpreter
 # takes the first. Side 128 splits the presets' 768-wide Gram matrices into 6 x 6 tiles, of which 21 run.
 GRAM_TILES = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3))
+# small_matmul's candidate tiles (output columns, inner), warps and stages, autotuned once per shape; the
+# interpreter takes the first (the fewest programs: it runs them one by one). Few columns a program, so
+# even a 768-wide output is split among 12 to 48 programs: Inductor's own templates for these one-row
+# matmuls took 64 to 128 columns a program, 6 to 12 programs for the 768-wide outputs, and ran 7.6 to
+# 20.7 us each at batch 8 on an H200 (the autotuning log of `python bench.py --generate --preset 88m`,
+# docs/results/2026-12-02_generate-88m-default_h200/), where the weights' bytes need 0.3 to 10 us at
+# the card's bandwidth.
+SMALL_MATMUL_TILES = ((64, 128, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
+                      (32, 256, 4, 3))
+SMALL_MATMUL_ROWS = 16  # at most this many rows (tokens) a call: tl.dot's smallest tile side
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 
 if AVAILABLE:
@@ -564,6 +575,46 @@ if AVAILABLE:
     def _(x, add=None, alpha=1.0, beta=0.0):
         return x.new_empty(x.shape[0], x.shape[1], x.shape[1])
 
+    # The decode step's matmuls: at batch 1 to 16 a token's step reads every weight once for a product of
+    # one to sixteen rows, so each matmul is bound by its weight's bytes, and those reach the card's
+    # bandwidth only when spread over many programs (SMALL_MATMUL_TILES' comment).
+    @triton.autotune([triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                      for n, k, w, st in (SMALL_MATMUL_TILES[:1] if INTERPRET else SMALL_MATMUL_TILES)],
+                     key=["M", "N", "K"])
+    @triton.jit
+    def _small_matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, ROWS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y = x @ w^T for x (M, K) with M <= ROWS, w (N, K) as nn.Linear keeps it: one program per
+        BLOCK_N output columns, reading those rows of w once; accumulation in float32."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, ROWS)  # the rows past M are zeros, which tl.dot needs (16 rows at least)
+        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(m[:, None] < M) & (n[None, :] < N))
+
+    @torch.library.custom_op("onegpu::small_matmul", mutates_args=())
+    def small_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T in x's dtype for at most SMALL_MATMUL_ROWS rows: x (..., K), w (N, K). A custom op, so
+        the compiled decode step calls it as one opaque step and its CUDA graph captures the launch."""
+        rows = x.reshape(-1, x.shape[-1])
+        M, K = rows.shape
+        N = w.shape[0]
+        y = rows.new_empty(M, N)
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _small_matmul_kernel[grid](rows, w, y, M, N, K, rows.stride(0), w.stride(0), y.stride(0),
+                                   ROWS=SMALL_MATMUL_ROWS)
+        return y.view(*x.shape[:-1], N)
+
+    @small_matmul.register_fake
+    def _(x, w):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
 
 def device_supported(device: torch.device) -> bool:
     """Whether these kernels run on `device`: an NVIDIA GPU of compute capability 8.0 (Ampere) or
@@ -583,6 +634,16 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (qkv.shape[1] == 1
             and qkv.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == qkv.dtype
             and hd >= 16 and hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1)
+
+
+def small_matmul_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether small_matmul handles x (..., K) @ w (N, K)^T, on a device that device_supported allows (the
+    caller asks that once, model.Llama.setup_cache): at most SMALL_MATMUL_ROWS rows, both in the same
+    16-bit float (tl.dot would round float32 to TF32), unit-stride rows."""
+    K = x.shape[-1]
+    return (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.dim() == 2 and w.shape[1] == K
+            and x.numel() <= SMALL_MATMUL_ROWS * K and x.stride(-1) == 1 and w.stride(1) == 1
+            and (x.dim() == 2 or x.is_contiguous()))
 
 
 def runs_on(t: torch.Tensor) -> bool:

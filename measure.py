@@ -489,11 +489,17 @@ def cpu_skip(rung: Rung) -> str | None:
 
 # --- The generation study (bench.py --generate) ------------------------------------------------------------------------------
 
-# CUDA-graph decoders compared: (label, Inductor mode, fused decode step (kernels.decode_step))
-DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", False),
-                   ("CUDA graph, max-autotune", "max-autotune-no-cudagraphs", False),
-                   ("CUDA graph, Inductor default, fused decode", "default", True),
-                   ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", True)]
+# CUDA-graph decoders compared: (label, Inductor mode, generation fast paths on: model.GENERATION_FAST_PATHS).
+# max-autotune without the fast paths, which measured slower than the fused decode at both batches on
+# 2026-11-30 and 2026-12-02 (docs/PERFORMANCE.md, generation), is left out: a row costs a minute of autotuning.
+FUSED = ("fused_decode",)
+DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", ()),
+                   ("CUDA graph, Inductor default, fused decode", "default", FUSED),
+                   ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", FUSED),
+                   ("CUDA graph, Inductor default, fused decode + decode matmuls", "default",
+                    (*FUSED, "decode_matmuls")),
+                   ("CUDA graph, max-autotune, fused decode + decode matmuls", "max-autotune-no-cudagraphs",
+                    (*FUSED, "decode_matmuls"))]
 
 
 def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
@@ -505,19 +511,22 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     device = torch.device("cuda" if cuda else "cpu")
     cfg = C.preset(preset).model
     torch.manual_seed(0)
-    model = M.Llama(dataclasses.replace(cfg, fused_decode=False)).to(device).eval()
+    plain = dict.fromkeys(M.GENERATION_FAST_PATHS, False)
+    model = M.Llama(dataclasses.replace(cfg, **plain)).to(device).eval()
     dtype = torch.bfloat16 if cuda else torch.float32
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    variants = [("eager", None, False)] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
-    fused = None
-    if any(v[2] for v in variants):  # the same weights with the Triton decode step switched on
-        fused = M.Llama(dataclasses.replace(cfg, fused_decode=True)).to(device, dtype).eval()
-        fused.load_state_dict(model.state_dict())
+    variants = [("eager", None, ())] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
+    nets = {(): model}
+    for _, _, switches in variants:  # the same weights with Triton's decode paths switched on
+        if switches not in nets:
+            on = dataclasses.replace(cfg, **plain, **dict.fromkeys(switches, True))
+            nets[switches] = M.Llama(on).to(device, dtype).eval()
+            nets[switches].load_state_dict(model.state_dict())
     rows, ours = [], {}
     for batch in batches:
-        for label, mode, fused_decode in variants:
-            net = fused if fused_decode else model
+        for label, mode, switches in variants:
+            net = nets[switches]
             row, tokens = decode_speed(net, prompt, batch, new_tokens, G.decoder(net, device, mode is not None,
                                                                                     mode or "default"))
             rows.append({"rung": f"onegpu {label} batch {batch}", **row})

@@ -16,7 +16,7 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 `fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
 `fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE, the training loss and a decoded
-token's attention to Triton kernels.
+token's attention to Triton kernels, and `decode_matmuls` the matmuls of a decode step.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
@@ -43,8 +43,8 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
                 "attn_window", "short_windows", "skip_attn_layer", "attn_scale")
-# The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode is
-# generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
+# The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode and
+# decode_matmuls are generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
 # loss has its own head and loss, so it excludes the FP8 head and the loss kernel; bench's ladder takes
 # the switches in this order and skips one that a switch before it excludes, so it keeps those two, which
 # the default presets (configs/recipes/record.toml) run.
@@ -52,7 +52,7 @@ TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fu
                        "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²",
                        "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
                        "fp8": "fp8 matmuls"}
-GENERATION_FAST_PATHS = {"fused_decode": "fused decode"}
+GENERATION_FAST_PATHS = {"fused_decode": "fused decode", "decode_matmuls": "decode matmuls"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -95,6 +95,7 @@ class ModelConfig:
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
     fp8_head: bool = False  # the untied output head's training matmuls in FP8, its gradient at a fixed scale
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
+    decode_matmuls: bool = False  # generation's matmuls of at most 16 tokens as Triton's small_matmul (CUDA)
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
     fused_relu2: bool = False  # ReLU²'s square and its derivative in its matmuls' epilogues (CUDA, training)
@@ -581,17 +582,28 @@ def fp8_head_cross_entropy(x, weight, targets, cap: float):
         return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype)
 
 
+def linear(x, weight, small: bool = False):
+    """F.linear without a bias; with small (generation on a GPU with decode_matmuls: Llama.setup_cache), a
+    decode step's product, one new token for each of at most 16 sequences (x: (B, 1, d)), runs as
+    kernels.small_matmul, tested against F.linear. Not the prompt's: its kernel is autotuned per shape,
+    once, and the compiled decode step's warm-up is where that costs nothing a user waits for."""
+    one_token = x.dim() == 3 and x.shape[1] == 1
+    if small and one_token and not torch.is_grad_enabled() and K.small_matmul_supported(x, weight):
+        return K.small_matmul(x, weight)
+    return F.linear(x, weight)
+
+
 class Linear(nn.Linear):
     """A bias-free nn.Linear whose matmul runs in FP8 when fp8 is set (ModelConfig.fp8); the plain
     F.linear is the reference it is tested against. Same parameters either way, so checkpoints
-    move freely between the two."""
+    move freely between the two. small: see linear (set by Llama.setup_cache)."""
 
     def __init__(self, d_in: int, d_out: int, fp8: bool = False):
         super().__init__(d_in, d_out, bias=False)
-        self.fp8 = fp8
+        self.fp8, self.small = fp8, False
 
     def forward(self, x):
-        return fp8_linear(x, self.weight) if self.fp8 else F.linear(x, self.weight)
+        return fp8_linear(x, self.weight) if self.fp8 else linear(x, self.weight, self.small)
 
 
 @dataclass
@@ -948,6 +960,7 @@ class Llama(nn.Module):
         self.register_buffer("sin", sin.to(device), persistent=False)
         self.activation_checkpointing = False  # recompute every block in backward (train.py sets these)
         self.recompute_mlp = False  # recompute only each block's norm + MLP: most of the memory, less of the work
+        self.small_matmuls = False  # decode_matmuls switched on for this device by setup_cache
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -991,6 +1004,11 @@ class Llama(nn.Module):
         """Give every layer a KVCache for `batch` sequences (see KVCache). A cache of the same
         size and dtype is kept, not reallocated: a captured CUDA graph holds its address."""
         device, dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
+        # decode_matmuls where its kernel runs, asked here, once, outside compiled code (as KVCache.fusable)
+        self.small_matmuls = self.cfg.decode_matmuls and K.device_supported(device)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.small = self.small_matmuls
         for attn in self.attentions():
             cache = attn.cache
             if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:
@@ -1067,7 +1085,7 @@ class Llama(nn.Module):
                                               self.cfg.logit_softcap)
             logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel())
         else:
-            logits = F.linear(x, self.output_weight())
+            logits = linear(x, self.output_weight(), self.small_matmuls)
         if targets is None:
             return softcap(logits, self.cfg.logit_softcap)
         # The loss kernel in training only, as the FP8 head: evaluation keeps the plain loss, the reference.

@@ -9,7 +9,8 @@ KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (
 the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
 --no-cache re-reads the whole sequence every token (the slow reference both are tested against).
 On GPUs of compute capability 8.0 and newer each new token's RoPE, cache write and attention run
-as one Triton kernel (kernels.py); --no-fused-decode runs the plain PyTorch attention instead.
+as one Triton kernel (kernels.py), and with decode_matmuls its matmuls as another; --no-fused-decode
+runs the plain PyTorch paths instead.
 bfloat16 weights on CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to
 first token, prefill and decode tokens per second.
 """
@@ -94,7 +95,8 @@ def main(argv=None):
     p.add_argument("--no-cache", action="store_true", help="re-read the whole sequence each token (slow reference)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (no CUDA graph)")
     p.add_argument("--no-fused-decode", action="store_true",
-                   help="CUDA: plain PyTorch attention for each new token, not the Triton kernel (kernels.py)")
+                   help="CUDA: plain PyTorch attention and matmuls for each new token, not the Triton kernels "
+                        "(kernels.py: decode_step, and small_matmul where the model has decode_matmuls)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     args = p.parse_args(argv)
@@ -102,7 +104,8 @@ def main(argv=None):
     try:
         check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.num_samples)
         device = C.pick_device(args.device)
-        ckpt = CK.load(args.ckpt, device, model__fused_decode=not args.no_fused_decode)  # CUDA only; CPU: plain
+        plain = {"model__fused_decode": False, "model__decode_matmuls": False} if args.no_fused_decode else {}
+        ckpt = CK.load(args.ckpt, device, **plain)  # the Triton paths run on CUDA only; on a CPU the plain ones
         tok, _ = CK.tokenizer_for(ckpt, args.tokenizer)
         model = ckpt.build_model().to(device).eval()
         if args.prompt is not None:

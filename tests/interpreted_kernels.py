@@ -130,6 +130,57 @@ def decode_check():
     assert (torch.stack(again).float() - logits[1]).abs().max() < 1e-3
 
 
+def small_matmul_check():
+    """The decode step's small matmuls against F.linear in float64: one row, rows and columns that leave a
+    program partly masked, 16 rows (the most it takes), a (B, 1, K) input as a decode step hands it; then
+    inside a model of the record recipe, whose every matmul of a decode step it takes, the same logits as
+    the plain model's, eagerly and traced as the compiled decode step traces it."""
+    g = torch.Generator().manual_seed(0)
+    for shape, N in [((1, 96), 48), ((5, 200), 100), ((16, 256), 768), ((2, 1, 64), 40)]:
+        x, w = torch.randn(*shape, generator=g).half(), torch.randn(N, shape[-1], generator=g).half()
+        assert K.small_matmul_supported(x, w)
+        out = K.small_matmul(x, w)
+        exact = x.double() @ w.double().t()
+        assert out.shape == exact.shape and out.dtype == x.dtype, shape
+        assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 2e-3, shape
+    assert not K.small_matmul_supported(torch.randn(17, 96).half(), torch.randn(48, 96).half())  # too many rows
+    assert not K.small_matmul_supported(torch.randn(1, 96), torch.randn(48, 96))  # float32: F.linear keeps it
+
+    record = {"mlp": "relu2", "qk_norm": True, "attn_window": 8, "short_windows": True, "value_embeds": 1,
+              "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
+    cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64, fused_decode=True, **record)
+    plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight", "head.weight")):  # zero-initialised: give them values
+                p.normal_(0.0, 0.05, generator=g)
+    small = M.Llama(M.ModelConfig(**cfg, decode_matmuls=True)).eval().half()
+    small.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 512, (2, 16), generator=g)
+    logits = []
+    with counted(K, "small_matmul") as calls, torch.no_grad():
+        for m in (plain, small):
+            m.setup_cache(2)
+            steps = [m(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]  # 20 tokens: F.linear
+            steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 13)]
+            logits.append(torch.stack(steps).float())
+    # 3 steps x (2 layers x 4 matmuls + the head), the plain model none
+    assert len(calls) == 3 * 9, len(calls)
+    assert (logits[0] - logits[1]).abs().max() < 1e-2 * logits[0].abs().max()
+
+    traced = []
+    def record_graph(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+    step = torch.compile(G.decode_one, backend=record_graph, fullgraph=True)
+    with torch.no_grad():
+        small.setup_cache(2)
+        small(idx[:, :10], pos=torch.arange(10), window=10)
+        again = torch.stack([step(small, idx[:, t:t + 1], torch.tensor([t]), cfg["context"]) for t in range(10, 13)])
+    assert sum("small_matmul" in target for target in traced) == 9, traced
+    assert (again.float() - logits[1][1:]).abs().max() < 1e-3
+
+
 def swiglu_check():
     """The fused SwiGLU against the plain line, forward and backward, eager and compiled."""
     g = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # once, the checks split about evenly by their time (about 9 s each on a 2-core machine, 2026-12-02): one
 # process left the second core idle through the suite's longest fixture (19 s).
 CHECK_GROUPS = (("decode_check", "cross_entropy_check", "relu2_check", "gram_check"),
-                ("swiglu_check", "fp8_head_loss_check", "qk_norm_rope_check"))
+                ("swiglu_check", "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check"))
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,11 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 @needs_triton
 def test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token(interpreted):
     run_under_interpreter(interpreted, "decode_check")
+
+
+@needs_triton
+def test_the_small_matmul_matches_f_linear_and_decodes_as_the_plain_model(interpreted):
+    run_under_interpreter(interpreted, "small_matmul_check")
 
 
 @needs_triton
@@ -166,6 +171,7 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
     ("_qk_norm_rope_kernel", dict(H=12, HKV=4, NORM_P=16, V_P=4, D=64, TOKENS=16, BACKWARD=True),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
+    ("_small_matmul_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS), {}),
     ("_gram_kernel", dict(ADD=False), {}),
     ("_gram_kernel", dict(ADD=True), {}),
 ]
