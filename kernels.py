@@ -583,9 +583,9 @@ if AVAILABLE:
                      key=["M", "N", "K"])
     @triton.jit
     def _small_matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, ROWS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """y = x @ w^T for x (M, K) with M <= ROWS, w (N, K) as nn.Linear keeps it: one program per
-        BLOCK_N output columns, reading those rows of w once; accumulation in float32."""
+                             RELU2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y = x @ w^T (with RELU2, relu(x @ w^T)^2) for x (M, K) with M <= ROWS, w (N, K) as nn.Linear keeps
+        it: one program per BLOCK_N output columns, reading those rows of w once; accumulation in float32."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, ROWS)  # the rows past M are zeros, which tl.dot needs (16 rows at least)
         acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
@@ -595,24 +595,28 @@ if AVAILABLE:
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
                         other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
+        if RELU2:
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
         tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
     @torch.library.custom_op("onegpu::small_matmul", mutates_args=())
-    def small_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x @ w^T in x's dtype for at most SMALL_MATMUL_ROWS rows: x (..., K), w (N, K). A custom op, so
-        the compiled decode step calls it as one opaque step and its CUDA graph captures the launch."""
+    def small_matmul(x: torch.Tensor, w: torch.Tensor, relu2: bool = False) -> torch.Tensor:
+        """x @ w^T in x's dtype for at most SMALL_MATMUL_ROWS rows: x (..., K), w (N, K); with relu2,
+        relu(x @ w^T)^2 (the ReLU² MLP's up-projection, its square in the epilogue). A custom op, so the
+        compiled decode step calls it as one opaque step and its CUDA graph captures the launch."""
         rows = x.reshape(-1, x.shape[-1])
         M, K = rows.shape
         N = w.shape[0]
         y = rows.new_empty(M, N)
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         _small_matmul_kernel[grid](rows, w, y, M, N, K, rows.stride(0), w.stride(0), y.stride(0),
-                                   ROWS=SMALL_MATMUL_ROWS)
+                                   ROWS=SMALL_MATMUL_ROWS, RELU2=relu2)
         return y.view(*x.shape[:-1], N)
 
     @small_matmul.register_fake
-    def _(x, w):
+    def _(x, w, relu2=False):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
 

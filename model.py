@@ -582,15 +582,17 @@ def fp8_head_cross_entropy(x, weight, targets, cap: float):
         return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype)
 
 
-def linear(x, weight, small: bool = False):
-    """F.linear without a bias; with small (generation on a GPU with decode_matmuls: Llama.setup_cache), a
-    decode step's product, one new token for each of at most 16 sequences (x: (B, 1, d)), runs as
-    kernels.small_matmul, tested against F.linear. Not the prompt's: its kernel is autotuned per shape,
-    once, and the compiled decode step's warm-up is where that costs nothing a user waits for."""
+def linear(x, weight, small: bool = False, relu2: bool = False):
+    """F.linear without a bias (relu2: then relu(.)^2, the ReLU² MLP's activation). With small (generation
+    on a GPU with decode_matmuls: Llama.setup_cache), a decode step's product, one new token for each of
+    at most 16 sequences (x: (B, 1, d)), runs as kernels.small_matmul, the square in its epilogue, tested
+    against these lines. Not the prompt's: its kernel is autotuned per shape, once, and the compiled decode
+    step's warm-up is where that costs nothing a user waits for."""
     one_token = x.dim() == 3 and x.shape[1] == 1
     if small and one_token and not torch.is_grad_enabled() and K.small_matmul_supported(x, weight):
-        return K.small_matmul(x, weight)
-    return F.linear(x, weight)
+        return K.small_matmul(x, weight, relu2)
+    y = F.linear(x, weight)
+    return F.relu(y).square() if relu2 else y
 
 
 class Linear(nn.Linear):
@@ -779,6 +781,8 @@ class ReLU2(nn.Module):
     def forward(self, x):
         if self.fused and torch.is_grad_enabled() and K.runs_on(x):
             return fused_relu2_mlp(x, self.w1.weight, self.w2.weight)
+        if self.w1.small and not self.w1.fp8:  # decoding with decode_matmuls: the square in the matmul's epilogue
+            return self.w2(linear(x, self.w1.weight, small=True, relu2=True))
         return self.w2(F.relu(self.w1(x)).square())
 
 

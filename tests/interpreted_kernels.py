@@ -131,16 +131,18 @@ def decode_check():
 
 
 def small_matmul_check():
-    """The decode step's small matmuls against F.linear in float64: one row, rows and columns that leave a
-    program partly masked, 16 rows (the most it takes), a (B, 1, K) input as a decode step hands it; then
+    """The decode step's small matmuls against F.linear in float64 (two with ReLU²'s square in the epilogue):
+    one row, rows and columns that leave a program partly masked, 16 rows (the most it takes), a (B, 1, K)
+    input as a decode step hands it; then
     inside a model of the record recipe, whose every matmul of a decode step it takes, the same logits as
     the plain model's, eagerly and traced as the compiled decode step traces it."""
     g = torch.Generator().manual_seed(0)
-    for shape, N in [((1, 96), 48), ((5, 200), 100), ((16, 256), 768), ((2, 1, 64), 40)]:
+    for shape, N, relu2 in [((1, 96), 48, False), ((5, 200), 100, True), ((16, 256), 768, False), ((2, 1, 64), 40, True)]:
         x, w = torch.randn(*shape, generator=g).half(), torch.randn(N, shape[-1], generator=g).half()
         assert K.small_matmul_supported(x, w)
-        out = K.small_matmul(x, w)
+        out = K.small_matmul(x, w, relu2)
         exact = x.double() @ w.double().t()
+        exact = exact.relu().square() if relu2 else exact
         assert out.shape == exact.shape and out.dtype == x.dtype, shape
         assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 2e-3, shape
     assert not K.small_matmul_supported(torch.randn(17, 96).half(), torch.randn(48, 96).half())  # too many rows
