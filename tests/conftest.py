@@ -12,6 +12,27 @@ import model as M
 VOCAB = 512
 
 
+STARTED = []  # the module whose interpreter checks were started (tests/test_kernels.py)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Once the tests are chosen: if one needs the Triton interpreter's checks (tests/test_kernels.py), start
+    them now, in processes of their own, so they are done by the time that test runs."""
+    for item in items:
+        if "interpreted" in getattr(item, "fixturenames", ()):
+            item.module.start_interpreter_checks()
+            STARTED.append(item.module)
+            return
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run stopped early (-x, Ctrl-C) leaves no interpreter check running on after it."""
+    for module in STARTED:
+        for process in module.RUNNING:
+            if process.poll() is None:
+                process.kill()
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """60 small text documents written by the test: .txt files, one document each."""

@@ -19,21 +19,30 @@ import model as M
 ROOT = Path(__file__).resolve().parent.parent
 
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16. Two processes run at
-# once, the checks split about evenly by their time (about 9 s each on a 2-core machine, 2026-12-02): one
-# process left the second core idle through the suite's longest fixture (19 s).
+# once, the checks split about evenly by their time (9 and 15 s alone on a 2-core machine, 2026-12-02).
 CHECK_GROUPS = (("decode_check", "cross_entropy_check", "relu2_check", "gram_check"),
                 ("swiglu_check", "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check"))
+RUNNING = []  # CHECK_GROUPS' processes, once started
+
+
+def start_interpreter_checks():
+    """Start CHECK_GROUPS' processes, once. tests/conftest.py calls this as soon as pytest has chosen the
+    tests, when one of them needs `interpreted`: the checks then run beside the tests before this module's,
+    which keep one core of two busy, instead of holding the whole suite for 19 s as a fixture of their own."""
+    if RUNNING:
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    RUNNING.extend(subprocess.Popen([sys.executable, "-c", checks_code(group)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT) for group in CHECK_GROUPS)
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     """Every check of tests/interpreted_kernels.py, run with the interpreter on in CHECK_GROUPS' processes:
     check -> "" where it passed, else its traceback."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    start_interpreter_checks()
     results = {}
-    running = [subprocess.Popen([sys.executable, "-c", checks_code(group)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for group in CHECK_GROUPS]
-    for process in running:
+    for process in RUNNING:
         out, err = process.communicate()
         assert process.returncode == 0, err[-2000:]
         results.update(json.loads(out.strip().splitlines()[-1]))
