@@ -18,27 +18,27 @@ import model as M
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# float16 in the checks: the interpreter computes with NumPy, which has no bfloat16. Two processes run at
-# once, the checks split about evenly by their time (9 and 15 s alone on a 2-core machine, 2026-12-02).
-CHECK_GROUPS = (("decode_check", "cross_entropy_check", "relu2_check", "gram_check"),
-                ("swiglu_check", "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check"))
-RUNNING = []  # CHECK_GROUPS' processes, once started
+# float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
+CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "gram_check", "swiglu_check", "fp8_head_loss_check",
+          "qk_norm_rope_check", "small_matmul_check")
+RUNNING = []  # the process that runs CHECKS, once started
 
 
 def start_interpreter_checks():
-    """Start CHECK_GROUPS' processes, once. tests/conftest.py calls this as soon as pytest has chosen the
-    tests, when one of them needs `interpreted`: the checks then run beside the tests before this module's,
-    which keep one core of two busy, instead of holding the whole suite for 19 s as a fixture of their own."""
+    """Start the process that runs CHECKS, once. tests/conftest.py calls this as soon as pytest has chosen
+    the tests, when one of them needs `interpreted`: the checks (about 25 s) then run on one core beside
+    the tests before this module's, which keep the other busy, instead of holding the whole suite as a
+    fixture of their own (19 s in two processes at once on a 2-core machine, 2026-12-02)."""
     if RUNNING:
         return
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    RUNNING.extend(subprocess.Popen([sys.executable, "-c", checks_code(group)], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=ROOT) for group in CHECK_GROUPS)
+    RUNNING.append(subprocess.Popen([sys.executable, "-c", checks_code(CHECKS)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT))
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """Every check of tests/interpreted_kernels.py, run with the interpreter on in CHECK_GROUPS' processes:
+    """Every check of tests/interpreted_kernels.py, run with the interpreter on in start_interpreter_checks':
     check -> "" where it passed, else its traceback."""
     start_interpreter_checks()
     results = {}
@@ -58,10 +58,10 @@ def checks_code(checks: tuple[str, ...]) -> str:
             "print(json.dumps(out))")
 
 
-def test_every_interpreted_check_is_in_a_group():
+def test_every_interpreted_check_runs():
     import re
     source = (ROOT / "tests" / "interpreted_kernels.py").read_text()
-    assert set(re.findall(r"^def (\w+_check)\(", source, re.M)) == {check for group in CHECK_GROUPS for check in group}
+    assert set(re.findall(r"^def (\w+_check)\(", source, re.M)) == set(CHECKS)
 
 
 def run_under_interpreter(results: dict, check: str):
