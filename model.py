@@ -44,10 +44,10 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
                 "attn_window", "short_windows", "skip_attn_layer", "attn_scale")
 # The training fast paths of ModelConfig, each a switch with its plain path beside it (fused_decode and
-# decode_matmuls are generation's): switch -> the name tables give it. fast_path_applies says which a model can run. The fused
-# loss has its own head and loss, so it excludes the FP8 head and the loss kernel; bench's ladder takes
-# the switches in this order and skips one that a switch before it excludes, so it keeps those two, which
-# the default presets (configs/recipes/record.toml) run.
+# decode_matmuls are generation's): switch -> the name tables give it. fast_path_applies says which a
+# model can run. The fused loss has its own head and loss, so it excludes the FP8 head and the loss
+# kernel; bench's ladder takes the switches in this order and skips one that a switch before it excludes,
+# so it keeps those two, which the default presets (configs/recipes/record.toml) run.
 TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fused_loss": "fused loss",
                        "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²",
                        "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
