@@ -609,11 +609,11 @@ if AVAILABLE:
         rows = x.reshape(-1, x.shape[-1])
         M, K = rows.shape
         N = w.shape[0]
-        y = rows.new_empty(M, N)
+        y = x.new_empty(*x.shape[:-1], N)  # contiguous: its rows lie N apart
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        _small_matmul_kernel[grid](rows, w, y, M, N, K, rows.stride(0), w.stride(0), y.stride(0),
+        _small_matmul_kernel[grid](rows, w, y, M, N, K, rows.stride(0), w.stride(0), N,
                                    ROWS=SMALL_MATMUL_ROWS, RELU2=relu2)
-        return y.view(*x.shape[:-1], N)
+        return y
 
     @small_matmul.register_fake
     def _(x, w, relu2=False):
