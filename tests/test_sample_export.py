@@ -124,6 +124,18 @@ def test_sample_command_runs(run_dir, capsys):
     assert "tok/s decoding 11 more per sample" in captured.err
 
 
+def test_no_fused_decode_turns_off_both_decode_paths(run_dir, monkeypatch, capsys):
+    """--no-fused-decode loads the checkpoint with the fused decode step and the decode matmuls off, so a
+    GPU decodes with plain PyTorch (on a CPU both are plain already)."""
+    loads = []
+    load = S.CK.load
+    monkeypatch.setattr(S.CK, "load", lambda *a, **k: loads.append(k) or load(*a, **k))
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--no-fused-decode"])
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3"])
+    assert loads == [{"model__fused_decode": False, "model__decode_matmuls": False}, {}]
+    assert capsys.readouterr().err.count("[KV cache, cpu, batch 1: first token after") == 2  # both generated
+
+
 def test_cached_decoding_feeds_one_token_per_step(loaded):
     """What makes the cache fast: after the prompt, each forward pass reads one token, not the
     whole sequence (docs/PERFORMANCE.md, Generation, has the measured speed-up)."""
