@@ -130,8 +130,13 @@ def test_ladder_table_math():
 
 
 def test_budget_command_prints_table(capsys):
-    B.main(["--budget", "--tok-s", "88m-muon=29408"])
-    assert "| 88m-muon | 88,097,792 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in capsys.readouterr().out
+    B.main(["--budget", "--tok-s", "88m-muon=29408", "88m=29408"])
+    out = capsys.readouterr().out
+    assert "| 88m-muon | 88,097,792 | 88,097,792 | 29,408 | 1.76B | 9.3e+17 | 16.6 |" in out
+    # the default 88m: its three value tables and untied input embedding are lookups, left out of N
+    cfg = B.C.preset("88m").model
+    lookups = (3 + 1) * cfg.vocab_size * cfg.d_model
+    assert f"| 88m | {M.param_count(cfg):,} | {M.param_count(cfg) - lookups:,} | 29,408 |" in out
     with pytest.raises(SystemExit, match=r"--tok-s '99m=5': expected PRESET=TOKENS_PER_S with a preset from configs/"):
         B.main(["--budget", "--tok-s", "99m=5"])
 
