@@ -217,11 +217,18 @@ def largest_fitting(make, sizes, cuda: bool, timeout: int, journal: ME.Journal |
     return {"rung": make(sizes[-1]).name, "skipped": "no micro-batch fits"}
 
 
+FIRST_TOKENS = 64 * 1024  # the largest micro-batch the ladder's first rung tries, in tokens
+
+
 def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int,
            journal: ME.Journal | None = None) -> list[dict]:
     context = C.preset(preset).model.context
     base = {"train__batch_tokens": batch_tokens}
-    fits = [mb for mb in (64, 32, 16, 8, 4, 2, 1) if batch_tokens % (mb * context) == 0]
+    # From 64 sequences of 1,024 tokens down: at most 65,536 tokens a micro-batch for the first, fp32 eager
+    # rung, so a preset of 8,192-token sequences starts at 8 and not at a micro-batch that cannot fit
+    # (each that does not costs a process start and a failed first step).
+    fits = [mb for mb in (64, 32, 16, 8, 4, 2, 1)
+            if batch_tokens % (mb * context) == 0 and mb * context <= FIRST_TOKENS]
     first = largest_fitting(lambda mb: ladder_rungs(preset, mb, steps, base)[0], fits if cuda else [4], cuda,
                             timeout, journal)
     mb = first.get("micro_batch", 4)

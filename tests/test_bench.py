@@ -44,6 +44,20 @@ def test_ladder_plan_adds_one_setting_per_rung():
     assert all(r.config() for r in record)  # no rung combines what the model refuses
 
 
+def test_the_ladders_first_rung_tries_at_most_65536_tokens_a_micro_batch(monkeypatch):
+    """A preset of 8,192-token sequences starts its fp32 eager rung at 8 sequences, the 1,024-token presets
+    at 64: what fits is found walking down from there (here nothing fits, so every size is tried)."""
+    tried = []
+    def run(rungs, cuda, timeout, journal=None):
+        tried.append(rungs[0].config().train.micro_batch)
+        return [{"rung": rungs[0].name, "skipped": "out of memory"}]
+    monkeypatch.setattr(B.ME, "run", run)
+    for preset, sizes in (("88m", [8, 4, 2, 1]), ("88m-muon", [64, 32, 16, 8, 4, 2, 1])):
+        tried.clear()
+        rows = B.ladder(preset, 524_288, 3, cuda=True, timeout=60)
+        assert tried[:len(sizes)] == sizes and rows[0]["skipped"] == "no micro-batch fits", (preset, tried)
+
+
 def test_kernel_plan_switches_on_one_kernel_at_a_time():
     base, *others = [r.config() for r in B.kernel_rungs("88m-muon", 64, 3)]
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
