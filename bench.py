@@ -623,7 +623,7 @@ def budget(name: str, params: int, tokens_per_s: float) -> Budget:
 
 def budget_rows(rates: dict[str, tuple[M.ModelConfig, float]]) -> str:
     """rates: preset name -> (its ModelConfig, measured tokens/s). N counts the parameters that multiply:
-    the default presets' value tables and untied input embedding (70% of 88m's 180M) are lookups, which
+    the default presets' value tables and untied input embedding (56% of 88m's 180M) are lookups, which
     neither cost FLOPs nor, by that count, call for tokens; for the article's tied models N is all of them."""
     lines = ["| preset | params | N (multiply) | tok/s | D = 20N | C = 6ND | hours | tok/N in 8 h | in 48 h |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
