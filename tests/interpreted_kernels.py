@@ -23,6 +23,39 @@ def counted(module, name: str):
         setattr(module, name, inner)
 
 
+# The record recipe's attention at the size of these checks: long and short sliding windows (8 and 4 keys)
+# shorter than the 13 positions decoded, a value table, the gate, gainless QK-norm, half-truncated RoPE.
+RECORD = {"mlp": "relu2", "qk_norm": True, "attn_window": 8, "short_windows": True, "value_embeds": 1,
+          "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
+SMALL = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64)
+
+
+def decoded(model, idx, step=None):
+    """Logits (1 + 3, B, vocab): a prefill of idx's first 10 tokens (B = 2), then one decode step for each of
+    tokens 10-12 through the cache, eagerly or through `step` (decode_one compiled), which reads the whole
+    cache as GraphDecoder's does."""
+    with torch.no_grad():
+        model.setup_cache(2)
+        steps = [model(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
+        for t in range(10, 13):
+            token, pos = idx[:, t:t + 1], torch.tensor([t])
+            if step:
+                steps.append(step(model, token, pos, model.cfg.context))
+            else:
+                steps.append(model(token, pos=pos, window=t + 1)[:, -1])
+    return torch.stack(steps).float()
+
+
+def traced_decode():
+    """(decode_one compiled whole as GraphDecoder compiles it, the targets of its graph's nodes), the
+    second filled as the first traces."""
+    traced = []
+    def record(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+    return torch.compile(G.decode_one, backend=record, fullgraph=True), traced
+
+
 def decode_check():
     """The fused decode step against QK-norm, RoPE, the value's mix, the cache write, two matmuls and the
     gate, float16; one case at modded-nanogpt's attention scale 0.12 (model.attn_scale), the others at
@@ -87,10 +120,8 @@ def decode_check():
     # gate (both off their init too: the gate starts at zero, where every head's factor is 1/2), gainless
     # QK-norm and half-truncated RoPE, all of which the kernel computes.
     kernel = K.decode_step
-    record = {"mlp": "relu2", "qk_norm": True, "attn_window": 8, "short_windows": True, "value_embeds": 1,
-              "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
-    for recipe in ({}, record, {"mlp": "relu2", "qk_norm": True}):  # the Muon one last: it is compiled below
-        cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64, **recipe)
+    for recipe in ({}, RECORD, {"mlp": "relu2", "qk_norm": True}):  # the Muon one last: it is compiled below
+        cfg = dict(**SMALL, **recipe)
         plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
         with torch.no_grad():
             for name, p in plain.named_parameters():
@@ -103,13 +134,7 @@ def decode_check():
         calls = []
         K.decode_step = lambda *a, **k: calls.append(sorted(k)) or kernel(*a, **k)
         idx = torch.randint(0, 512, (2, 16), generator=g)
-        logits = []
-        with torch.no_grad():
-            for m in (plain, fused):
-                m.setup_cache(2)
-                steps = [m(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
-                steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 13)]
-                logits.append(torch.stack(steps).float())
+        logits = [decoded(m, idx) for m in (plain, fused)]
         assert len(calls) == 2 * 3 and (logits[0] - logits[1]).abs().max() < 1e-2, (recipe, len(calls))
         norm = ["eps", "k_gain", "q_gain"] if recipe.get("qk_norm") else []
         record_parts = ["gate_w", "gate_x", "v_mix", "ve"] if recipe.get("value_embeds") else []
@@ -117,17 +142,11 @@ def decode_check():
 
     # The decode step compiled whole, as GraphDecoder compiles it: the graph calls the fused op (the
     # model's checks, the cache's `fusable` flag among them, trace as constants) and gives the same logits.
-    K.decode_step, traced = kernel, []  # (the compiled step of the Muon recipe, the last model above)
-    def record(gm, example_inputs):
-        traced.extend(str(node.target) for node in gm.graph.nodes)
-        return gm
-    step = torch.compile(G.decode_one, backend=record, fullgraph=True)
-    with torch.no_grad():
-        fused.setup_cache(2)
-        again = [fused(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
-        again += [step(fused, idx[:, t:t + 1], torch.tensor([t]), cfg["context"]) for t in range(10, 13)]
+    K.decode_step = kernel  # (the compiled step of the Muon recipe, the last model above)
+    step, traced = traced_decode()
+    again = decoded(fused, idx, step)
     assert any("decode_step" in target for target in traced), traced
-    assert (torch.stack(again).float() - logits[1]).abs().max() < 1e-3
+    assert (again - logits[1]).abs().max() < 1e-3
 
 
 def small_matmul_check():
@@ -148,9 +167,7 @@ def small_matmul_check():
     assert not K.small_matmul_supported(torch.randn(17, 96).half(), torch.randn(48, 96).half())  # too many rows
     assert not K.small_matmul_supported(torch.randn(1, 96), torch.randn(48, 96))  # float32: F.linear keeps it
 
-    record = {"mlp": "relu2", "qk_norm": True, "attn_window": 8, "short_windows": True, "value_embeds": 1,
-              "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
-    cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64, fused_decode=True, **record)
+    cfg = dict(**SMALL, **RECORD, fused_decode=True)
     plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
     with torch.no_grad():
         for name, p in plain.named_parameters():
@@ -159,28 +176,16 @@ def small_matmul_check():
     small = M.Llama(M.ModelConfig(**cfg, decode_matmuls=True)).eval().half()
     small.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 512, (2, 16), generator=g)
-    logits = []
-    with counted(K, "small_matmul") as calls, torch.no_grad():
-        for m in (plain, small):
-            m.setup_cache(2)
-            steps = [m(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]  # 20 tokens: F.linear
-            steps += [m(idx[:, t:t + 1], pos=torch.tensor([t]), window=t + 1)[:, -1] for t in range(10, 13)]
-            logits.append(torch.stack(steps).float())
+    with counted(K, "small_matmul") as calls:
+        logits = [decoded(m, idx) for m in (plain, small)]  # the prefill's 20 tokens: F.linear
     # 3 steps x (2 layers x 4 matmuls + the head), the plain model none
     assert len(calls) == 3 * 9, len(calls)
     assert (logits[0] - logits[1]).abs().max() < 1e-2 * logits[0].abs().max()
 
-    traced = []
-    def record_graph(gm, example_inputs):
-        traced.extend(str(node.target) for node in gm.graph.nodes)
-        return gm
-    step = torch.compile(G.decode_one, backend=record_graph, fullgraph=True)
-    with torch.no_grad():
-        small.setup_cache(2)
-        small(idx[:, :10], pos=torch.arange(10), window=10)
-        again = torch.stack([step(small, idx[:, t:t + 1], torch.tensor([t]), cfg["context"]) for t in range(10, 13)])
+    step, traced = traced_decode()
+    again = decoded(small, idx, step)
     assert sum("small_matmul" in target for target in traced) == 9, traced
-    assert (again.float() - logits[1][1:]).abs().max() < 1e-3
+    assert (again - logits[1]).abs().max() < 1e-3
 
 
 def swiglu_check():
