@@ -24,6 +24,7 @@ import torch
 import checkpoint as CK
 import config as C
 import generate as G
+import model as M
 import tokenizer as tk
 
 
@@ -104,7 +105,7 @@ def main(argv=None):
     try:
         check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.num_samples)
         device = C.pick_device(args.device)
-        plain = {"model__fused_decode": False, "model__decode_matmuls": False} if args.no_fused_decode else {}
+        plain = {f"model__{s}": False for s in M.GENERATION_FAST_PATHS} if args.no_fused_decode else {}
         ckpt = CK.load(args.ckpt, device, **plain)  # the Triton paths run on CUDA only; on a CPU the plain ones
         tok, _ = CK.tokenizer_for(ckpt, args.tokenizer)
         model = ckpt.build_model().to(device).eval()
