@@ -76,8 +76,9 @@ def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world:
 
 
 # train.seconds: the steps stay unsized (the schedule at its stable rate) for this many steps, whose
-# times, the first two (compiling) left out, then size the run (size_steps). With a window schedule the
-# second half of them runs at the last window, so that both ends of the schedule's cost are timed.
+# times, the first two (compiling) left out, then size the run (size_steps), which sizes itself once more
+# at resize_step. With a window schedule the second half of the probe runs at the last window, so that
+# both ends of the schedule's cost are timed.
 UNSIZED = 10**9
 PROBE_STEPS = 12
 WINDOW_BLOCK = 128  # FlexAttention's block size: a scheduled window grows by whole blocks
@@ -576,6 +577,8 @@ class Session:
     start: float = field(default_factory=time.perf_counter)
     rates: list = field(default_factory=list)  # tok/s of each step after the first
     step_seconds: list = field(default_factory=list)  # and their times (train.seconds sizes the run by them)
+    step_windows: list = field(default_factory=list)  # and each one's long window
+    sized: bool = False  # whether this session sized a train.seconds run (and so sizes it again, once)
     last_eval: dict = field(default_factory=dict)
 
 
@@ -815,7 +818,10 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
             write_log(r, run_dir, row, board)
             if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
                 size_steps(r, p, session, run_dir, say)
-                bar.total = r.steps
+                session.sized, bar.total = True, r.steps
+            elif session.sized and p.step == resize_step(tcfg, r.steps):
+                size_steps(r, p, session, run_dir, say, again=True)
+                session.sized, bar.total = False, r.steps
             norm, mfu = row["grad_norm"], row["mfu"]
             gnorm = f" | gnorm {norm:.3f}" if norm is not None else ""  # computed only to clip (train.grad_clip)
             say(f"step {p.step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e}{gnorm} | {row['tok_s']:,.0f} tok/s | MFU "
@@ -875,6 +881,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
     if p.step > session.first_step + 1:  # the first step includes compilation and warm-up
         session.rates.append(tok_s)
         session.step_seconds.append(dt)
+        session.step_windows.append(windows[0])
         p.train_seconds += dt * (2 if p.step == session.first_step + 2 else 1)  # this step and the first one
     lrs = {g.get("role", f"group{i}"): g["lr"] for i, g in enumerate(r.optimizer.param_groups)}  # as this step ran
     return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": O.lr_at(p.step - 1, tcfg, r.steps), "lrs": lrs,
@@ -884,25 +891,57 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
             "train_seconds": round(p.train_seconds, 3)}
 
 
-def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say):
-    """train.seconds: fix the run's length from the times of the steps so far, leaving out the first
-    two (compilation; a second compile when gradients first exist). Until now the schedule ran at its
-    stable rate, which a wsd schedule with the probe inside its stable share has anyway. A window
-    schedule's step costs grow with the window, linearly as attention's share does: its mean step is
-    the mean of the medians at its two ends (probing_end). The steps go into the run's config, so a
-    checkpoint resumes with the same length."""
-    times = session.step_seconds[1:]
-    if r.cfg.train.window_start:
-        half = (PROBE_STEPS - 2) // 2
-        median = (float(np.median(times[:half])) + float(np.median(times[half:]))) / 2
-    else:
-        median = float(np.median(times))
-    if dist.is_initialized():  # every rank must take the same number of steps: the slowest rank's pace
-        t = torch.tensor(median, device=r.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        median = t.item()
+def step_time_fit(times: list, windows: list):
+    """Seconds a step takes at a long window: the line through the median time at each window timed so
+    far, least squares weighted by how many steps each median rests on; the median itself where one
+    window was timed. Step cost grows linearly with the window, as attention's share of it does."""
+    times, windows = np.asarray(times, dtype=np.float64), np.asarray(windows)
+    seen = np.unique(windows)
+    medians = np.array([np.median(times[windows == w]) for w in seen])
+    if len(seen) == 1:
+        return lambda window: float(medians[0])
+    counts = np.array([np.sum(windows == w) for w in seen])
+    slope, intercept = np.polyfit(seen, medians, 1, w=np.sqrt(counts))
+    return lambda window: float(intercept + slope * window)
+
+
+def steps_to_fill(seconds: float, done: int, step_time, window) -> int:
+    """The most steps (at least done + 1) whose predicted times from step `done` on fit in `seconds`:
+    step_time(window) from step_time_fit, window(step, steps) the long window the schedule gives a
+    step of a run of `steps`. The total grows with the steps, so a doubling then a bisection finds it."""
+    def cost(steps: int) -> float:
+        return sum(step_time(window(s, steps)) for s in range(done, steps))
+    fits, over = done + 1, done + 2
+    while cost(over) <= seconds:
+        fits, over = over, done + 2 * (over - done)
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if cost(mid) <= seconds else (fits, mid)
+    return fits
+
+
+def resize_step(tcfg: C.TrainConfig, steps: int) -> int:
+    """The step at which a train.seconds run sizes itself again: halfway through its stable share,
+    where the steps since the probe show the pace a probe of ten steps misses (the card warming, the
+    windows between the two it timed) and the warm-down has not begun. The 126m default overran its
+    157 s by 0.9 and 1.4 s sized from the probe alone (2026-12-02)."""
+    return round((1 - tcfg.warmdown_fraction) * steps / 2)
+
+
+def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again: bool = False):
+    """train.seconds: fix the run's length from the times of this session's steps so far, leaving out
+    the first two (compilation; a second compile when gradients first exist), each at its window (a
+    window schedule's probe times both ends, probing_end). Until now the schedule ran at its stable
+    rate, which a wsd schedule has anyway. `again`: the second sizing at resize_step. The steps go into
+    the run's config, so a checkpoint resumes with the same length."""
     tcfg = r.cfg.train
-    steps = max(p.step + 1, p.step + int((tcfg.seconds - p.train_seconds) / median))
+    step_time = step_time_fit(session.step_seconds[1:], session.step_windows[1:])
+    steps = steps_to_fill(tcfg.seconds - p.train_seconds, p.step, step_time,
+                          lambda step, steps: window_at(step, steps, r.cfg)[0])
+    if dist.is_initialized():  # every rank must take the same number of steps: the slowest rank's count
+        t = torch.tensor(steps, device=r.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        steps = int(t.item())
     r.steps = steps
     warmup = fitted_warmup(tcfg, steps, done=p.step)  # as setup() does, from here on
     if warmup < tcfg.warmup_steps:
@@ -912,8 +951,11 @@ def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say):
     stable = round((1 - tcfg.warmdown_fraction) * steps)
     note = "" if p.step <= stable else (f"; WARNING: the warm-down should have begun at step {stable}: "
                                         f"give train.seconds more time")
-    say(f"train.seconds={tcfg.seconds:g}: steps take a median {median * 1e3:.1f} ms, so the run takes {steps} steps "
-        f"({steps * tcfg.batch_tokens:,} tokens){note}")
+    pace = (f"steps take {step_time(r.cfg.model.windows()[0]) * 1e3:.1f} ms" if not tcfg.window_start else
+            f"steps take {step_time(tcfg.window_start) * 1e3:.1f} to {step_time(r.cfg.model.attn_window) * 1e3:.1f} ms "
+            f"from the first window to the last")
+    say(f"train.seconds={tcfg.seconds:g}: {'at step ' + str(p.step) + ', ' if again else ''}{pace}, so the run "
+        f"takes {steps} steps ({steps * tcfg.batch_tokens:,} tokens){note}")
     if r.rank == 0:
         saved = json.loads((run_dir / "config.json").read_text())
         saved["config"] = r.cfg.to_dict()

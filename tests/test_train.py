@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -422,6 +423,41 @@ def test_existing_run_is_not_overwritten(train_config, tmp_path):
 
 # --- Training for a budget of seconds ------------------------------------------------------
 
+def test_step_time_fit_is_the_weighted_line_through_each_windows_median():
+    times = [1.0, 1.2, 9.0, 2.0, 2.1, 2.0, 3.0]  # window 128: median 1.2 over 3; 640: 2.0 over 3; 1152: 3.0 over 1
+    windows = [128, 128, 128, 640, 640, 640, 1152]
+    x, y, w = np.array([128, 640, 1152.0]), np.array([1.2, 2.0, 3.0]), np.sqrt([3, 3, 1.0])
+    A = np.stack([x, np.ones(3)], axis=1) * w[:, None]  # weighted least squares, solved apart from np.polyfit
+    slope, intercept = np.linalg.lstsq(A, y * w, rcond=None)[0]
+    fit = TR.step_time_fit(times, windows)
+    assert fit(896) == pytest.approx(intercept + slope * 896, rel=1e-12)
+    assert TR.step_time_fit([0.5, 0.7, 0.6], [0, 0, 0])(0) == 0.6  # one window: its median
+
+
+def test_steps_to_fill_is_the_most_steps_whose_predicted_times_fit():
+    def window(step, steps):  # a schedule that grows 128 to 1,792 in blocks of 128, as window_at
+        return min(1792, 128 * math.ceil((128 + step / steps * 1664) / 128))
+    step_time = lambda w: 0.64 + 0.96e-4 * w / 1.664  # 0.64 s at no window, 0.74 s at 1,792 (126m's pace)
+    cost = lambda done, steps: sum(step_time(window(s, steps)) for s in range(done, steps))
+    for seconds, done in ((157.0, 0), (145.0, 12), (0.1, 30)):
+        steps = TR.steps_to_fill(seconds, done, step_time, window)
+        assert steps == done + 1 or cost(done, steps) <= seconds
+        assert cost(done, steps + 1) > seconds
+    assert TR.steps_to_fill(0.1, 30, step_time, window) == 31  # never fewer than one step more
+
+
+def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train_config, tmp_path, capsys):
+    cfg = dataclasses.replace(train_config, train=dataclasses.replace(
+        train_config.train, steps=0, seconds=1.0, schedule="wsd", eval_every=1000, ckpt_every=1000))
+    summary = TR.train(cfg, tmp_path / "run", **QUIET)
+    out = capsys.readouterr().out
+    first = int(out.split("so the run takes ")[1].split()[0])
+    again = TR.resize_step(cfg.train, first)
+    assert again > TR.PROBE_STEPS, "the run is too short to size itself again: give it more seconds"
+    assert f"train.seconds=1: at step {again}, steps take" in out
+    assert summary["steps"] == json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"]
+
+
 def test_a_seconds_budget_sizes_the_run_from_its_probe_and_a_resume_keeps_the_size(train_config, tmp_path, capsys):
     """train.seconds: the first PROBE_STEPS steps run unsized, the second half of them at the window
     schedule's last window; then the steps are fixed, written into config.json and the checkpoint,
@@ -434,7 +470,7 @@ def test_a_seconds_budget_sizes_the_run_from_its_probe_and_a_resume_keeps_the_si
     steps = CK.load(tmp_path / "run").config.train.steps
     assert steps > TR.PROBE_STEPS
     assert json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"] == steps
-    assert "train.seconds=1.5: steps take a median" in capsys.readouterr().out
+    assert "train.seconds=1.5: steps take " in capsys.readouterr().out
     windows = [r["window"] for r in TR.read_log(tmp_path / "run" / "log.jsonl") if "loss" in r]
     assert windows[:TR.PROBE_STEPS] == [16] * 7 + [48] * 5  # both ends of the schedule timed
     resumed, _ = TR.resolve_config(TR.build_parser().parse_args(["--runs-dir", str(tmp_path), "--name", "run",
