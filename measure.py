@@ -502,6 +502,11 @@ DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", ()),
                     (*FUSED, "decode_matmuls"))]
 
 
+def decode_variant(cfg: M.ModelConfig, switches: tuple) -> M.ModelConfig:
+    """`cfg` with the generation fast paths named in `switches` on and every other one off."""
+    return dataclasses.replace(cfg, **(dict.fromkeys(M.GENERATION_FAST_PATHS, False) | dict.fromkeys(switches, True)))
+
+
 def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
                    vs_transformers: bool = True) -> list[dict]:
     """Greedy decoding speed of onegpu's sample path against transformers' generate on the same
@@ -511,8 +516,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     device = torch.device("cuda" if cuda else "cpu")
     cfg = C.preset(preset).model
     torch.manual_seed(0)
-    plain = dict.fromkeys(M.GENERATION_FAST_PATHS, False)
-    model = M.Llama(dataclasses.replace(cfg, **plain)).to(device).eval()
+    model = M.Llama(decode_variant(cfg, ())).to(device).eval()
     dtype = torch.bfloat16 if cuda else torch.float32
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -520,8 +524,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     nets = {(): model}
     for _, _, switches in variants:  # the same weights with Triton's decode paths switched on
         if switches not in nets:
-            on = dataclasses.replace(cfg, **plain, **dict.fromkeys(switches, True))
-            nets[switches] = M.Llama(on).to(device, dtype).eval()
+            nets[switches] = M.Llama(decode_variant(cfg, switches)).to(device, dtype).eval()
             nets[switches].load_state_dict(model.state_dict())
     rows, ours = [], {}
     for batch in batches:

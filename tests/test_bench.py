@@ -1,6 +1,7 @@
 """bench.py and measure.py on CPU: plans as pure functions, one rung measured in this process,
 one through the subprocess path, and (marked slow) every study end to end on the tiny preset."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -156,6 +157,14 @@ def test_budget_command_prints_table(capsys):
 
 
 # --- Measuring -----------------------------------------------------------------------------
+
+def test_each_decode_variant_turns_on_its_own_fast_paths_and_no_other():
+    cfg = B.C.preset("88m").model  # a preset that turns fused_decode on: a variant without it must turn it off
+    for _, _, switches in ME.DECODE_VARIANTS:
+        variant = ME.decode_variant(cfg, switches)
+        assert {n for n in M.GENERATION_FAST_PATHS if getattr(variant, n)} == set(switches)
+        assert dataclasses.replace(variant, **{n: getattr(cfg, n) for n in M.GENERATION_FAST_PATHS}) == cfg
+
 
 def test_generate_skips_transformers_for_a_model_no_class_computes():
     """--generate on a default preset (value tables, windows, ...): its transformers rows are one skipped row
