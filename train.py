@@ -441,7 +441,7 @@ def line_figure(series: dict, xlabel: str, ylabel: str, title: str, target: floa
         ax.axhline(target, color="0.3", ls=":", lw=1, label=f"target {target:.4f}")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    fig.suptitle(title, fontsize=9, x=0.01, ha="left")  # over the whole figure: a long title stays whole beside the legend
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()

@@ -225,11 +225,14 @@ def test_plots_keep_the_legend_off_the_curves_and_give_each_line_its_own_colour(
     """16 runs, as the 22m recipe ladder plots them: the legend lies right of the axes and no two
     lines share a colour; a target draws its line and one crossing per line that reaches it."""
     series = {f"run {i}": ([0, 1, 2], [3.0, 2.0 - i / 20, 1.0 + i / 10], "-") for i in range(16)}
-    fig = TR.line_figure(series, "s", "loss", "t", target=1.5)
+    title = "validation loss as trained | 126m | python | 150 training s | NVIDIA H200 | 2026-12-02 | 19 rungs"
+    fig = TR.line_figure(series, "s", "loss", title, target=1.5)
     ax = fig.axes[0]
     fig.canvas.draw()
     legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
     assert legend.x0 >= axes.x1
+    heading = fig.texts[0].get_window_extent()  # a title as long as the ladder's stays inside the figure
+    assert fig.texts[0].get_text() == title and heading.x0 >= 0 and heading.x1 <= fig.bbox.x1
     colours = [tuple(line.get_color()) for line in ax.get_lines() if line.get_label() in series]
     assert len(colours) == 16 and len(set(colours)) == 16
     crossings = [line for line in ax.get_lines() if line.get_marker() == "o"]
