@@ -67,14 +67,14 @@ def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int
     model = M.Llama(mcfg).to(dev)
     model.load_state_dict(ckpt.model, strict=True)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(tok_path)), device=dev, dtype=torch.float32)
-    n_batches = max(1, (tokens or tcfg.eval_tokens) // (B * T))
-    found = TR.evaluate(model, loader, n_batches, token_bytes, tcfg, dev, mcfg.windows())
+    n_windows = min(max(1, (tokens or tcfg.eval_tokens) // T), len(loader) * B)  # whole batches of the split
+    found = TR.evaluate(model, loader, n_windows, token_bytes, tcfg, dev, mcfg.windows())
     if 0 < mcfg.attn_window < T:  # the same targets, each with its whole window before it
         whole = D.ShardLoader(D.shard_files(folder, "val"), stride=T - mcfg.attn_window, **loader_args)
-        found |= {f"{k}_whole": v for k, v in TR.evaluate(model, whole, min(n_batches, len(loader)), token_bytes,
+        found |= {f"{k}_whole": v for k, v in TR.evaluate(model, whole, n_windows, token_bytes,
                                                           tcfg, dev, mcfg.windows()).items()}
     return {"checkpoint": str(ckpt.path), "step": ckpt.step, "corpus": data_cfg.corpus,
-            "tokens": min(n_batches, len(loader)) * B * T, "context": T, **found}
+            "tokens": n_windows * T, "context": T, **found}
 
 
 def table(rows: list[dict]) -> str:

@@ -350,26 +350,26 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
 
 
 @torch.no_grad()
-def evaluate(model, loader: D.ShardLoader, n_batches: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
+def evaluate(model, loader: D.ShardLoader, n_windows: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
              device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
-    """Mean validation loss and bits per byte over the first n_batches of the val split, with the
-    masks the run trains with (documents, the sliding window at this step) where the loader has
-    document ids. Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets
+    """Mean validation loss and bits per byte over the targets of the val split's first n_windows windows
+    of loader.T tokens (over all ranks), whatever the micro-batch: the last batch's rows past them are
+    not scored, so two runs with different micro-batches or ranks score the same tokens. The model runs
+    with the masks the run trains with (documents, the sliding window at this step) where the loader
+    has document ids. Bits per byte divide the summed loss (in bits) by the UTF-8 bytes the targets
     decode to, so runs with different tokenizers compare. A loader with a stride (whole windows) scores
-    the targets of the n_batches a loader without one would read, each once, with its window before it
-    (ShardLoader.scored_targets), over as many batches as that takes."""
+    the same targets, each once, with its window before it (ShardLoader.scored_targets), over as many
+    batches as that takes."""
     model.eval()
     loader.rewind()
-    strided = loader.stride < loader.T
-    plain_windows = n_batches * loader.B * loader.world  # what a loader without a stride reads, over all ranks
     nats, n_tokens, n_bytes = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(3))
-    for _ in range(min(loader.batches_covering(plain_windows) if strided else n_batches, len(loader))):
+    for _ in range(min(loader.batches_covering(n_windows), len(loader))):
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
             logits = model(x, **masks_for(batch, device, windows))
         losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-        keep = loader.scored_targets(plain_windows).flatten() if strided else torch.ones_like(losses)
+        keep = loader.scored_targets(n_windows).flatten().to(losses.dtype)
         nats += (losses * keep).sum()
         n_tokens += keep.sum()
         n_bytes += (token_bytes[y.flatten()] * keep).sum()
@@ -775,8 +775,8 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     tcfg, ckpt_path = r.cfg.train, run_dir / "ckpt.pt"  # r.steps, not a copy: train.seconds sizes it on the way
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
-    eval_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * r.cfg.model.context * r.world))
-    plain_batches = max(1, tcfg.eval_tokens // (tcfg.micro_batch * PLAIN_CONTEXT * r.world))
+    eval_windows = max(1, tcfg.eval_tokens // r.cfg.model.context)  # the same tokens at any micro-batch and world
+    plain_windows = max(1, tcfg.eval_tokens // PLAIN_CONTEXT)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
     bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
@@ -790,12 +790,12 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
             last_step, fresh = p.step == r.steps, p.step > session.first_step  # a resumed step was evaluated and saved
             if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
                 windows = window_at(p.step, r.steps, r.cfg)
-                session.last_eval = evaluate(r.model, r.val_loader, eval_batches, token_bytes, tcfg, r.device, windows)
+                session.last_eval = evaluate(r.model, r.val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
                 if r.whole_val_loader is not None:
-                    whole = evaluate(r.model, r.whole_val_loader, eval_batches, token_bytes, tcfg, r.device, windows)
+                    whole = evaluate(r.model, r.whole_val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
                     session.last_eval |= {"val_loss_whole": whole["val_loss"], "val_bpb_whole": whole["val_bpb"]}
                 if r.plain_val_loader is not None:
-                    plain = evaluate(r.model, r.plain_val_loader, plain_batches, token_bytes, tcfg, r.device, windows)
+                    plain = evaluate(r.model, r.plain_val_loader, plain_windows, token_bytes, tcfg, r.device, windows)
                     session.last_eval |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
                 say(f"step {p.step:>6} | val loss {session.last_eval['val_loss']:.4f} | "
                     f"val bpb {session.last_eval['val_bpb']:.4f}"
