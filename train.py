@@ -896,11 +896,10 @@ def step_time_fit(times: list, windows: list):
     far, least squares weighted by how many steps each median rests on; the median itself where one
     window was timed. Step cost grows linearly with the window, as attention's share of it does."""
     times, windows = np.asarray(times, dtype=np.float64), np.asarray(windows)
-    seen = np.unique(windows)
+    seen, counts = np.unique(windows, return_counts=True)
     medians = np.array([np.median(times[windows == w]) for w in seen])
     if len(seen) == 1:
         return lambda window: float(medians[0])
-    counts = np.array([np.sum(windows == w) for w in seen])
     slope, intercept = np.polyfit(seen, medians, 1, w=np.sqrt(counts))
     return lambda window: float(intercept + slope * window)
 

@@ -729,17 +729,24 @@ def tokenizer_file_of(run):
     return TR.D.data_dir(ckpt.config.data, ckpt.config.model.vocab_size) / "tokenizer.json"
 
 
+def val_split(data_cfg):
+    """The tiny corpus' validation shards and each token's UTF-8 length, as evaluate takes them."""
+    import data as D
+    import tokenizer as tk
+    from conftest import VOCAB
+    folder = D.data_dir(data_cfg, VOCAB)
+    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(folder / "tokenizer.json")), dtype=torch.float32)
+    return D.shard_files(folder, "val"), token_bytes
+
+
 def test_whole_window_evaluation_equals_the_loss_of_one_long_sequence(data_cfg):
     """One layer with a window of 12 keys: a target's loss depends on its window alone, so the whole-window
     evaluation (a loader with stride T - 12) equals the loss over one sequence of all the targets, where the
     plain evaluation of 32-token windows cuts each window's first targets short."""
     import data as D
-    import tokenizer as tk
-    from conftest import VOCAB, tiny_model_cfg
+    from conftest import tiny_model_cfg
     T, W, B, n = 32, 12, 2, 6
-    folder = D.data_dir(data_cfg, VOCAB)
-    files = D.shard_files(folder, "val")
-    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(folder / "tokenizer.json")), dtype=torch.float32)
+    files, token_bytes = val_split(data_cfg)
     cfg = C.TrainConfig(steps=1, device="cpu", bf16=False)
     torch.manual_seed(0)
     model = M.Llama(tiny_model_cfg(n_layers=1, context=T, attn_window=W)).double()
@@ -757,15 +764,12 @@ def test_whole_window_evaluation_equals_the_loss_of_one_long_sequence(data_cfg):
 
 
 def test_evaluation_scores_the_same_windows_at_any_micro_batch(data_cfg):
-    """n windows are n windows whether micro-batches of 2 or 3 read them: the last batch's rows past the
+    """n windows are n windows whether micro-batches of 1, 2 or 3 read them: the last batch's rows past the
     n-th are not scored (eval_tokens over a micro-batch that does not divide it once dropped the rest)."""
     import data as D
-    import tokenizer as tk
-    from conftest import VOCAB, tiny_model_cfg
+    from conftest import tiny_model_cfg
     T, n = 32, 5
-    folder = D.data_dir(data_cfg, VOCAB)
-    files = D.shard_files(folder, "val")
-    token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(folder / "tokenizer.json")), dtype=torch.float32)
+    files, token_bytes = val_split(data_cfg)
     cfg, device = C.TrainConfig(steps=1, device="cpu", bf16=False), torch.device("cpu")
     torch.manual_seed(0)
     model = M.Llama(tiny_model_cfg(n_layers=1, context=T)).double()
