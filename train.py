@@ -81,6 +81,10 @@ def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world:
 # both ends of the schedule's cost are timed.
 UNSIZED = 10**9
 PROBE_STEPS = 12
+# The steps fill all but this share of the seconds left when sizing: what a step will take is known to
+# about 0.7% (the 126m default's pair of 2026-12-02, sized at steps 64 and 65: 0.5% faster and 0.7%
+# slower than predicted over the 115 s left; the slower one overran its 157 s by 0.6 s).
+SIZING_MARGIN = 0.01
 WINDOW_BLOCK = 128  # FlexAttention's block size: a scheduled window grows by whole blocks
 PLAIN_CONTEXT = 1024  # every run's loss is also reported on plain causal windows of this many tokens
 # A warm-up over more than this share of the run is shortened to it (and said): `--steps 20` on a preset
@@ -927,6 +931,11 @@ def resize_step(tcfg: C.TrainConfig, steps: int) -> int:
     return round((1 - tcfg.warmdown_fraction) * steps / 2)
 
 
+def seconds_to_fill(seconds: float, spent: float) -> float:
+    """The training seconds the rest of a train.seconds run is sized to: what is left, less SIZING_MARGIN."""
+    return (seconds - spent) * (1 - SIZING_MARGIN)
+
+
 def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again: bool = False):
     """train.seconds: fix the run's length from the times of this session's steps so far, leaving out
     the first two (compilation; a second compile when gradients first exist), each at its window (a
@@ -935,7 +944,7 @@ def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again:
     the run's config, so a checkpoint resumes with the same length."""
     tcfg = r.cfg.train
     step_time = step_time_fit(session.step_seconds[1:], session.step_windows[1:])
-    steps = steps_to_fill(tcfg.seconds - p.train_seconds, p.step, step_time,
+    steps = steps_to_fill(seconds_to_fill(tcfg.seconds, p.train_seconds), p.step, step_time,
                           lambda step, steps: window_at(step, steps, r.cfg)[0])
     if dist.is_initialized():  # every rank must take the same number of steps: the slowest rank's count
         t = torch.tensor(steps, device=r.device)

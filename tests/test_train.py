@@ -461,15 +461,28 @@ def test_steps_to_fill_is_the_most_steps_whose_predicted_times_fit():
     assert TR.steps_to_fill(0.1, 30, step_time, window) == 31  # never fewer than one step more
 
 
+def test_a_run_sized_with_the_margin_ends_inside_its_seconds_when_steps_come_slower_than_predicted():
+    """The 126m default's seed 1338 (2026-12-02): 41.7 s spent at its second sizing, then steps 0.7%
+    slower than the fit said; sized to all of the 115.3 s left it overran 157 s by 0.6 s."""
+    def window(step, steps):
+        return min(1792, 128 * math.ceil((128 + step / steps * 1664) / 128))
+    step_time = lambda w: 0.6138 + 0.0536e-3 * w  # its fit: 620 ms at window 128, 710 at 1,792
+    cost = lambda done, steps: sum(step_time(window(s, steps)) for s in range(done, steps))
+    slower, spent, done = 1.007, 41.679, 65
+    ends = lambda left: spent + slower * cost(done, TR.steps_to_fill(left, done, step_time, window))
+    assert ends(157 - spent) > 157  # without the margin
+    assert ends(TR.seconds_to_fill(157, spent)) <= 157
+
+
 def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train_config, tmp_path, capsys):
     cfg = dataclasses.replace(train_config, train=dataclasses.replace(
-        train_config.train, steps=0, seconds=1.0, schedule="wsd", eval_every=1000, ckpt_every=1000))
+        train_config.train, steps=0, seconds=2.0, schedule="wsd", eval_every=1000, ckpt_every=1000))
     summary = TR.train(cfg, tmp_path / "run", **QUIET)
     out = capsys.readouterr().out
     first = int(out.split("so the run takes ")[1].split()[0])
     again = TR.resize_step(cfg.train, first)
     assert again > TR.PROBE_STEPS, "the run is too short to size itself again: give it more seconds"
-    assert f"train.seconds=1: at step {again}, steps take" in out
+    assert f"train.seconds=2: at step {again}, steps take" in out
     assert summary["steps"] == json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"]
 
 
