@@ -562,7 +562,7 @@ def simple_table(rows: list[dict]) -> str:
     keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib",
                         "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "cpu_us", "forward_ms", "ms", "share", "tflops", "kernel_ms", "kernel_tflops",
                         "fixed_gib", "gib_per_seq", "largest_fitting", "first_token_ms", "prefill_tok_s",
-                        "decode_tok_s", "same_greedy_tokens", "skipped")
+                        "decode_tok_s", "replay_us", "kernels", "busy_us", "same_greedy_tokens", "skipped")
             if any(k in r for r in rows)]
     lines = ["| rung | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for r in rows:

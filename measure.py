@@ -168,21 +168,27 @@ class ClockSampler(threading.Thread):
         return {"sm_mhz": statistics.median(clocks), "power_w": round(statistics.median(powers), 1)}
 
 
-def kernel_times(fn, device) -> dict[str, float]:
-    """Total device (or CPU) milliseconds per kernel name while fn() runs, from torch.profiler."""
+def kernel_stats(fn, device) -> dict[str, tuple[int, float]]:
+    """(launches, total device (or CPU) milliseconds) per kernel name while fn() runs, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    totals = {}
+    stats = {}
     for e in prof.events():
         if device.type == "cuda" and e.device_type.name != "CUDA":
             continue
         t = (e.device_time if device.type == "cuda" else e.self_cpu_time_total) / 1000  # CPU ops nest: self time
-        totals[e.name] = totals.get(e.name, 0.0) + t
-    return totals
+        n, total = stats.get(e.name, (0, 0.0))
+        stats[e.name] = (n + 1, total + t)
+    return stats
+
+
+def kernel_times(fn, device) -> dict[str, float]:
+    """Total device (or CPU) milliseconds per kernel name while fn() runs."""
+    return {name: ms for name, (_, ms) in kernel_stats(fn, device).items()}
 
 
 # What a kernel's name says it does: one table for the profile's classes and for naming the attention
@@ -343,16 +349,38 @@ def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, d
     row = {"batch": batch, "first_token_ms": round(first * 1000, 2), "prefill_tok_s": batch * len(prompt) / first,
            "decode_tok_s": rate, "spread": round(spread, 3), "warmup_s": round(warm, 1)}
     if decode is not G.decode_one:
-        row.update(step_us=round(batch * 1e6 / rate, 1), replay_us=round(replay_us(decode, batch), 1))
+        row.update(step_us=round(batch * 1e6 / rate, 1), replay_us=round(replay_us(decode, batch), 1),
+                   **decode_kernels(decode, batch))
     return row, tokens
+
+
+def decode_graph(decode: G.GraphDecoder, batch: int):
+    return next(g for (b, _), (g, *_) in decode.graphs.items() if b == batch)
 
 
 def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
     """GPU time of one decode step: the batch's graph replayed n times back to back. Beside the
     step time of a real generation (step_us) it shows how much of each token is the GPU's work
     and how much the host's loop around it."""
-    graph = next(g for (b, _), (g, *_) in decode.graphs.items() if b == batch)
-    return gpu_seconds(graph.replay, n) * 1e6 / n
+    return gpu_seconds(decode_graph(decode, batch).replay, n) * 1e6 / n
+
+
+def step_kernels(stats: dict[str, tuple[int, float]], steps: int, top: int = 8) -> dict:
+    """A decode step's kernels from kernel_stats over `steps` replays of its graph: how many it
+    launches, the microseconds they keep the GPU busy (against replay_us, the rest is the gaps
+    between launches that wait for each other) and the `top` busiest, each as (launches, us) a step."""
+    busiest = sorted(stats.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": round(sum(n for n, _ in stats.values()) / steps, 1),
+            "busy_us": round(sum(ms for _, ms in stats.values()) * 1e3 / steps, 1),
+            "top_kernels": {name: (round(n / steps, 1), round(ms * 1e3 / steps, 1)) for name, (n, ms) in busiest}}
+
+
+def decode_kernels(decode: G.GraphDecoder, batch: int, n: int = 50) -> dict:
+    """step_kernels of the batch's decode graph, replayed n times under torch.profiler (after one
+    replay outside it). The profiler sees each kernel of a replayed graph as its own launch."""
+    graph = decode_graph(decode, batch)
+    graph.replay()
+    return step_kernels(kernel_stats(lambda: [graph.replay() for _ in range(n)], torch.device("cuda")), n)
 
 
 def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batches, ours: dict) -> list[dict]:
@@ -538,6 +566,10 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
                 same = sum(a == b for a, b in zip(tokens[0], ours[batch][0]))
                 rows[-1]["same_greedy_tokens"] = f"{same}/{new_tokens}"
             print(f"{rows[-1]['rung']}: {row['decode_tok_s']:,.0f} tok/s", flush=True)
+            if "top_kernels" in row:  # where the step's GPU time goes
+                print(f"  a step: {row['kernels']:g} kernels, busy {row['busy_us']:,.1f} of {row['replay_us']:,.1f} us; "
+                      "busiest (launches, us): " + "; ".join(f"{name[:60]} ({n:g}, {us:g})"
+                                                            for name, (n, us) in row["top_kernels"].items()))
     if vs_transformers:
         rows += transformers_speed(model, prompt, new_tokens, batches, ours)
     return rows

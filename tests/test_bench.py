@@ -200,6 +200,15 @@ def test_one_table_names_kernels_for_the_profile_and_the_attention_check():
     assert [backend(n) for n in list(names)[:3]] == ["cudnn", "flash", "efficient"]  # cuDNN's "flash" is cuDNN's
 
 
+def test_kernel_stats_count_each_launch_and_a_decode_step_is_their_sum_per_replay():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    stats = ME.kernel_stats(lambda: [a @ b for _ in range(3)] + [a + b], torch.device("cpu"))
+    assert stats["aten::mm"][0] == 3 and stats["aten::add"][0] == 1
+    fake = {"gemv": (100, 1.0), "decode_step": (50, 3.0), "add": (50, 0.5)}  # 50 replays: ms in total
+    step = ME.step_kernels(fake, 50, top=2)
+    assert step == {"kernels": 4.0, "busy_us": 90.0, "top_kernels": {"decode_step": (1.0, 60.0), "gemv": (2.0, 20.0)}}
+
+
 def test_timing_reports_the_median_and_the_spread_of_what_it_times(monkeypatch):
     clock = iter([0.0, 2.0, 2.0, 2.5, 3.0, 4.5])  # perf_counter before and after each call
     monkeypatch.setattr(ME.time, "perf_counter", lambda: next(clock))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import generate as G
 import kernels as K
+import measure as ME
 import model as M
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -72,6 +73,17 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     tuned = G.decoder(model, torch.device("cuda"), mode="max-autotune-no-cudagraphs")  # batch 1's mode, at batch 2
     autotuned = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=tuned)[0]
     assert eager == plain and graph == plain and again == plain and autotuned == plain
+
+
+def test_the_decode_profile_sees_each_kernel_of_the_replayed_graph():
+    torch.manual_seed(0)
+    model = M.Llama(M.ModelConfig(**CFG, fused_decode=True)).cuda().to(torch.bfloat16).eval()  # as bench runs it
+    decode = G.decoder(model, torch.device("cuda"), mode="default")
+    G.generate_batch(model, list(range(1, 20)), 1, 8, 0.0, 0, 1.0, None, decode=decode)  # captures batch 1's graph
+    step = ME.decode_kernels(decode, 1, n=10)
+    assert step["kernels"] >= CFG["n_layers"] + 1  # a fused decode kernel a layer, and the head
+    assert 0 < step["busy_us"] <= 1.2 * ME.replay_us(decode, 1, n=50)
+    assert any("decode" in name for name in step["top_kernels"]), step["top_kernels"]
 
 
 def test_fused_decode_step_matches_the_plain_path_in_bf16():
