@@ -349,8 +349,11 @@ def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, d
     row = {"batch": batch, "first_token_ms": round(first * 1000, 2), "prefill_tok_s": batch * len(prompt) / first,
            "decode_tok_s": rate, "spread": round(spread, 3), "warmup_s": round(warm, 1)}
     if decode is not G.decode_one:
-        row.update(step_us=round(batch * 1e6 / rate, 1), replay_us=round(replay_us(decode, batch), 1),
-                   **decode_kernels(decode, batch))
+        row.update(step_us=round(batch * 1e6 / rate, 1), replay_us=round(replay_us(decode, batch), 1))
+        try:  # the profile explains the rate; a profiler that fails here must not lose the rate measured
+            row.update(decode_kernels(decode, batch))
+        except RuntimeError as e:
+            print(f"  the decode step was not profiled: {e}", flush=True)
     return row, tokens
 
 
