@@ -449,9 +449,13 @@ def test_step_time_fit_is_the_weighted_line_through_each_windows_median():
     assert TR.step_time_fit([0.5, 0.7, 0.6], [0, 0, 0])(0) == 0.6  # one window: its median
 
 
+def record_window(step, steps):
+    """A schedule that grows 128 to 1,792 keys in blocks of 128, as window_at does for the 126m default."""
+    return min(1792, 128 * math.ceil((128 + step / steps * 1664) / 128))
+
+
 def test_steps_to_fill_is_the_most_steps_whose_predicted_times_fit():
-    def window(step, steps):  # a schedule that grows 128 to 1,792 in blocks of 128, as window_at
-        return min(1792, 128 * math.ceil((128 + step / steps * 1664) / 128))
+    window = record_window
     step_time = lambda w: 0.64 + 0.96e-4 * w / 1.664  # 0.64 s at no window, 0.74 s at 1,792 (126m's pace)
     cost = lambda done, steps: sum(step_time(window(s, steps)) for s in range(done, steps))
     for seconds, done in ((157.0, 0), (145.0, 12), (0.1, 30)):
@@ -464,8 +468,7 @@ def test_steps_to_fill_is_the_most_steps_whose_predicted_times_fit():
 def test_a_run_sized_with_the_margin_ends_inside_its_seconds_when_steps_come_slower_than_predicted():
     """The 126m default's seed 1338 (2026-12-02): 41.7 s spent at its second sizing, then steps 0.7%
     slower than the fit said; sized to all of the 115.3 s left it overran 157 s by 0.6 s."""
-    def window(step, steps):
-        return min(1792, 128 * math.ceil((128 + step / steps * 1664) / 128))
+    window = record_window
     step_time = lambda w: 0.6138 + 0.0536e-3 * w  # its fit: 620 ms at window 128, 710 at 1,792
     cost = lambda done, steps: sum(step_time(window(s, steps)) for s in range(done, steps))
     slower, spent, done = 1.007, 41.679, 65
