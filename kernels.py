@@ -2,7 +2,7 @@
 reference, the CPU path and the fallback.
 
 decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, the value's mix, KV-cache
-write, attention, the gate).
+write, attention, the gate), each head's positions split over many programs with split_decode.
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
 small_matmul: the decode step's matmuls of one to sixteen rows, spread over many programs.
@@ -49,6 +49,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on 
 # alone on an H200 (18 settings, positions 16 to 1,000, docs/LOG.md, "The decode kernel's launch settings"), this
 # was fastest at batch 1 over positions 16-512: 4.2 us at position 256, 6.7 at 512 (64 keys: 5.1, 8.7).
 BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
+# decode_step with its positions split (model.split_decode): about this many programs in all, at most
+# MAX_DECODE_SPLITS a head, and keys per loop step. A batch-1 step of the 88m default ran one program per
+# kv head, 6 on the H200's 132 SMs, and took 13.2 us a layer where its cache's bytes need 0.3 us
+# (docs/PERFORMANCE.md, generation): each program walks up to 516 positions alone. Split 16 ways, a run
+# of up to 516 positions is one or two loop steps of 32 keys.
+DECODE_PROGRAMS, MAX_DECODE_SPLITS, SPLIT_BLOCK_KEYS = 128, 16, 32
 SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the presets' 2,048
 # relu2_matmul's candidate tiles (rows, columns, inner), warps and pipeline stages, which Triton's
 # autotuner times once per shape on first use: the bf16 choices of Triton's matmul tutorial for Hopper
@@ -75,28 +81,82 @@ if AVAILABLE:
 
     @triton.jit
     def _decode_step_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr, pos_ptr, qg_ptr, kg_ptr, scale, eps,
-                            window, vm_ptr, ve_ptr, gx_ptr, gw_ptr, s_qkv_b, s_qkv_h, s_c_b, s_c_h, s_c_s, s_o_b, s_o_h,
-                            s_ve_b, s_gx_b, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                            D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr, V_MIX: tl.constexpr,
-                            GATE: tl.constexpr, GC: tl.constexpr, GC_PAD: tl.constexpr):
-        """One program per (sequence, kv head): with QK_NORM, RMSNorm with the gains at qg_ptr and kg_ptr
+                            window, vm_ptr, ve_ptr, gx_ptr, gw_ptr, part_ptr, count_ptr, s_qkv_b, s_qkv_h, s_c_b, s_c_h,
+                            s_c_s, s_o_b, s_o_h, s_ve_b, s_gx_b, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                            G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
+                            V_MIX: tl.constexpr, GATE: tl.constexpr, GC: tl.constexpr, GC_PAD: tl.constexpr,
+                            SPLITS: tl.constexpr):
+        """SPLITS programs per (sequence, kv head): with QK_NORM, RMSNorm with the gains at qg_ptr and kg_ptr
         on its G query heads and its new key; RoPE on them; the new value times vm_ptr[0] (V_MIX 1), plus
         vm_ptr[1] times its value embedding at ve_ptr (V_MIX 2); the new key and value written to the cache
         at pos, then attention over positions 0..pos (with a sliding window > 0, pos - window + 1..pos)
         with an online softmax in float32 (running max m, running sum l, rescaled accumulator); with GATE,
         each head's output times sigmoid(the first GC channels of the attention's input at gx_ptr dotted
         with the head's row of gw_ptr (H, GC)). The new token's own key and value come from registers, so
-        nothing written here is read back."""
-        b, h = tl.program_id(0), tl.program_id(1)
+        nothing written here is read back.
+        With SPLITS > 1 (flash-decoding) each program takes one of SPLITS equal runs of the cached
+        positions, the first also the new token (and the cache write), and writes its (m, l, acc) to
+        part_ptr (B, HKV, SPLITS, G, D + 2) in float32; the program that counts itself last at count_ptr
+        (B, HKV) int32, zeros, combines them: acc_s scaled by exp(m_s - max m), summed, over the l_s summed
+        the same way. It sets its count back to zero for the next call."""
+        b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         pos = tl.load(pos_ptr)
         g, d = tl.arange(0, G_PAD), tl.arange(0, D)
         rows = g[:, None] < G  # G_PAD >= 16 rows for tl.dot; the padding rows are zeros
+        q, k_new, v_new = _decode_token(qkv_ptr + b * s_qkv_b, cos_ptr, sin_ptr, qg_ptr, kg_ptr, eps, vm_ptr,
+                                        ve_ptr + b * s_ve_b + h * D, h, g, d, rows, s_qkv_h, H, HKV, G, D, QK_NORM,
+                                        V_MIX)
+        k_new, v_new = k_new.to(kc_ptr.dtype.element_ty), v_new.to(vc_ptr.dtype.element_ty)
+        cache = b * s_c_b + h * s_c_h
+        own = split == 0  # the program that holds the new token: it writes it and counts it
+        write = d + split * D < D  # all of d in split 0, none elsewhere
+        tl.store(kc_ptr + cache + pos * s_c_s + d, k_new, mask=write)
+        tl.store(vc_ptr + cache + pos * s_c_s + d, v_new, mask=write)
+        # The new key's score, and the softmax's running max, sum and accumulator starting from it; a split
+        # without it starts empty (a finite floor for m: exp(floor - m) is 0, never nan).
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        m = tl.where(own, m, -1e30)
+        l = tl.where(own, tl.full([G_PAD], 1.0, tl.float32), 0.0)
+        acc = tl.where(own, tl.zeros([G_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :], 0.0)
+        first = tl.where(window > 0, tl.maximum(pos + 1 - window, 0), 0)  # the window's oldest key
+        lo, hi = first, pos
+        if SPLITS > 1:  # this program's run of the cached positions, whole blocks of keys each
+            run = tl.cdiv(tl.cdiv(pos - first, SPLITS), BLOCK) * BLOCK
+            lo = first + split * run
+            hi = tl.minimum(lo + run, pos)
+        for start in range(lo, hi, BLOCK):  # the earlier positions, from the cache
+            s = start + tl.arange(0, BLOCK)
+            valid = s < hi
+            k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BLOCK), float32 accumulation
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = b * s_o_b + (h * G + g)[:, None] * s_o_h + d[None, :]
+        gate = gw_ptr + (h * G + g)[:, None] * GC  # this program's heads' rows of the gate
+        if SPLITS > 1:
+            _decode_combine(acc, m, l, part_ptr + (b * HKV + h) * SPLITS * G * (D + 2), count_ptr + b * HKV + h,
+                            split, g, d, rows, out_ptr + out, gx_ptr + b * s_gx_b, gate, G, G_PAD, D, SPLITS, GATE,
+                            GC, GC_PAD)
+        else:
+            _decode_finish(acc / l[:, None], rows, out_ptr + out, gx_ptr + b * s_gx_b, gate, GATE, GC, GC_PAD)
+
+    @triton.jit
+    def _decode_token(token, cos_ptr, sin_ptr, qg_ptr, kg_ptr, eps, vm_ptr, ve_row, h, g, d, rows, s_qkv_h,
+                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+                      V_MIX: tl.constexpr):
+        """The new token's q (G_PAD, D) for kv head h's G query heads, in the input's dtype, and its key and
+        value (D,) in float32: QK-norm, RoPE, the value's mix. token: its row of qkv (H + 2 HKV, D)."""
         # Rotate-half RoPE: x * cos + (-x2, x1) * sin, as model.apply_rope, in float32 then rounded.
         partner = (d + D // 2) % D
         sign = tl.where(d < D // 2, -1.0, 1.0)
         cos = tl.load(cos_ptr + d).to(tl.float32)
         sin = tl.load(sin_ptr + d).to(tl.float32) * sign
-        token = qkv_ptr + b * s_qkv_b  # (H + 2 HKV, D): this token's q heads, k heads, v heads
         heads = (h * G + g)[:, None] * s_qkv_h
         q_own = tl.load(token + heads + d[None, :], mask=rows, other=0.0).to(tl.float32)
         q_partner = tl.load(token + heads + partner[None, :], mask=rows, other=0.0).to(tl.float32)
@@ -110,50 +170,61 @@ if AVAILABLE:
             k_scale = 1.0 / tl.sqrt(tl.sum(k_own * k_own, axis=0) / D + eps)
             k_own = k_own * k_scale * tl.load(kg_ptr + d).to(tl.float32)
             k_partner = k_partner * k_scale * tl.load(kg_ptr + partner).to(tl.float32)
-        q = (q_own * cos[None, :] + q_partner * sin[None, :]).to(qkv_ptr.dtype.element_ty)
-        k_new = (k_own * cos + k_partner * sin).to(kc_ptr.dtype.element_ty)
+        q = (q_own * cos[None, :] + q_partner * sin[None, :]).to(token.dtype.element_ty)
         v_new = tl.load(token + (H + HKV + h) * s_qkv_h + d).to(tl.float32)
         if V_MIX > 0:  # as model.Attention.split_heads: a v (value_scale), a v + b ve (value embeddings)
             v_new = v_new * tl.load(vm_ptr).to(tl.float32)
             if V_MIX == 2:
-                v_new += tl.load(vm_ptr + 1).to(tl.float32) * tl.load(ve_ptr + b * s_ve_b + h * D + d).to(tl.float32)
-        v_new = v_new.to(vc_ptr.dtype.element_ty)
-        cache = b * s_c_b + h * s_c_h
-        tl.store(kc_ptr + cache + pos * s_c_s + d, k_new)
-        tl.store(vc_ptr + cache + pos * s_c_s + d, v_new)
-        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # the new key's score
-        l = tl.full([G_PAD], 1.0, tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :]
-        first = tl.where(window > 0, tl.maximum(pos + 1 - window, 0), 0)  # the window's oldest key
-        for start in range(first, pos, BLOCK):  # the earlier positions, from the cache
-            s = start + tl.arange(0, BLOCK)
-            valid = s < pos
-            k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BLOCK), float32 accumulation
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        out = acc / l[:, None]
-        if GATE:  # as model.Attention.gated: (G_PAD, GC_PAD) gate rows against the input's first GC channels
-            c = tl.arange(0, GC_PAD)
-            x_gate = tl.load(gx_ptr + b * s_gx_b + c, mask=c < GC, other=0.0).to(tl.float32)
-            w_gate = tl.load(gw_ptr + (h * G + g)[:, None] * GC + c[None, :], mask=rows & (c[None, :] < GC),
-                             other=0.0).to(tl.float32)
-            out = out * tl.sigmoid(tl.sum(w_gate * x_gate[None, :], axis=1))[:, None]
-        tl.store(out_ptr + b * s_o_b + (h * G + g)[:, None] * s_o_h + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=rows)
+                v_new += tl.load(vm_ptr + 1).to(tl.float32) * tl.load(ve_row + d).to(tl.float32)
+        return q, k_own * cos + k_partner * sin, v_new
 
-    @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache"))
+    @triton.jit
+    def _decode_combine(acc, m, l, parts, count, split, g, d, rows, out, gate_x, gate_w, G: tl.constexpr,
+                        G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr,
+                        GC: tl.constexpr, GC_PAD: tl.constexpr):
+        """split_decode's end: this split's (acc, m, l) for its G heads to parts (SPLITS, G, D + 2) in
+        float32; the last split of the head to finish (by its count) combines them all, finishes the step
+        and sets the count back to zero."""
+        part = parts + split * G * (D + 2) + g[:, None] * (D + 2)
+        tl.store(part + d[None, :], acc, mask=rows)
+        tl.store(part + D + tl.zeros([G_PAD, 1], tl.int32), m[:, None], mask=rows)
+        tl.store(part + D + 1 + tl.zeros([G_PAD, 1], tl.int32), l[:, None], mask=rows)
+        tl.debug_barrier()  # every thread's stores before the count: the atomic's release covers them
+        if tl.atomic_add(count, 1) == SPLITS - 1:  # acquire and release at the GPU's scope: the last of its head
+            rows_of = parts + g[:, None] * (D + 2)  # L2 reads (.cg): the other programs wrote them
+            top = tl.full([G_PAD, 1], -1e30, tl.float32)
+            for i in tl.static_range(SPLITS):
+                top = tl.maximum(top, tl.load(rows_of + i * G * (D + 2) + D, mask=rows, other=-1e30,
+                                              cache_modifier=".cg"))
+            total = tl.zeros([G_PAD, 1], tl.float32)
+            summed = tl.zeros([G_PAD, D], tl.float32)
+            for i in tl.static_range(SPLITS):
+                part = rows_of + i * G * (D + 2)
+                w = tl.exp(tl.load(part + D, mask=rows, other=-1e30, cache_modifier=".cg") - top)
+                total += w * tl.load(part + D + 1, mask=rows, other=0.0, cache_modifier=".cg")
+                summed += w * tl.load(part + d[None, :], mask=rows, other=0.0, cache_modifier=".cg")
+            tl.store(count, 0)
+            _decode_finish(summed / tl.where(rows, total, 1.0), rows, out, gate_x, gate_w, GATE, GC, GC_PAD)
+
+    @triton.jit
+    def _decode_finish(out, rows, out_ptr, gate_x, gate_w, GATE: tl.constexpr, GC: tl.constexpr, GC_PAD: tl.constexpr):
+        """The decode step's last part: its G heads' outputs (G_PAD, D), each times sigmoid(its row of the
+        gate (G_PAD rows of GC at gate_w) against the attention input's first GC channels at gate_x) with
+        GATE, as model.Attention.gated, stored at out_ptr (G_PAD, D) pointers."""
+        if GATE:
+            c = tl.arange(0, GC_PAD)
+            x_gate = tl.load(gate_x + c, mask=c < GC, other=0.0).to(tl.float32)
+            w_gate = tl.load(gate_w + c[None, :], mask=rows & (c[None, :] < GC), other=0.0).to(tl.float32)
+            out = out * tl.sigmoid(tl.sum(w_gate * x_gate[None, :], axis=1))[:, None]
+        tl.store(out_ptr, out.to(out_ptr.dtype.element_ty), mask=rows)
+
+    @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache", "counts"))
     def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, pos: torch.Tensor, scale: float, q_gain: Optional[torch.Tensor] = None,
                     k_gain: Optional[torch.Tensor] = None, eps: float = 0.0, window: int = 0,
                     v_mix: Optional[torch.Tensor] = None, ve: Optional[torch.Tensor] = None,
-                    gate_x: Optional[torch.Tensor] = None, gate_w: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    gate_x: Optional[torch.Tensor] = None, gate_w: Optional[torch.Tensor] = None,
+                    counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One new token's attention, fused: QK-norm (given its gains q_gain and k_gain, (hd,) each,
         and eps), RoPE on q and k, the value mixed (v_mix: (a,) or (a, b): a v, or a v + b ve with ve
         (B, 1, Hkv * hd) the layer's value embedding), k and v written into the caches at pos,
@@ -163,29 +234,34 @@ if AVAILABLE:
         cos, sin: (hd,) for position pos; k_cache, v_cache: (B, Hkv, S, hd); pos: (1,) int64. Returns
         (B, 1, H, hd). A custom op: torch.compile calls it as one opaque step of the compiled decode, and
         the CUDA graph captures its launch; what it folds in would otherwise be kernels of their own
-        around it (the gate's one-row matmul was one, docs/LOG.md, 2026-12-02)."""
+        around it (the gate's one-row matmul was one, docs/LOG.md, 2026-12-02). With counts ((B, Hkv)
+        int32 zeros, left zero: model.KVCache's), each head's cached positions are split over
+        decode_splits(B, Hkv) programs (model.split_decode)."""
         B, _, n, D = qkv.shape
         Hkv = k_cache.shape[1]
         H = n - 2 * Hkv
         out = qkv.new_empty(B, 1, H, D)
+        splits = 1 if counts is None else decode_splits(B, Hkv)
+        parts = qkv.new_empty(B, Hkv, splits, H // Hkv, D + 2, dtype=torch.float32) if splits > 1 else qkv
         norm, gated = q_gain is not None, gate_w is not None
         mix = 0 if v_mix is None else 1 if ve is None else 2
         ve_rows = ve.reshape(B, -1).contiguous() if ve is not None else qkv  # rows of unit-stride channels
         gate_rows = gate_x.reshape(B, -1).contiguous() if gated else qkv
         channels = gate_w.shape[1] if gated else 1
-        _decode_step_kernel[(B, Hkv)](
+        _decode_step_kernel[(B, Hkv, splits)](
             qkv, cos, sin, k_cache, v_cache, out, pos, q_gain if norm else qkv, k_gain if norm else qkv, scale, eps,
-            window, v_mix if mix else qkv, ve_rows, gate_rows, gate_w.contiguous() if gated else qkv,
-            qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            window, v_mix if mix else qkv, ve_rows, gate_rows, gate_w.contiguous() if gated else qkv, parts,
+            counts if splits > 1 else pos, qkv.stride(0), qkv.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             out.stride(0), out.stride(2), ve_rows.stride(0), gate_rows.stride(0),
-            H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D, BLOCK=BLOCK_KEYS,
-            QK_NORM=norm, V_MIX=mix, GATE=gated, GC=channels, GC_PAD=max(16, triton.next_power_of_2(channels)),
+            H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D,
+            BLOCK=BLOCK_KEYS if splits == 1 else SPLIT_BLOCK_KEYS, QK_NORM=norm, V_MIX=mix, GATE=gated,
+            GC=channels, GC_PAD=max(16, triton.next_power_of_2(channels)), SPLITS=splits,
             num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
     @decode_step.register_fake
     def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain=None, k_gain=None, eps=0.0, window=0, v_mix=None,
-          ve=None, gate_x=None, gate_w=None):  # shapes for tracing
+          ve=None, gate_x=None, gate_w=None, counts=None):  # shapes for tracing
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 
@@ -627,6 +703,13 @@ def device_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return AVAILABLE and torch.cuda.get_device_capability(device) >= (8, 0)
     return AVAILABLE and INTERPRET
+
+
+def decode_splits(batch: int, kv_heads: int) -> int:
+    """How many programs decode_step splits each (sequence, kv head)'s positions over: enough for about
+    DECODE_PROGRAMS programs, at least 1, at most MAX_DECODE_SPLITS (88m, 6 kv heads: 16 at batch 1, 2
+    at batch 8)."""
+    return max(1, min(MAX_DECODE_SPLITS, DECODE_PROGRAMS // (batch * kv_heads)))
 
 
 def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:

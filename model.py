@@ -16,7 +16,8 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 `fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
 `fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE, the training loss and a decoded
-token's attention to Triton kernels, and `decode_matmuls` the matmuls of a decode step.
+token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
+programs, and `decode_matmuls` hands it the matmuls of a decode step.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
@@ -52,7 +53,8 @@ TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fu
                        "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²",
                        "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
                        "fp8": "fp8 matmuls"}
-GENERATION_FAST_PATHS = {"fused_decode": "fused decode", "decode_matmuls": "decode matmuls"}
+GENERATION_FAST_PATHS = {"fused_decode": "fused decode", "split_decode": "split decode",
+                         "decode_matmuls": "decode matmuls"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -95,6 +97,7 @@ class ModelConfig:
     fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
     fp8_head: bool = False  # the untied output head's training matmuls in FP8, its gradient at a fixed scale
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
+    split_decode: bool = False  # with fused_decode, each head's cached positions over many programs (CUDA)
     decode_matmuls: bool = False  # generation's matmuls of at most 16 tokens as Triton's small_matmul (CUDA)
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
@@ -230,7 +233,9 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
     head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
     fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
-    sliding window's keys alone)."""
+    sliding window's keys alone), and its split only with it."""
+    if name == "split_decode":
+        return cfg.fused_decode
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
     if name == "fused_relu2":
@@ -641,6 +646,9 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         # Whether kernels.decode_step can run here (Ampere or newer), asked once, outside compiled code.
         self.fusable = K.device_supported(torch.device(device))
+        # split_decode's count of each head's finished programs (kernels.decode_step), zero between steps.
+        self.register_buffer("counts", torch.zeros(batch, n_kv_heads, device=device, dtype=torch.int32),
+                             persistent=False)
 
     def update(self, pos, k, v):
         """Write k, v (B, Hkv, T, hd) at positions pos (T,); return the whole cache."""
@@ -656,7 +664,7 @@ class Attention(nn.Module):
         self.short = cfg.short_layer(layer)  # attends over the short window (Attend's short_* fields)
         self.kind = cfg.attention
         self.scale = cfg.attn_scale or None  # None: each kernel's own 1/sqrt(head size)
-        self.fused_decode = cfg.fused_decode
+        self.fused_decode, self.split_decode = cfg.fused_decode, cfg.split_decode
         self.window = cfg.windows()[1 if self.short else 0]  # the keys decoding sees (0: all before it)
         self.fused_qk = cfg.fused_qk_norm_rope and fast_path_applies("fused_qk_norm_rope", cfg)  # with QK-norm
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -725,6 +733,8 @@ class Attention(nn.Module):
                 parts.update(v_mix=self.v_mix, ve=ve)
             if self.gate is not None:
                 parts.update(gate_x=x, gate_w=self.gate.weight)
+            if self.split_decode:
+                parts.update(counts=self.cache.counts)
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
                               self.scale or self.head_dim ** -0.5, window=self.window, **parts)  # (B, 1, H, hd)
             return self.wo(y.reshape(B, T, -1))

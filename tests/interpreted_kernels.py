@@ -97,12 +97,18 @@ def decode_check():
         first = max(0, pos + 1 - window) if window else 0  # the window's oldest key
         k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
         k_cache[:, :, :first] = v_cache[:, :, :first] = float("nan")  # nor before the window
-        out = K.decode_step(qkv, cos[0], sin[0], k_cache, v_cache, torch.tensor([pos]), scale, *gains, 1e-5, window,
-                            **parts)
-        err = (out.float().reshape(reference.shape) - reference).abs().max().item()
-        assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, (B, H, Hkv, S, pos, window, mix, err)
-        assert torch.equal(k_cache[:, :, pos], k_ref[:, :, pos]) and torch.equal(v_cache[:, :, pos], v_ref[:, :, pos])
-        assert torch.equal(k_cache[:, :, first:pos], k_ref[:, :, first:pos])  # the rest of the cache is left alone
+        # One program per head, then the positions split over decode_splits(B, Hkv) programs (16 here but
+        # for 2 x 3 heads: 8), of which those past the positions so far hold no key (pos 17: 15 of 16).
+        for counts in (None, torch.zeros(B, Hkv, dtype=torch.int32)):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            out = K.decode_step(qkv, cos[0], sin[0], kc, vc, torch.tensor([pos]), scale, *gains, 1e-5, window,
+                                **parts, counts=counts)
+            err = (out.float().reshape(reference.shape) - reference).abs().max().item()
+            case = (B, H, Hkv, S, pos, window, mix, counts is not None, err)
+            assert out.shape == (B, 1, H, 64) and out.dtype == qkv.dtype and err < 2e-3, case
+            assert torch.equal(kc[:, :, pos], k_ref[:, :, pos]) and torch.equal(vc[:, :, pos], v_ref[:, :, pos]), case
+            assert torch.equal(kc[:, :, first:pos], k_ref[:, :, first:pos])  # the rest of the cache is left alone
+            assert counts is None or not counts.any(), counts  # set back to zero for the next step
 
     # Traced as one opaque op (its fake implementation gives the shapes), as in the compiled decode step.
     step = torch.compile(K.decode_step, backend="aot_eager", fullgraph=True)
@@ -118,7 +124,7 @@ def decode_check():
     # their init, so a kernel that skipped them would differ), and for the record recipe's attention:
     # long and short sliding windows (8 and 4 keys) shorter than the 13 positions, value tables and the
     # gate (both off their init too: the gate starts at zero, where every head's factor is 1/2), gainless
-    # QK-norm and half-truncated RoPE, all of which the kernel computes.
+    # QK-norm and half-truncated RoPE, all of which the kernel computes, its positions split (split_decode).
     kernel = K.decode_step
     for recipe in ({}, RECORD, {"mlp": "relu2", "qk_norm": True}):  # the Muon one last: it is compiled below
         cfg = dict(**SMALL, **recipe)
@@ -129,7 +135,7 @@ def decode_check():
                     p.uniform_(0.5, 1.5, generator=g)
                 elif name.endswith("gate.weight"):
                     p.normal_(0.0, 1.0, generator=g)
-        fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True)).eval().half()
+        fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True, split_decode=recipe is RECORD)).eval().half()
         fused.load_state_dict(plain.state_dict())
         calls = []
         K.decode_step = lambda *a, **k: calls.append(sorted(k)) or kernel(*a, **k)
@@ -137,7 +143,7 @@ def decode_check():
         logits = [decoded(m, idx) for m in (plain, fused)]
         assert len(calls) == 2 * 3 and (logits[0] - logits[1]).abs().max() < 1e-2, (recipe, len(calls))
         norm = ["eps", "k_gain", "q_gain"] if recipe.get("qk_norm") else []
-        record_parts = ["gate_w", "gate_x", "v_mix", "ve"] if recipe.get("value_embeds") else []
+        record_parts = ["counts", "gate_w", "gate_x", "v_mix", "ve"] if recipe is RECORD else []
         assert calls[0] == sorted(norm + record_parts + ["window"]), calls[0]  # everything went into the kernel
 
     # The decode step compiled whole, as GraphDecoder compiles it: the graph calls the fused op (the

@@ -99,9 +99,14 @@ def test_fused_decode_step_matches_the_plain_path_in_bf16():
         k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0]
         reference = M.decode_attention_matmuls(q.reshape(2, Hkv, H // Hkv, 64), k_ref, v_ref,
                                                (torch.arange(S, device="cuda") <= pos)[None, :])
-        out = K.decode_step(qkv, cos[0].bfloat16(), sin[0].bfloat16(), k_cache, v_cache, torch.tensor([pos], device="cuda"),
-                            64 ** -0.5)
-        assert rel(out.reshape(reference.shape), reference) < 1e-2, pos
+        # One program per head, then split over 16 (split_decode), 20 times: a program that combined the
+        # parts before all were written would show as a difference between calls.
+        counts = torch.zeros(2, Hkv, device="cuda", dtype=torch.int32)
+        outs = [K.decode_step(qkv, cos[0].bfloat16(), sin[0].bfloat16(), k_cache, v_cache,
+                              torch.tensor([pos], device="cuda"), 64 ** -0.5, counts=c) for c in [None] + [counts] * 20]
+        for out in outs[:2]:
+            assert rel(out.reshape(reference.shape), reference) < 1e-2, pos
+        assert all(torch.equal(out, outs[1]) for out in outs[2:]) and not counts.any(), pos
         assert rel(k_cache[:, :, pos], k_ref[:, :, pos]) < 1e-2 and torch.equal(v_cache[:, :, pos].float(), v_ref[:, :, pos])
 
 
@@ -110,17 +115,20 @@ RECORD_ATTENTION = {"mlp": "relu2", "qk_norm": True, "attn_window": 16, "short_w
                     "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
 
 
-@pytest.mark.parametrize("recipe, matmuls", [({}, False), ({"mlp": "relu2", "qk_norm": True}, False),
-                                             (RECORD_ATTENTION, False), (RECORD_ATTENTION, True)],
-                         ids=["article", "muon", "record", "record-decode-matmuls"])
-def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, matmuls):
+@pytest.mark.parametrize("recipe, matmuls, split", [({}, False, False), ({"mlp": "relu2", "qk_norm": True}, False, False),
+                                                    (RECORD_ATTENTION, False, False), (RECORD_ATTENTION, True, False),
+                                                    (RECORD_ATTENTION, False, True)],
+                         ids=["article", "muon", "record", "record-decode-matmuls", "record-split-decode"])
+def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, matmuls, split):
     """Teacher-forced: the same tokens go through the plain model, the fused model eagerly and the
     fused model's CUDA graph; their logits agree at every position (bf16 rounding apart). The Muon
     recipe norms q and k before the kernel applies RoPE; the record's slides its windows, mixes its values
-    and gates its heads, its weights all off their initial values; with matmuls, its decode matmuls too."""
+    and gates its heads, its weights all off their initial values; with matmuls, its decode matmuls too;
+    with split, its positions split over many programs (split_decode)."""
     torch.manual_seed(0)
     plain = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=False)).cuda().eval().to(torch.bfloat16)
-    fused = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=True, decode_matmuls=matmuls)).cuda().eval()
+    fused = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=True, decode_matmuls=matmuls,
+                                  split_decode=split)).cuda().eval()
     fused = fused.to(torch.bfloat16)
     with torch.no_grad():
         for p in plain.parameters():  # the zero-initialised projections, head and gate, the mixes at (0.5, 0.5)

@@ -159,12 +159,15 @@ FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta"}
 HOPPER_SHARED = 232_448  # bytes of shared memory one block may use on an H100 or H200
 BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_decode_step_kernel", dict(H=12, HKV=4, G=3, G_PAD=16, D=64, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=0,
-                                 GATE=False, GC=1, GC_PAD=16), {"pos_ptr": "*i64"}),
+                                 GATE=False, GC=1, GC_PAD=16, SPLITS=1), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
     ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=128, QK_NORM=False, V_MIX=1, GATE=False,
-                                 GC=1, GC_PAD=16), {"pos_ptr": "*i64"}),
-    # the record's attention: gainless QK-norm (ones), a value table, the gate
+                                 GC=1, GC_PAD=16, SPLITS=1), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
+    # the record's attention: gainless QK-norm (ones), a value table, the gate; then its positions split
     ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=2,
-                                 GATE=True, GC=12, GC_PAD=16), {"pos_ptr": "*i64"}),
+                                 GATE=True, GC=12, GC_PAD=16, SPLITS=1), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
+    ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=K.SPLIT_BLOCK_KEYS, QK_NORM=True, V_MIX=2,
+                                 GATE=True, GC=12, GC_PAD=16, SPLITS=K.MAX_DECODE_SPLITS),
+     {"pos_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32"}),
     ("_swiglu_forward_kernel", dict(BLOCK=1024), {}),
     ("_swiglu_backward_kernel", dict(BLOCK=1024), {}),
     ("_cross_entropy_forward_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True),

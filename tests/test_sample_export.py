@@ -124,15 +124,15 @@ def test_sample_command_runs(run_dir, capsys):
     assert "tok/s decoding 11 more per sample" in captured.err
 
 
-def test_no_fused_decode_turns_off_both_decode_paths(run_dir, monkeypatch, capsys):
-    """--no-fused-decode loads the checkpoint with the fused decode step and the decode matmuls off, so a
-    GPU decodes with plain PyTorch (on a CPU both are plain already)."""
+def test_no_fused_decode_turns_off_every_decode_path(run_dir, monkeypatch, capsys):
+    """--no-fused-decode loads the checkpoint with the fused decode step, its split and the decode matmuls
+    off, so a GPU decodes with plain PyTorch (on a CPU all are plain already)."""
     loads = []
     load = S.CK.load
     monkeypatch.setattr(S.CK, "load", lambda *a, **k: loads.append(k) or load(*a, **k))
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--no-fused-decode"])
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3"])
-    assert loads == [{"model__fused_decode": False, "model__decode_matmuls": False}, {}]
+    assert loads == [{"model__fused_decode": False, "model__split_decode": False, "model__decode_matmuls": False}, {}]
     assert capsys.readouterr().err.count("[KV cache, cpu, batch 1: first token after") == 2  # both generated
 
 
