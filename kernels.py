@@ -6,6 +6,7 @@ write, attention, the gate), each head's positions split over many programs with
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
 small_matmul: the decode step's matmuls of one to sixteen rows, spread over many programs.
+decode_mlp: the ReLU² MLP of a decode step (both matmuls and the square) as one kernel of partial sums.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
 backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
 qk_norm_rope: QK-norm and RoPE on the QKV projection's output, forward and backward, one pass each.
@@ -75,6 +76,10 @@ GRAM_TILES = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3))
 SMALL_MATMUL_TILES = ((64, 128, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3),
                       (32, 256, 4, 3))
 SMALL_MATMUL_ROWS = 16  # at most this many rows (tokens) a call: tl.dot's smallest tile side
+# decode_mlp: hidden units a program (3,072: 96 programs; tl.dot's inner side at least 16), and its
+# candidate tiles (inner columns of W1, output columns of W2), warps and stages, autotuned once per shape.
+DECODE_MLP_HIDDEN = 32
+DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 
 if AVAILABLE:
@@ -696,6 +701,59 @@ if AVAILABLE:
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
+    # The ReLU² MLP of a decode step in one kernel (model.decode_mlp). Compiled, a batch-1 step of the 88m
+    # default ran it as four launches a layer on an H200: the up-projection (about 4.0 us), the square (1.0),
+    # the down-projection split over its 3,072 inputs (4.75) and cuBLAS's reduction of that split (1.5),
+    # where the two weights' 9.4 MB need 2 us at the card's bandwidth (docs/PERFORMANCE.md, generation).
+    # Here each program takes DECODE_MLP_HIDDEN hidden units: their rows of W1, the square, and their
+    # columns of W2, whose product it writes as a partial sum of the output in float32; the model sums the
+    # partials, which Inductor fuses with the residual add after the MLP.
+    @triton.autotune([triton.Config({"BLOCK_K": k, "BLOCK_D": n}, num_warps=w, num_stages=st)
+                      for k, n, w, st in (DECODE_MLP_TILES[:1] if INTERPRET else DECODE_MLP_TILES)],
+                     key=["M", "D", "HID"])
+    @triton.jit
+    def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2, ROWS: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        """part[p] = relu(x @ w1[h]^T)^2 @ w2[:, h]^T for the hidden units h of program p (BLOCK_H of them):
+        x (M, D) with M <= ROWS, w1 (HID, D) and w2 (D, HID) as nn.Linear keeps them, part (P, M, D) float32.
+        The square is rounded to x's dtype, as the plain path's activation is."""
+        p = tl.program_id(0)
+        h = p * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = tl.arange(0, ROWS)  # the rows past M are zeros, which tl.dot needs (16 rows at least)
+        acc = tl.zeros((ROWS, BLOCK_H), tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < D), other=0.0)
+            w = tl.load(w1_ptr + h[:, None].to(tl.int64) * s_w1 + k[None, :], mask=(h[:, None] < HID) & (k[None, :] < D),
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.maximum(acc, 0.0)
+        a = (acc * acc).to(x_ptr.dtype.element_ty)  # (ROWS, BLOCK_H)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            w = tl.load(w2_ptr + d[:, None].to(tl.int64) * s_w2 + h[None, :], mask=(d[:, None] < D) & (h[None, :] < HID),
+                        other=0.0)  # (BLOCK_D, BLOCK_H)
+            tl.store(part_ptr + (p * M + m[:, None]) * D + d[None, :], tl.dot(a, tl.trans(w)),
+                     mask=(m[:, None] < M) & (d[None, :] < D))
+
+    @torch.library.custom_op("onegpu::decode_mlp", mutates_args=())
+    def decode_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The ReLU² MLP's partial sums for at most SMALL_MATMUL_ROWS rows: x (..., D), w1 (HID, D), w2
+        (D, HID); returns (P, ..., D) float32, P = HID / DECODE_MLP_HIDDEN, whose sum over its first dimension
+        is relu(x w1^T)^2 w2^T. A custom op: the compiled decode step calls it as one opaque step."""
+        rows = x.reshape(-1, x.shape[-1])
+        (M, D), HID = rows.shape, w1.shape[0]
+        P = triton.cdiv(HID, DECODE_MLP_HIDDEN)
+        part = rows.new_empty(P, *x.shape[:-1], D, dtype=torch.float32)
+        _decode_mlp_kernel[(P,)](rows, w1, w2, part, M, D, HID, rows.stride(0), w1.stride(0), w2.stride(0),
+                                 ROWS=SMALL_MATMUL_ROWS, BLOCK_H=DECODE_MLP_HIDDEN)
+        return part
+
+    @decode_mlp.register_fake
+    def _(x, w1, w2):
+        return x.new_empty(triton.cdiv(w1.shape[0], DECODE_MLP_HIDDEN), *x.shape, dtype=torch.float32)
+
+
 def device_supported(device: torch.device) -> bool:
     """Whether these kernels run on `device`: an NVIDIA GPU of compute capability 8.0 (Ampere) or
     newer, the oldest Triton supports and the first with bfloat16 arithmetic; on CPU, Triton's
@@ -721,6 +779,12 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (qkv.shape[1] == 1
             and qkv.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == qkv.dtype
             and hd >= 16 and hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1)
+
+
+def decode_mlp_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether decode_mlp handles x (..., D) through w1 (HID, D) and w2 (D, HID), on a device that
+    device_supported allows (model.Llama.setup_cache asks that once): as small_matmul for each weight."""
+    return small_matmul_supported(x, w1) and w2.shape == w1.shape[::-1] and w2.dtype == x.dtype and w2.stride(1) == 1
 
 
 def small_matmul_supported(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -522,17 +522,18 @@ def cpu_skip(rung: Rung) -> str | None:
 
 # CUDA-graph decoders compared: (label, Inductor mode, generation fast paths on: model.GENERATION_FAST_PATHS).
 # max-autotune without the fast paths, which measured slower than the fused decode at both batches on
-# 2026-11-30 and 2026-12-02 (docs/PERFORMANCE.md, generation), is left out: a row costs a minute of autotuning.
+# 2026-11-30 and 2026-12-02 (docs/PERFORMANCE.md, generation), is left out, as is max-autotune with the
+# decode matmuls (no faster than Inductor's default with them, 2026-12-02): a row costs a minute of autotuning.
 FUSED = ("fused_decode",)
 DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", ()),
                    ("CUDA graph, Inductor default, fused decode", "default", FUSED),
                    ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", FUSED),
                    ("CUDA graph, Inductor default, split fused decode", "default", (*FUSED, "split_decode")),
-                   ("CUDA graph, max-autotune, split fused decode", "max-autotune-no-cudagraphs",
-                    (*FUSED, "split_decode")),
+                   ("CUDA graph, Inductor default, split fused decode + decode MLP", "default",
+                    (*FUSED, "split_decode", "decode_mlp")),
+                   ("CUDA graph, max-autotune, split fused decode + decode MLP", "max-autotune-no-cudagraphs",
+                    (*FUSED, "split_decode", "decode_mlp")),
                    ("CUDA graph, Inductor default, fused decode + decode matmuls", "default",
-                    (*FUSED, "decode_matmuls")),
-                   ("CUDA graph, max-autotune, fused decode + decode matmuls", "max-autotune-no-cudagraphs",
                     (*FUSED, "decode_matmuls"))]
 
 

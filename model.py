@@ -17,7 +17,7 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
 `fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE, the training loss and a decoded
 token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
-programs, and `decode_matmuls` hands it the matmuls of a decode step.
+programs, `decode_matmuls` hands it the matmuls of a decode step and `decode_mlp` its ReLU² MLP.
 
 Of the project, this file imports only kernels.py, where those Triton kernels live.
 """
@@ -54,7 +54,7 @@ TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fu
                        "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
                        "fp8": "fp8 matmuls"}
 GENERATION_FAST_PATHS = {"fused_decode": "fused decode", "split_decode": "split decode",
-                         "decode_matmuls": "decode matmuls"}
+                         "decode_matmuls": "decode matmuls", "decode_mlp": "decode MLP"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -99,6 +99,7 @@ class ModelConfig:
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
     split_decode: bool = False  # with fused_decode, each head's cached positions over many programs (CUDA)
     decode_matmuls: bool = False  # generation's matmuls of at most 16 tokens as Triton's small_matmul (CUDA)
+    decode_mlp: bool = False  # generation's ReLU² MLP of at most 16 tokens as one Triton kernel (CUDA)
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
     fused_relu2: bool = False  # ReLU²'s square and its derivative in its matmuls' epilogues (CUDA, training)
@@ -233,9 +234,12 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
     head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
     fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
-    sliding window's keys alone), and its split only with it."""
+    sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP outside
+    FP8 block matmuls."""
     if name == "split_decode":
         return cfg.fused_decode
+    if name == "decode_mlp":
+        return cfg.mlp == "relu2" and not cfg.fp8
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
     if name == "fused_relu2":
@@ -780,17 +784,22 @@ class ReLU2(nn.Module):
     """relu(x W1)^2 W2 (So et al. 2021, "Primer"; modded-nanogpt and nanochat use it). Two matrices
     to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. Compiled, the square
     is one elementwise kernel after the up-projection; with fused_relu2 (training, CUDA, not with fp8)
-    it runs in the up-projection's epilogue instead (FusedReLU2MLP), tested against the plain line below."""
+    it runs in the up-projection's epilogue instead (FusedReLU2MLP), tested against the plain line below;
+    with decode_mlp (generation, CUDA) a decode step's MLP is one kernel (kernels.decode_mlp)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.fused = cfg.fused_relu2 and fast_path_applies("fused_relu2", cfg)  # not with fp8
+        self.decode = False  # decode_mlp where its kernel runs: set by Llama.setup_cache
         self.w1 = Linear(cfg.d_model, cfg.ffn_hidden, cfg.fp8)
         self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
 
     def forward(self, x):
         if self.fused and torch.is_grad_enabled() and K.runs_on(x):
             return fused_relu2_mlp(x, self.w1.weight, self.w2.weight)
+        if self.decode and not torch.is_grad_enabled() and K.decode_mlp_supported(x, self.w1.weight, self.w2.weight):
+            # (P, B, T, d) float32 partial sums, one per 32 hidden units: their sum is the MLP's output
+            return K.decode_mlp(x, self.w1.weight, self.w2.weight).sum(0).to(x.dtype)
         if self.w1.small and not self.w1.fp8:  # decoding with decode_matmuls: the square in the matmul's epilogue
             return self.w2(linear(x, self.w1.weight, small=True, relu2=True))
         return self.w2(F.relu(self.w1(x)).square())
@@ -1020,9 +1029,12 @@ class Llama(nn.Module):
         device, dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
         # decode_matmuls where its kernel runs, asked here, once, outside compiled code (as KVCache.fusable)
         self.small_matmuls = self.cfg.decode_matmuls and K.device_supported(device)
+        decode_mlp = self.cfg.decode_mlp and fast_path_applies("decode_mlp", self.cfg) and K.device_supported(device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.small = self.small_matmuls
+            elif isinstance(module, ReLU2):
+                module.decode = decode_mlp
         for attn in self.attentions():
             cache = attn.cache
             if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:

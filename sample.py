@@ -9,7 +9,8 @@ KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (
 the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
 --no-cache re-reads the whole sequence every token (the slow reference both are tested against).
 On GPUs of compute capability 8.0 and newer each new token's RoPE, cache write and attention run
-as one Triton kernel (kernels.py), and with decode_matmuls its matmuls as another; --no-fused-decode
+as one Triton kernel (kernels.py), split over many programs with split_decode, and with
+decode_matmuls its matmuls, with decode_mlp its ReLU² MLP, as kernels of their own; --no-fused-decode
 runs the plain PyTorch paths instead.
 bfloat16 weights on CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to
 first token, prefill and decode tokens per second.
@@ -97,7 +98,8 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (no CUDA graph)")
     p.add_argument("--no-fused-decode", action="store_true",
                    help="CUDA: plain PyTorch attention and matmuls for each new token, not the Triton kernels "
-                        "(kernels.py: decode_step, and small_matmul where the model has decode_matmuls)")
+                        "(kernels.py: decode_step, and small_matmul or decode_mlp where the model has "
+                        "decode_matmuls or decode_mlp)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     args = p.parse_args(argv)

@@ -412,3 +412,42 @@ def qk_norm_rope_check():
             losses.append((loss.detach(), model.blocks[0].attn.q_norm.weight.grad))
     assert calls == [1] and abs(losses[0][0] - losses[1][0]) < 1e-4
     assert ((losses[0][1] - losses[1][1]).norm() / losses[1][1].norm()) < 1e-3
+
+
+def decode_mlp_check():
+    """The decode MLP's partial sums against the plain MLP in float64: one row, rows that leave a tl.dot
+    tile partly masked, 16 rows (the most it takes), hidden units that leave its last program partly
+    masked, a (B, 1, d) input as a decode step hands it; then inside a model of the record recipe, the
+    same logits as the plain model's, eagerly and traced as the compiled decode step traces it."""
+    g = torch.Generator().manual_seed(0)
+    for shape, hidden in [((1, 64), 96), ((5, 200), 100), ((16, 128), 512), ((2, 1, 64), 256)]:
+        x = torch.randn(*shape, generator=g).half()
+        w1 = torch.randn(hidden, shape[-1], generator=g).half()
+        w2 = (torch.randn(shape[-1], hidden, generator=g) * hidden ** -0.5).half()
+        assert K.decode_mlp_supported(x, w1, w2)
+        parts = K.decode_mlp(x, w1, w2)
+        exact = (x.double() @ w1.double().t()).relu().square() @ w2.double().t()
+        assert parts.shape == (-(-hidden // K.DECODE_MLP_HIDDEN), *exact.shape) and parts.dtype == torch.float32
+        assert ((parts.sum(0).double() - exact).abs().max() / exact.abs().max()).item() < 2e-3, shape
+    x, w1 = torch.randn(17, 64).half(), torch.randn(96, 64).half()
+    assert not K.decode_mlp_supported(x, w1, w1.t().contiguous())  # too many rows: the plain MLP keeps them
+    assert not K.decode_mlp_supported(x[:1], w1, w1)  # w2 of the wrong shape
+
+    cfg = dict(**SMALL, **RECORD, fused_decode=True)
+    plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight", "head.weight")):  # zero-initialised: give them values
+                p.normal_(0.0, 0.05, generator=g)
+    fused = M.Llama(M.ModelConfig(**cfg, decode_mlp=True)).eval().half()
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 512, (2, 16), generator=g)
+    with counted(K, "decode_mlp") as calls:
+        logits = [decoded(m, idx) for m in (plain, fused)]  # the prefill's 20 tokens: the plain MLP
+    assert len(calls) == 3 * 2, len(calls)  # 3 steps x 2 layers, the plain model none
+    assert (logits[0] - logits[1]).abs().max() < 1e-2 * logits[0].abs().max()
+
+    step, traced = traced_decode()
+    again = decoded(fused, idx, step)
+    assert sum("decode_mlp" in target for target in traced) == 2, traced
+    assert (again - logits[1]).abs().max() < 1e-3

@@ -115,20 +115,19 @@ RECORD_ATTENTION = {"mlp": "relu2", "qk_norm": True, "attn_window": 16, "short_w
                     "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
 
 
-@pytest.mark.parametrize("recipe, matmuls, split", [({}, False, False), ({"mlp": "relu2", "qk_norm": True}, False, False),
-                                                    (RECORD_ATTENTION, False, False), (RECORD_ATTENTION, True, False),
-                                                    (RECORD_ATTENTION, False, True)],
-                         ids=["article", "muon", "record", "record-decode-matmuls", "record-split-decode"])
-def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, matmuls, split):
+@pytest.mark.parametrize("recipe, fast", [({}, {}), ({"mlp": "relu2", "qk_norm": True}, {}), (RECORD_ATTENTION, {}),
+                                          (RECORD_ATTENTION, {"decode_matmuls": True}),
+                                          (RECORD_ATTENTION, {"split_decode": True, "decode_mlp": True})],
+                         ids=["article", "muon", "record", "record-decode-matmuls", "record-split-decode-mlp"])
+def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, fast):
     """Teacher-forced: the same tokens go through the plain model, the fused model eagerly and the
     fused model's CUDA graph; their logits agree at every position (bf16 rounding apart). The Muon
     recipe norms q and k before the kernel applies RoPE; the record's slides its windows, mixes its values
-    and gates its heads, its weights all off their initial values; with matmuls, its decode matmuls too;
-    with split, its positions split over many programs (split_decode)."""
+    and gates its heads, its weights all off their initial values; then with the other generation fast
+    paths: its decode matmuls; its positions split over many programs and its MLP as one kernel."""
     torch.manual_seed(0)
     plain = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=False)).cuda().eval().to(torch.bfloat16)
-    fused = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=True, decode_matmuls=matmuls,
-                                  split_decode=split)).cuda().eval()
+    fused = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=True, **fast)).cuda().eval()
     fused = fused.to(torch.bfloat16)
     with torch.no_grad():
         for p in plain.parameters():  # the zero-initialised projections, head and gate, the mixes at (0.5, 0.5)
@@ -144,7 +143,7 @@ def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, matmuls,
             runs.append(torch.stack([step(model, idx[:, t:t + 1], torch.tensor([t], device="cuda"), t + 1).clone()
                                      for t in range(10, 40)]))
     assert rel(runs[1], runs[0]) < 2e-2 and rel(runs[2], runs[0]) < 2e-2
-    assert fused.small_matmuls == matmuls
+    assert fused.small_matmuls == fast.get("decode_matmuls", False)
 
 
 def test_the_small_matmul_matches_f_linear_in_bf16():
@@ -158,6 +157,18 @@ def test_the_small_matmul_matches_f_linear_in_bf16():
             exact = F.linear(x.float(), w.float())
             assert rel(K.small_matmul(x, w), exact) < 1e-2, (rows, N, Kd)
             assert rel(K.small_matmul(x, w, True), exact.relu().square()) < 1e-2, (rows, N, Kd)
+
+
+def test_the_decode_mlp_matches_the_plain_mlp_in_bf16():
+    """Against the plain ReLU² MLP at the 88m preset's decode shapes, 1, 8 and 16 rows (teacher-forced
+    decoding with it is test_fused_decode_matches_the_plain_step_eager_and_captured's)."""
+    g = torch.Generator("cuda").manual_seed(8)
+    w1 = torch.randn(3072, 768, device="cuda", dtype=torch.bfloat16, generator=g) * 768 ** -0.5
+    w2 = torch.randn(768, 3072, device="cuda", dtype=torch.bfloat16, generator=g) * 3072 ** -0.5
+    for rows in (1, 8, 16):
+        x = torch.randn(rows, 1, 768, device="cuda", dtype=torch.bfloat16, generator=g)
+        exact = F.linear(F.linear(x.float(), w1.float()).relu().square(), w2.float())
+        assert rel(K.decode_mlp(x, w1, w2).sum(0), exact) < 1e-2, rows
 
 
 @pytest.mark.parametrize("compiled", [False, True])

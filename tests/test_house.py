@@ -146,6 +146,8 @@ AGREEMENT = {
                      "test_gpu.py::test_fused_decode_step_matches_the_plain_path_in_bf16"],
     "decode_matmuls": ["test_kernels.py::test_the_small_matmul_matches_f_linear_and_decodes_as_the_plain_model",
                        "test_gpu.py::test_the_small_matmul_matches_f_linear_in_bf16"],
+    "decode_mlp": ["test_kernels.py::test_the_decode_mlp_matches_the_plain_mlp_and_decodes_as_the_plain_model",
+                   "test_gpu.py::test_the_decode_mlp_matches_the_plain_mlp_in_bf16"],
     "muon_kernel": ["test_kernels.py::test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step",
                     "test_gpu.py::test_muons_symmetric_gram_kernel_matches_the_batched_matmuls_in_bf16"],
 }

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
 CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "gram_check", "swiglu_check", "fp8_head_loss_check",
-          "qk_norm_rope_check", "small_matmul_check")
+          "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
 RUNNING = []  # the process that runs CHECKS, once started
 
 
@@ -80,6 +80,11 @@ def test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token(interpr
 @needs_triton
 def test_the_small_matmul_matches_f_linear_and_decodes_as_the_plain_model(interpreted):
     run_under_interpreter(interpreted, "small_matmul_check")
+
+
+@needs_triton
+def test_the_decode_mlp_matches_the_plain_mlp_and_decodes_as_the_plain_model(interpreted):
+    run_under_interpreter(interpreted, "decode_mlp_check")
 
 
 @needs_triton
@@ -184,6 +189,7 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_qk_norm_rope_kernel", dict(H=12, HKV=4, NORM_P=16, V_P=4, D=64, TOKENS=16, BACKWARD=True),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
     ("_small_matmul_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, RELU2=True), {}),
+    ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN), {"part_ptr": "*fp32"}),
     ("_gram_kernel", dict(ADD=False), {}),
     ("_gram_kernel", dict(ADD=True), {}),
 ]

@@ -125,14 +125,16 @@ def test_sample_command_runs(run_dir, capsys):
 
 
 def test_no_fused_decode_turns_off_every_decode_path(run_dir, monkeypatch, capsys):
-    """--no-fused-decode loads the checkpoint with the fused decode step, its split and the decode matmuls
-    off, so a GPU decodes with plain PyTorch (on a CPU all are plain already)."""
+    """--no-fused-decode loads the checkpoint with the fused decode step, its split, the decode matmuls and
+    the decode MLP off, so a GPU decodes with plain PyTorch (on a CPU all are plain already)."""
     loads = []
     load = S.CK.load
     monkeypatch.setattr(S.CK, "load", lambda *a, **k: loads.append(k) or load(*a, **k))
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--no-fused-decode"])
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3"])
-    assert loads == [{"model__fused_decode": False, "model__split_decode": False, "model__decode_matmuls": False}, {}]
+    off = {"model__fused_decode": False, "model__split_decode": False, "model__decode_matmuls": False,
+           "model__decode_mlp": False}
+    assert loads == [off, {}]
     assert capsys.readouterr().err.count("[KV cache, cpu, batch 1: first token after") == 2  # both generated
 
 
