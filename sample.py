@@ -100,6 +100,10 @@ def main(argv=None):
                    help="CUDA: plain PyTorch attention and matmuls for each new token, not the Triton kernels "
                         "(kernels.py: decode_step, and small_matmul or decode_mlp where the model has "
                         "decode_matmuls or decode_mlp)")
+    for name, label in M.GENERATION_FAST_PATHS.items():  # generation's own switches: the weights stay the same
+        if name != "fused_decode":  # its off switch is --no-fused-decode, which turns all of them off
+            p.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
+                           help=f"CUDA: the {label} fast path on or off (default: as the checkpoint's config)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     args = p.parse_args(argv)
@@ -107,8 +111,10 @@ def main(argv=None):
     try:
         check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.num_samples)
         device = C.pick_device(args.device)
-        plain = {f"model__{s}": False for s in M.GENERATION_FAST_PATHS} if args.no_fused_decode else {}
-        ckpt = CK.load(args.ckpt, device, **plain)  # the Triton paths run on CUDA only; on a CPU the plain ones
+        chosen = {f"model__{s}": getattr(args, s) for s in M.GENERATION_FAST_PATHS if getattr(args, s, None) is not None}
+        if args.no_fused_decode:
+            chosen = {f"model__{s}": False for s in M.GENERATION_FAST_PATHS}
+        ckpt = CK.load(args.ckpt, device, **chosen)  # the Triton paths run on CUDA only; on a CPU the plain ones
         tok, _ = CK.tokenizer_for(ckpt, args.tokenizer)
         model = ckpt.build_model().to(device).eval()
         if args.prompt is not None:

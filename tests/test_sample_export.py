@@ -132,10 +132,12 @@ def test_no_fused_decode_turns_off_every_decode_path(run_dir, monkeypatch, capsy
     monkeypatch.setattr(S.CK, "load", lambda *a, **k: loads.append(k) or load(*a, **k))
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--no-fused-decode"])
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3"])
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--split-decode", "--no-decode-mlp"])
     off = {"model__fused_decode": False, "model__split_decode": False, "model__decode_matmuls": False,
            "model__decode_mlp": False}
-    assert loads == [off, {}]
-    assert capsys.readouterr().err.count("[KV cache, cpu, batch 1: first token after") == 2  # both generated
+    # each of generation's other switches on its own, the rest as the checkpoint has them
+    assert loads == [off, {}, {"model__split_decode": True, "model__decode_mlp": False}]
+    assert capsys.readouterr().err.count("[KV cache, cpu, batch 1: first token after") == 3  # all generated
 
 
 def test_cached_decoding_feeds_one_token_per_step(loaded):
