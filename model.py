@@ -1088,6 +1088,11 @@ class Llama(nn.Module):
             # precision for free. (The RoPE tables above keep x's float32.)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         x0, ve, skips = x, [table(idx) for table in self.value_embeds], []
+        if pos is not None and ve:
+            # Generation: this token's rows of every table gathered into one buffer. The fused decode
+            # kernel is opaque to Inductor, which otherwise gathers each layer's rows in a kernel of its
+            # own just before it: 6 launches a token at 88m (its generated code, 2026-12-02).
+            ve = torch.stack(ve).unbind(0)
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output
