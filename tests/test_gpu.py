@@ -86,6 +86,21 @@ def test_the_decode_profile_sees_each_kernel_of_the_replayed_graph():
     assert any("decode" in name for name in step["top_kernels"]), step["top_kernels"]
 
 
+def test_the_split_decode_and_decode_mlp_launch_fewer_kernels_a_step():
+    """What decode_mlp is for: each layer's MLP is its kernel and the sum of its partials (which Inductor
+    may run apart from the next norm on a GPU; on a CPU it fuses them), where the plain step runs the up-
+    and down-projections, the square and at times a split-K reduction: at least one launch fewer a layer."""
+    counts = []
+    for fast in ({}, {"split_decode": True, "decode_mlp": True}):
+        torch.manual_seed(0)
+        cfg = M.ModelConfig(**{**CFG, "n_layers": 4}, **RECORD_ATTENTION, fused_decode=True, **fast)
+        model = M.Llama(cfg).cuda().to(torch.bfloat16).eval()
+        decode = G.decoder(model, torch.device("cuda"), mode="default")
+        G.generate_batch(model, list(range(1, 20)), 1, 8, 0.0, 0, 1.0, None, decode=decode)
+        counts.append(ME.decode_kernels(decode, 1, n=10)["kernels"])
+    assert counts[1] <= counts[0] - 4, counts
+
+
 def test_fused_decode_step_matches_the_plain_path_in_bf16():
     g = torch.Generator("cuda").manual_seed(5)
     H, Hkv, S = 12, 4, 1024
