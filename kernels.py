@@ -659,6 +659,20 @@ if AVAILABLE:
     # The decode step's matmuls: at batch 1 to 16 a token's step reads every weight once for a product of
     # one to sixteen rows, so each matmul is bound by its weight's bytes, and those reach the card's
     # bandwidth only when spread over many programs (SMALL_MATMUL_TILES' comment).
+    @triton.jit
+    def _rows_by_weight_rows(x_ptr, w_ptr, m, n, M, N, K, s_xm, s_wn, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """x[m] @ w[n]^T (ROWS, BLOCK_N) in float32, for x (M, K) and w (N, K) as nn.Linear keeps it: the
+        rows m past M are zeros (tl.dot needs 16 rows at least), as are the columns n past N."""
+        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        return acc
+
     @triton.autotune([triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
                       for n, k, w, st in (SMALL_MATMUL_TILES[:1] if INTERPRET else SMALL_MATMUL_TILES)],
                      key=["M", "N", "K"])
@@ -668,14 +682,8 @@ if AVAILABLE:
         """y = x @ w^T (with RELU2, relu(x @ w^T)^2) for x (M, K) with M <= ROWS, w (N, K) as nn.Linear keeps
         it: one program per BLOCK_N output columns, reading those rows of w once; accumulation in float32."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, ROWS)  # the rows past M are zeros, which tl.dot needs (16 rows at least)
-        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                        other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+        m = tl.arange(0, ROWS)
+        acc = _rows_by_weight_rows(x_ptr, w_ptr, m, n, M, N, K, s_xm, s_wn, ROWS, BLOCK_N, BLOCK_K)
         if RELU2:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
@@ -719,15 +727,8 @@ if AVAILABLE:
         The square is rounded to x's dtype, as the plain path's activation is."""
         p = tl.program_id(0)
         h = p * BLOCK_H + tl.arange(0, BLOCK_H)
-        m = tl.arange(0, ROWS)  # the rows past M are zeros, which tl.dot needs (16 rows at least)
-        acc = tl.zeros((ROWS, BLOCK_H), tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < D), other=0.0)
-            w = tl.load(w1_ptr + h[:, None].to(tl.int64) * s_w1 + k[None, :], mask=(h[:, None] < HID) & (k[None, :] < D),
-                        other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-        acc = tl.maximum(acc, 0.0)
+        m = tl.arange(0, ROWS)
+        acc = tl.maximum(_rows_by_weight_rows(x_ptr, w1_ptr, m, h, M, HID, D, s_xm, s_w1, ROWS, BLOCK_H, BLOCK_K), 0.0)
         a = (acc * acc).to(x_ptr.dtype.element_ty)  # (ROWS, BLOCK_H)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)

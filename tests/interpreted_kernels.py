@@ -46,6 +46,20 @@ def decoded(model, idx, step=None):
     return torch.stack(steps).float()
 
 
+def record_pair(g, **switches):
+    """(the record recipe's model with the fused decode, the same weights with `switches` on, token ids
+    (2, 16)), float16; the zero-initialised output projections and head given values first."""
+    cfg = dict(**SMALL, **RECORD, fused_decode=True)
+    plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight", "head.weight")):
+                p.normal_(0.0, 0.05, generator=g)
+    fast = M.Llama(M.ModelConfig(**cfg, **switches)).eval().half()
+    fast.load_state_dict(plain.state_dict())
+    return plain, fast, torch.randint(0, 512, (2, 16), generator=g)
+
+
 def traced_decode():
     """(decode_one compiled whole as GraphDecoder compiles it, the targets of its graph's nodes), the
     second filled as the first traces."""
@@ -173,15 +187,7 @@ def small_matmul_check():
     assert not K.small_matmul_supported(torch.randn(17, 96).half(), torch.randn(48, 96).half())  # too many rows
     assert not K.small_matmul_supported(torch.randn(1, 96), torch.randn(48, 96))  # float32: F.linear keeps it
 
-    cfg = dict(**SMALL, **RECORD, fused_decode=True)
-    plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
-    with torch.no_grad():
-        for name, p in plain.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight", "head.weight")):  # zero-initialised: give them values
-                p.normal_(0.0, 0.05, generator=g)
-    small = M.Llama(M.ModelConfig(**cfg, decode_matmuls=True)).eval().half()
-    small.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, 512, (2, 16), generator=g)
+    plain, small, idx = record_pair(g, decode_matmuls=True)
     with counted(K, "small_matmul") as calls:
         logits = [decoded(m, idx) for m in (plain, small)]  # the prefill's 20 tokens: F.linear
     # 3 steps x (2 layers x 4 matmuls + the head), the plain model none
@@ -433,15 +439,7 @@ def decode_mlp_check():
     assert not K.decode_mlp_supported(x, w1, w1.t().contiguous())  # too many rows: the plain MLP keeps them
     assert not K.decode_mlp_supported(x[:1], w1, w1)  # w2 of the wrong shape
 
-    cfg = dict(**SMALL, **RECORD, fused_decode=True)
-    plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
-    with torch.no_grad():
-        for name, p in plain.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight", "head.weight")):  # zero-initialised: give them values
-                p.normal_(0.0, 0.05, generator=g)
-    fused = M.Llama(M.ModelConfig(**cfg, decode_mlp=True)).eval().half()
-    fused.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, 512, (2, 16), generator=g)
+    plain, fused, idx = record_pair(g, decode_mlp=True)
     with counted(K, "decode_mlp") as calls:
         logits = [decoded(m, idx) for m in (plain, fused)]  # the prefill's 20 tokens: the plain MLP
     assert len(calls) == 3 * 2, len(calls)  # 3 steps x 2 layers, the plain model none
