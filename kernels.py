@@ -223,7 +223,6 @@ if AVAILABLE:
             out = out * tl.sigmoid(tl.sum(w_gate * x_gate[None, :], axis=1))[:, None]
         tl.store(out_ptr, out.to(out_ptr.dtype.element_ty), mask=rows)
 
-    @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache", "counts"))
     def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, pos: torch.Tensor, scale: float, q_gain: Optional[torch.Tensor] = None,
                     k_gain: Optional[torch.Tensor] = None, eps: float = 0.0, window: int = 0,
@@ -242,6 +241,19 @@ if AVAILABLE:
         around it (the gate's one-row matmul was one, docs/LOG.md, 2026-12-02). With counts ((B, Hkv)
         int32 zeros, left zero: model.KVCache's), each head's cached positions are split over
         decode_splits(B, Hkv) programs (model.split_decode)."""
+        # Every argument by position: torch 2.11's custom ops bump a mutated argument's version by its
+        # index among the arguments passed, so counts given by keyword, or left to its default, raised
+        # IndexError there (torch 2.13 fills the defaults in first).
+        return _decode_step(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain, k_gain, eps, window, v_mix, ve,
+                            gate_x, gate_w, counts)
+
+    @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache", "counts"))
+    def _decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, pos: torch.Tensor, scale: float, q_gain: Optional[torch.Tensor],
+                     k_gain: Optional[torch.Tensor], eps: float, window: int, v_mix: Optional[torch.Tensor],
+                     ve: Optional[torch.Tensor], gate_x: Optional[torch.Tensor], gate_w: Optional[torch.Tensor],
+                     counts: Optional[torch.Tensor]) -> torch.Tensor:
+        """decode_step's work, as one opaque op for torch.compile."""
         B, _, n, D = qkv.shape
         Hkv = k_cache.shape[1]
         H = n - 2 * Hkv
@@ -264,9 +276,9 @@ if AVAILABLE:
             num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         return out
 
-    @decode_step.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain=None, k_gain=None, eps=0.0, window=0, v_mix=None,
-          ve=None, gate_x=None, gate_w=None, counts=None):  # shapes for tracing
+    @_decode_step.register_fake
+    def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain, k_gain, eps, window, v_mix, ve, gate_x, gate_w,
+          counts):  # shapes for tracing
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 

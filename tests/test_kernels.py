@@ -78,6 +78,17 @@ def test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token(interpr
 
 
 @needs_triton
+def test_decode_step_hands_its_op_every_argument_by_position(monkeypatch):
+    """torch 2.11's custom ops find a mutated argument (counts) by its index among the arguments
+    passed: one given by keyword, or left to its default, raised IndexError on the GPU (2026-12-03)."""
+    arguments = torch.ops.onegpu.decode_step.default._schema.arguments  # the op's, all 16
+    calls = []
+    monkeypatch.setattr(K, "_decode_step", lambda *a, **k: calls.append((len(a), k)))
+    K.decode_step(*[torch.zeros(1)] * 6, 0.125, window=8, counts=torch.zeros(1, 1, dtype=torch.int32))
+    assert calls == [(len(arguments), {})]
+
+
+@needs_triton
 def test_the_small_matmul_matches_f_linear_and_decodes_as_the_plain_model(interpreted):
     run_under_interpreter(interpreted, "small_matmul_check")
 
