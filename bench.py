@@ -10,6 +10,7 @@
     python bench.py --attention              # textbook / SDPA backends / document mask, eager and compiled
     python bench.py --compile-modes --micro-batch-sweep --optimizer --activation-checkpointing --profile --loader
     python bench.py --generate               # decode speed: onegpu vs transformers' generate
+    python bench.py --decode-parts           # a decoded token's attention and MLP kernels alone, against plain
     python bench.py --loss-curves            # 200 steps without, with each fast path, with the defaults
     python bench.py --budget --tok-s 88m=676284   # hours to train each preset at measured rates
 
@@ -562,15 +563,18 @@ def simple_table(rows: list[dict]) -> str:
     keys = [k for k in ("micro_batch", "batch", "tok_s", "runs", "runs_spread", "step_s", "peak_gib",
                         "reserved_gib", "warmup_s", "attention_kernels", "update_ms", "cpu_us", "forward_ms", "ms", "share", "tflops", "kernel_ms", "kernel_tflops",
                         "fixed_gib", "gib_per_seq", "largest_fitting", "first_token_ms", "prefill_tok_s",
-                        "decode_tok_s", "replay_us", "kernels", "busy_us", "same_greedy_tokens", "skipped")
+                        "decode_tok_s", "replay_us", "kernels", "busy_us", "same_greedy_tokens")
             if any(k in r for r in rows)]
+    # --decode-parts: microseconds a call (at each cache position), and the largest difference from the plain twin
+    keys += [k for k in dict.fromkeys(k for r in rows for k in r) if k.startswith("us") or k == "max_abs_diff"]
+    keys += ["skipped"] if any("skipped" in r for r in rows) else []
     lines = ["| rung | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for r in rows:
         cells = []
         for k in keys:
             v = r.get(k)
-            cells.append("" if v is None else f"{v:.1%}" if k in ("share", "runs_spread")
-                         else f"{v:,.2f}" if isinstance(v, float) else str(v))
+            cells.append("" if v is None else f"{v:.1%}" if k in ("share", "runs_spread") else f"{v:.1e}"
+                         if k == "max_abs_diff" else f"{v:,.2f}" if isinstance(v, float) else str(v))
         lines.append(f"| {r['rung']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -859,6 +863,7 @@ STUDY_TABLE = {
                                              s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),
                                           vs_transformers=not s.args.no_transformers),
                  "decode_tok_s", "decoded tokens / s"),
+    "decode_parts": (lambda s: ME.decode_parts_study(s.preset, s.cuda), None, "microseconds a call"),
     "loss_curves": (curves, None, "training loss"),
 }
 STUDIES = tuple(STUDY_TABLE)

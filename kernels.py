@@ -53,9 +53,11 @@ BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
 # decode_step with its positions split (model.split_decode): about this many programs in all, at most
 # MAX_DECODE_SPLITS a head, and keys per loop step. A batch-1 step of the 88m default ran one program per
 # kv head, 6 on the H200's 132 SMs, and took 13.2 us a layer where its cache's bytes need 0.3 us
-# (docs/PERFORMANCE.md, generation): each program walks up to 516 positions alone. Split 16 ways, a run
-# of up to 516 positions is one or two loop steps of 32 keys.
-DECODE_PROGRAMS, MAX_DECODE_SPLITS, SPLIT_BLOCK_KEYS = 128, 16, 32
+# (docs/PERFORMANCE.md, generation): each program walks up to 516 positions alone. Timed alone on an H200
+# at the 88m shapes (18 settings, batches 1 and 8, positions 16 to 1,000, docs/results/2026-12-03_decode-
+# kernels-launch-sweep-88m_h200/), 64 keys and 256 programs summed 26.3 us over the four batch-1 positions
+# and 32.4 over batch 8's, where 32 keys and 128 programs took 27.0 and 48.8 (one program a head: 38.9, 44.3).
+DECODE_PROGRAMS, MAX_DECODE_SPLITS, SPLIT_BLOCK_KEYS = 256, 16, 64
 SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the presets' 2,048
 # relu2_matmul's candidate tiles (rows, columns, inner), warps and pipeline stages, which Triton's
 # autotuner times once per shape on first use: the bf16 choices of Triton's matmul tutorial for Hopper
@@ -778,7 +780,7 @@ def device_supported(device: torch.device) -> bool:
 
 def decode_splits(batch: int, kv_heads: int) -> int:
     """How many programs decode_step splits each (sequence, kv head)'s positions over: enough for about
-    DECODE_PROGRAMS programs, at least 1, at most MAX_DECODE_SPLITS (88m, 6 kv heads: 16 at batch 1, 2
+    DECODE_PROGRAMS programs, at least 1, at most MAX_DECODE_SPLITS (88m, 6 kv heads: 16 at batch 1, 5
     at batch 8)."""
     return max(1, min(MAX_DECODE_SPLITS, DECODE_PROGRAMS // (batch * kv_heads)))
 

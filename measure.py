@@ -16,6 +16,7 @@ spread (max - min over median).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -580,6 +581,109 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     if vs_transformers:
         rows += transformers_speed(model, prompt, new_tokens, batches, ours)
     return rows
+
+
+# --- The decode parts alone (bench.py --decode-parts) ------------------------------------------------------------------
+
+# The split attention's launch settings compared, (keys a loop step, programs in all): kernels.py's own, and
+# the one it replaced on 2026-12-03 (docs/LOG.md, "The split decode's launch settings, swept alone").
+DECODE_LAUNCHES = ((K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS), (32, 128))
+DECODE_POSITIONS = (16, 256, 516, 1000)  # cache positions timed: a 500-token generation's range and beyond
+
+
+def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Microseconds a call of fn() takes on the GPU: the median of `replays` replays of a CUDA graph of
+    `calls` calls, after three calls on a side stream (Triton's autotuning among them). One replay's
+    launches run back to back as in a decode step's graph, without the CPU between them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def decode_parts_study(preset: str, cuda: bool, batches=(1, 8)) -> list[dict]:
+    """Microseconds of a decoded token's fused parts alone at the preset's shapes (graph_us), each against
+    its plain twin: one layer's attention (kernels.decode_step with the preset's QK-norm, value mix, gate
+    and window) with one program a head, then its positions split at each of DECODE_LAUNCHES (model.split_decode),
+    at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as kernels.decode_mlp alone and with
+    the sum of its partials (model.decode_mlp). Twenty calls on the same weights and cache keep them in the
+    L2 cache: these are the kernels' floors, where a decode step reads every layer's weights from memory."""
+    if not (cuda and K.AVAILABLE):
+        return [{"rung": "decode parts", "skipped": "Triton kernels in CUDA graphs: measured on CUDA only"}]
+    cfg, dev, bf = C.preset(preset).model, torch.device("cuda"), torch.bfloat16
+    H, Hkv, hd, S = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max(DECODE_POSITIONS) + 1
+    g = torch.Generator(dev).manual_seed(0)
+    cos, sin = (t[0].to(dev, bf) for t in M.rope_tables(hd, 1, cfg.rope_theta, cfg.rope_truncate))
+    w1 = torch.randn(cfg.ffn_hidden, cfg.d_model, device=dev, generator=g).to(bf) * cfg.d_model ** -0.5
+    w2 = torch.randn(cfg.d_model, cfg.ffn_hidden, device=dev, generator=g).to(bf) * cfg.ffn_hidden ** -0.5
+    rows = []
+    for B in batches:
+        qkv = torch.randn(B, 1, H + 2 * Hkv, hd, device=dev, generator=g).to(bf)
+        k_cache, v_cache = (torch.randn(B, Hkv, S, hd, device=dev, generator=g).to(bf) for _ in range(2))
+        parts = dict(scale=cfg.attn_scale or hd ** -0.5, window=cfg.attn_window)
+        if cfg.qk_norm:
+            parts.update(q_gain=torch.ones(hd, device=dev, dtype=bf), k_gain=torch.ones(hd, device=dev, dtype=bf),
+                         eps=cfg.norm_eps)
+        if cfg.value_embeds:
+            parts.update(v_mix=torch.tensor([0.5, 0.5], device=dev, dtype=bf),
+                         ve=torch.randn(B, 1, Hkv * hd, device=dev, generator=g).to(bf))
+        if cfg.attn_gate:
+            parts.update(gate_x=torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf),
+                         gate_w=torch.randn(H, M.GATE_CHANNELS, device=dev, generator=g).to(bf))
+        counts = torch.zeros(B, Hkv, device=dev, dtype=torch.int32)
+        for launch in (None, *DECODE_LAUNCHES):
+            row = {"rung": f"attention, batch {B}, " + ("one program a head" if launch is None else
+                                                         f"split: {launch[0]} keys a step, {launch[1]} programs")}
+            for pos in DECODE_POSITIONS:
+                at = torch.tensor([pos], device=dev)
+                step = lambda c: K.decode_step(qkv, cos, sin, k_cache, v_cache, at, counts=c, **parts)  # noqa: E731
+                with split_launch(launch):
+                    row[f"us_at_{pos}"] = round(graph_us(lambda: step(None if launch is None else counts)), 2)
+                    if launch is not None:  # the split's output against one program a head's, and its counters reset
+                        err = (step(counts).float() - step(None).float()).abs().max().item()
+                        row["max_abs_diff"] = max(row.get("max_abs_diff", 0.0), round(err, 5))
+                        assert not counts.any(), "decode_step left its split counters set"
+            rows.append(row)
+        if not M.fast_path_applies("decode_mlp", cfg):
+            continue
+        x = torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf)
+        plain = lambda: torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1)).square(), w2)  # noqa: E731
+        fused = lambda: K.decode_mlp(x, w1, w2).sum(0).to(bf)  # noqa: E731
+        err = round((fused().float() - plain().float()).abs().max().item(), 5)
+        rows += [{"rung": f"ReLU² MLP, batch {B}, plain (matmul, ReLU², matmul)", "us": round(graph_us(plain), 2)},
+                 {"rung": f"ReLU² MLP, batch {B}, decode_mlp alone", "us": round(graph_us(lambda: K.decode_mlp(x, w1, w2)), 2)},
+                 {"rung": f"ReLU² MLP, batch {B}, decode_mlp + the sum of its partials", "us": round(graph_us(fused), 2),
+                  "max_abs_diff": err}]
+    return rows
+
+
+@contextlib.contextmanager
+def split_launch(launch):
+    """Within it, decode_step splits at `launch` = (keys a loop step, programs in all), kernels.py's
+    SPLIT_BLOCK_KEYS and DECODE_PROGRAMS, put back on leaving; None leaves them as they are."""
+    saved = K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS
+    if launch is not None:
+        K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS = launch
+    try:
+        yield
+    finally:
+        K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS = saved
 
 
 def main(argv=None):

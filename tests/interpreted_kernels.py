@@ -111,8 +111,8 @@ def decode_check():
         first = max(0, pos + 1 - window) if window else 0  # the window's oldest key
         k_cache[:, :, pos:] = v_cache[:, :, pos:] = float("nan")  # stale cache from the token on: never read
         k_cache[:, :, :first] = v_cache[:, :, :first] = float("nan")  # nor before the window
-        # One program per head, then the positions split over decode_splits(B, Hkv) programs (16 here but
-        # for 2 x 3 heads: 8), of which those past the positions so far hold no key (pos 17: 15 of 16).
+        # One program per head, then the positions split over decode_splits(B, Hkv) programs (16 in every
+        # case here), of which those past the positions so far hold no key (pos 17: 15 of 16).
         for counts in (None, torch.zeros(B, Hkv, dtype=torch.int32)):
             kc, vc = k_cache.clone(), v_cache.clone()
             out = K.decode_step(qkv, cos[0], sin[0], kc, vc, torch.tensor([pos]), scale, *gains, 1e-5, window,

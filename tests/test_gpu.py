@@ -86,6 +86,15 @@ def test_the_decode_profile_sees_each_kernel_of_the_replayed_graph():
     assert any("decode" in name for name in step["top_kernels"]), step["top_kernels"]
 
 
+def test_the_decode_parts_study_times_each_part_and_the_fused_ones_agree():
+    rows = ME.decode_parts_study("88m", cuda=True, batches=(1,))
+    attention = [r for r in rows if r["rung"].startswith("attention")]
+    assert len(attention) == 1 + len(ME.DECODE_LAUNCHES) and len(rows) == len(attention) + 3
+    assert all(r[f"us_at_{pos}"] > 0 for r in attention for pos in ME.DECODE_POSITIONS)
+    assert all(r["max_abs_diff"] < 0.05 for r in rows if "max_abs_diff" in r), rows  # bf16 outputs of size ~1
+    assert (ME.K.SPLIT_BLOCK_KEYS, ME.K.DECODE_PROGRAMS) == ME.DECODE_LAUNCHES[0]  # the settings put back
+
+
 def test_the_split_decode_and_decode_mlp_launch_fewer_kernels_a_step():
     """What decode_mlp is for: each layer's MLP is its kernel and the sum of its partials (which Inductor
     may run apart from the next norm on a GPU; on a CPU it fuses them), where the plain step runs the up-
