@@ -566,8 +566,8 @@ def simple_table(rows: list[dict]) -> str:
                         "decode_tok_s", "replay_us", "kernels", "busy_us", "same_greedy_tokens")
             if any(k in r for r in rows)]
     # --decode-parts: microseconds a call (at each cache position), and the largest difference from the plain twin
-    keys += [k for k in dict.fromkeys(k for r in rows for k in r) if k.startswith("us") or k == "max_abs_diff"]
-    keys += ["skipped"] if any("skipped" in r for r in rows) else []
+    keys += [k for k in dict.fromkeys(k for r in rows for k in r) if k.startswith("us")]
+    keys += [k for k in ("max_abs_diff", "skipped") if any(k in r for r in rows)]
     lines = ["| rung | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for r in rows:
         cells = []

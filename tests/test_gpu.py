@@ -92,6 +92,7 @@ def test_the_decode_parts_study_times_each_part_and_the_fused_ones_agree():
     assert len(attention) == 1 + len(ME.DECODE_LAUNCHES) and len(rows) == len(attention) + 3
     assert all(r[f"us_at_{pos}"] > 0 for r in attention for pos in ME.DECODE_POSITIONS)
     assert all(r["max_abs_diff"] < 0.05 for r in rows if "max_abs_diff" in r), rows  # bf16 outputs of size ~1
+    assert [r["us"] > 0 for r in rows[len(attention):]] == [True] * 3 and "max_abs_diff" in rows[-1]
     assert (ME.K.SPLIT_BLOCK_KEYS, ME.K.DECODE_PROGRAMS) == ME.DECODE_LAUNCHES[0]  # the settings put back
 
 
