@@ -593,9 +593,9 @@ DECODE_POSITIONS = (16, 256, 516, 1000)  # cache positions timed: a 500-token ge
 
 
 def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Microseconds a call of fn() takes on the GPU: the median of `replays` replays of a CUDA graph of
-    `calls` calls, after three calls on a side stream (Triton's autotuning among them). One replay's
-    launches run back to back as in a decode step's graph, without the CPU between them."""
+    """Microseconds a call of fn() takes on the GPU: a CUDA graph of `calls` calls, after three calls on a
+    side stream (Triton's autotuning among them), timed by gpu_seconds over `replays` replays (median).
+    One replay's launches run back to back as in a decode step's graph, without the CPU between them."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -607,15 +607,7 @@ def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+    return statistics.median(gpu_seconds(graph.replay) for _ in range(replays)) * 1e6 / calls
 
 
 def decode_parts_study(preset: str, cuda: bool, batches=(1, 8)) -> list[dict]:
