@@ -33,6 +33,7 @@ and model.Attention keeps the plain path. TRITON_INTERPRET=1 runs the kernel on 
 which is how tests/test_kernels.py checks it without a GPU.
 """
 
+import contextlib
 import os
 from typing import Optional  # a custom op infers its schema: Optional[Tensor] reads as Tensor? on every torch since 2.4
 
@@ -732,7 +733,7 @@ if AVAILABLE:
     # partials, which Inductor fuses with the residual add after the MLP.
     @triton.autotune([triton.Config({"BLOCK_K": k, "BLOCK_D": n}, num_warps=w, num_stages=st)
                       for k, n, w, st in (DECODE_MLP_TILES[:1] if INTERPRET else DECODE_MLP_TILES)],
-                     key=["M", "D", "HID"])
+                     key=["M", "D", "HID", "BLOCK_H"])
     @triton.jit
     def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2, ROWS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -767,6 +768,19 @@ if AVAILABLE:
     @decode_mlp.register_fake
     def _(x, w1, w2):
         return x.new_empty(triton.cdiv(w1.shape[0], DECODE_MLP_HIDDEN), *x.shape, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def launch_settings(**settings):
+    """Within it, this module's launch constants named in settings (DECODE_MLP_HIDDEN=16, ...) take their
+    values, a None leaving one as it is; all are put back on leaving. For studies that compare settings."""
+    settings = {name: value for name, value in settings.items() if value is not None}
+    saved = {name: globals()[name] for name in settings}
+    globals().update(settings)
+    try:
+        yield
+    finally:
+        globals().update(saved)
 
 
 def device_supported(device: torch.device) -> bool:

@@ -16,7 +16,6 @@ spread (max - min over median).
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -590,6 +589,9 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
 # the one it replaced on 2026-12-03 (docs/LOG.md, "The split decode's launch settings, swept alone").
 DECODE_LAUNCHES = ((K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS), (32, 128))
 DECODE_POSITIONS = (16, 256, 516, 1000)  # cache positions timed: a 500-token generation's range and beyond
+# decode_mlp's hidden units a program compared (kernels.DECODE_MLP_HIDDEN): at 88m's 3,072 hidden units, 192,
+# 96 and 48 programs on the H200's 132 SMs.
+DECODE_MLP_UNITS = (16, 32, 64)
 
 
 def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
@@ -643,12 +645,13 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8)) -> list[dict]:
                          gate_w=torch.randn(H, M.GATE_CHANNELS, device=dev, generator=g).to(bf))
         counts = torch.zeros(B, Hkv, device=dev, dtype=torch.int32)
         for launch in (None, *DECODE_LAUNCHES):
+            keys, programs = launch or (None, None)
             row = {"rung": f"attention, batch {B}, " + ("one program a head" if launch is None else
-                                                         f"split: {launch[0]} keys a step, {launch[1]} programs")}
+                                                         f"split: {keys} keys a step, {programs} programs")}
             for pos in DECODE_POSITIONS:
                 at = torch.tensor([pos], device=dev)
                 step = lambda c: K.decode_step(qkv, cos, sin, k_cache, v_cache, at, counts=c, **parts)  # noqa: E731
-                with split_launch(launch):
+                with K.launch_settings(SPLIT_BLOCK_KEYS=keys, DECODE_PROGRAMS=programs):
                     row[f"us_at_{pos}"] = round(graph_us(lambda: step(None if launch is None else counts)), 2)
                     if launch is not None:  # the split's output against one program a head's, and its counters reset
                         err = (step(counts).float() - step(None).float()).abs().max().item()
@@ -658,28 +661,20 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8)) -> list[dict]:
         if not M.fast_path_applies("decode_mlp", cfg):
             continue
         x = torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf)
-        variants = {"plain (matmul, ReLU², matmul)": lambda i: F.linear(F.relu(F.linear(x, w1[i])).square(), w2[i]),
-                    "decode_mlp alone": lambda i: K.decode_mlp(x, w1[i], w2[i]),
-                    "decode_mlp + the sum of its partials": lambda i: K.decode_mlp(x, w1[i], w2[i]).sum(0).to(bf)}
-        for name, mlp in variants.items():
-            rows.append({"rung": f"ReLU² MLP, batch {B}, {name}, {L} layers' weights in turn",
-                         "us": round(graph_us(lambda: [mlp(i) for i in range(L)]) / L, 2)})
-        plain, _, fused = (mlp(0).float() for mlp in variants.values())
-        rows[-1]["max_abs_diff"] = round((fused - plain).abs().max().item(), 5)
+        plain = lambda i: F.linear(F.relu(F.linear(x, w1[i])).square(), w2[i])  # noqa: E731
+        variants = {"plain (matmul, ReLU², matmul)": (None, plain)}
+        for units in DECODE_MLP_UNITS:
+            variants[f"decode_mlp alone, {units} hidden units a program"] = (units, lambda i: K.decode_mlp(x, w1[i], w2[i]))
+        variants["decode_mlp + the sum of its partials"] = (None, lambda i: K.decode_mlp(x, w1[i], w2[i]).sum(0).to(bf))
+        for name, (units, mlp) in variants.items():
+            with K.launch_settings(DECODE_MLP_HIDDEN=units):
+                row = {"rung": f"ReLU² MLP, batch {B}, {name}, {L} layers' weights in turn",
+                       "us": round(graph_us(lambda: [mlp(i) for i in range(L)]) / L, 2)}
+                if mlp is not plain:
+                    out = mlp(0) if units is None else mlp(0).sum(0)
+                    row["max_abs_diff"] = round((out.float() - plain(0).float()).abs().max().item(), 5)
+            rows.append(row)
     return rows
-
-
-@contextlib.contextmanager
-def split_launch(launch):
-    """Within it, decode_step splits at `launch` = (keys a loop step, programs in all), kernels.py's
-    SPLIT_BLOCK_KEYS and DECODE_PROGRAMS, put back on leaving; None leaves them as they are."""
-    saved = K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS
-    if launch is not None:
-        K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS = launch
-    try:
-        yield
-    finally:
-        K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS = saved
 
 
 def main(argv=None):

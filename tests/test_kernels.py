@@ -237,3 +237,12 @@ def test_every_triton_kernel_compiles_for_hopper_without_a_gpu(name, constexprs,
 def test_the_hopper_builds_cover_every_kernel():
     names = {n for n in dir(K) if n.startswith("_") and n.endswith("_kernel")}
     assert {b[0] for b in BUILDS} == names or not K.AVAILABLE
+
+
+def test_launch_settings_hold_inside_and_are_put_back_after_an_error():
+    before = K.DECODE_MLP_HIDDEN, K.SPLIT_BLOCK_KEYS
+    with pytest.raises(RuntimeError):
+        with K.launch_settings(DECODE_MLP_HIDDEN=16, SPLIT_BLOCK_KEYS=None):
+            assert (K.DECODE_MLP_HIDDEN, K.SPLIT_BLOCK_KEYS) == (16, before[1])  # None leaves one as it is
+            raise RuntimeError
+    assert (K.DECODE_MLP_HIDDEN, K.SPLIT_BLOCK_KEYS) == before
