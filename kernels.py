@@ -6,8 +6,7 @@ write, attention, the gate), each head's positions split over many programs with
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
 small_matmul: the decode step's matmuls of one to sixteen rows, spread over many programs.
-decode_mlp: a decode step's ReLU² MLP branch (residual add, RMSNorm, both matmuls, the square) as one kernel
-of partial sums.
+decode_mlp: the ReLU² MLP of a decode step (both matmuls and the square) as one kernel of partial sums.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
 backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
 qk_norm_rope: QK-norm and RoPE on the QKV projection's output, forward and backward, one pass each.
@@ -731,78 +730,43 @@ if AVAILABLE:
     # where the two weights' 9.4 MB need 2 us at the card's bandwidth (docs/PERFORMANCE.md, generation).
     # Here each program takes DECODE_MLP_HIDDEN hidden units: their rows of W1, the square, and their
     # columns of W2, whose product it writes as a partial sum of the output in float32; the model sums the
-    # partials, which Inductor fuses with the residual add after the MLP. The MLP's RMSNorm, and the residual
-    # add before it, run in the kernel too: every program norms the few rows itself (16 x D values at most,
-    # from the L2 cache), so the sum x + h is stored only once, by that add after the MLP. Compiled apart, a
-    # batch-1 step ran the add and the norm as a kernel of their own each layer (1.4 us on an H200, the
-    # profile of `python bench.py --generate --preset 88m`, docs/results/2026-12-03_generate-88m-split-
-    # decode-mlp_h200/).
-    @triton.jit
-    def _normed_chunk(x_ptr, h_ptr, m, k, M, K, s_xm, s_hm, HAS_H: tl.constexpr):
-        """(x + h)[m, k] rounded to x's dtype, as the plain residual add stores it, in float32; zeros outside."""
-        mask = (m[:, None] < M) & (k[None, :] < K)
-        s = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=mask, other=0.0)
-        if HAS_H:
-            s = (s.to(tl.float32) + tl.load(h_ptr + m[:, None] * s_hm + k[None, :], mask=mask, other=0.0).to(tl.float32))
-        return s.to(x_ptr.dtype.element_ty).to(tl.float32)
-
+    # partials, which Inductor fuses with the residual add after the MLP.
     @triton.autotune([triton.Config({"BLOCK_K": k, "BLOCK_D": n}, num_warps=w, num_stages=st)
                       for k, n, w, st in (DECODE_MLP_TILES[:1] if INTERPRET else DECODE_MLP_TILES)],
-                     key=["M", "D", "HID", "BLOCK_H", "HAS_H"])
+                     key=["M", "D", "HID", "BLOCK_H"])
     @triton.jit
-    def _decode_mlp_kernel(x_ptr, h_ptr, g_ptr, w1_ptr, w2_ptr, part_ptr, eps, M, D, HID, s_xm, s_hm, s_w1, s_w2,
-                           ROWS: tl.constexpr, HAS_H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
-        """part[p] = relu(n @ w1[u]^T)^2 @ w2[:, u]^T for the hidden units u of program p (BLOCK_H of them),
-        where n = RMSNorm(x + h) * g: x and h (M, D) with M <= ROWS (no h without HAS_H), g (D,), w1 (HID, D)
-        and w2 (D, HID) as nn.Linear keeps them, part (P, M, D) float32. The sum, the normed rows and the
-        square are rounded to x's dtype where the plain path stores them."""
+    def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2, ROWS: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        """part[p] = relu(x @ w1[h]^T)^2 @ w2[:, h]^T for the hidden units h of program p (BLOCK_H of them):
+        x (M, D) with M <= ROWS, w1 (HID, D) and w2 (D, HID) as nn.Linear keeps them, part (P, M, D) float32.
+        The square is rounded to x's dtype, as the plain path's activation is."""
         p = tl.program_id(0)
-        u = p * BLOCK_H + tl.arange(0, BLOCK_H)
+        h = p * BLOCK_H + tl.arange(0, BLOCK_H)
         m = tl.arange(0, ROWS)
-        squares = tl.zeros((ROWS,), tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            s = _normed_chunk(x_ptr, h_ptr, m, k0 + tl.arange(0, BLOCK_K), M, D, s_xm, s_hm, HAS_H)
-            squares += tl.sum(s * s, 1)
-        r = tl.rsqrt(squares / D + eps)  # (ROWS,)
-        acc = tl.zeros((ROWS, BLOCK_H), tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            s = _normed_chunk(x_ptr, h_ptr, m, k, M, D, s_xm, s_hm, HAS_H)
-            g = tl.load(g_ptr + k, mask=k < D, other=0.0).to(tl.float32)
-            n = ((s * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * g[None, :]).to(x_ptr.dtype.element_ty)
-            w = tl.load(w1_ptr + u[:, None].to(tl.int64) * s_w1 + k[None, :], mask=(u[:, None] < HID) & (k[None, :] < D),
-                        other=0.0)
-            acc = tl.dot(n, tl.trans(w), acc)
-        acc = tl.maximum(acc, 0.0)
+        acc = tl.maximum(_rows_by_weight_rows(x_ptr, w1_ptr, m, h, M, HID, D, s_xm, s_w1, ROWS, BLOCK_H, BLOCK_K), 0.0)
         a = (acc * acc).to(x_ptr.dtype.element_ty)  # (ROWS, BLOCK_H)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            w = tl.load(w2_ptr + d[:, None].to(tl.int64) * s_w2 + u[None, :], mask=(d[:, None] < D) & (u[None, :] < HID),
+            w = tl.load(w2_ptr + d[:, None].to(tl.int64) * s_w2 + h[None, :], mask=(d[:, None] < D) & (h[None, :] < HID),
                         other=0.0)  # (BLOCK_D, BLOCK_H)
             tl.store(part_ptr + (p * M + m[:, None]) * D + d[None, :], tl.dot(a, tl.trans(w)),
                      mask=(m[:, None] < M) & (d[None, :] < D))
 
     @torch.library.custom_op("onegpu::decode_mlp", mutates_args=())
-    def decode_mlp(x: torch.Tensor, h: Optional[torch.Tensor], gain: torch.Tensor, eps: float, w1: torch.Tensor,
-                   w2: torch.Tensor) -> torch.Tensor:
-        """A block's ReLU² MLP branch, its RMSNorm included, as partial sums for at most SMALL_MATMUL_ROWS rows:
-        x (..., D) the stream, h (..., D) the attention's output added to it (None: a block without
-        attention), gain (D,) and eps the norm's, w1 (HID, D), w2 (D, HID); returns (P, ..., D) float32,
-        P = HID / DECODE_MLP_HIDDEN, whose sum over its first dimension is relu(n w1^T)^2 w2^T with
-        n = RMSNorm(x + h) * gain. A custom op: the compiled decode step calls it as one opaque step."""
+    def decode_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The ReLU² MLP's partial sums for at most SMALL_MATMUL_ROWS rows: x (..., D), w1 (HID, D), w2
+        (D, HID); returns (P, ..., D) float32, P = HID / DECODE_MLP_HIDDEN, whose sum over its first dimension
+        is relu(x w1^T)^2 w2^T. A custom op: the compiled decode step calls it as one opaque step."""
         rows = x.reshape(-1, x.shape[-1])
-        hs = rows if h is None else h.reshape(rows.shape)
         (M, D), HID = rows.shape, w1.shape[0]
         P = triton.cdiv(HID, DECODE_MLP_HIDDEN)
         part = rows.new_empty(P, *x.shape[:-1], D, dtype=torch.float32)
-        _decode_mlp_kernel[(P,)](rows, hs, gain, w1, w2, part, eps, M, D, HID, rows.stride(0), hs.stride(0),
-                                 w1.stride(0), w2.stride(0), ROWS=SMALL_MATMUL_ROWS, HAS_H=h is not None,
-                                 BLOCK_H=DECODE_MLP_HIDDEN)
+        _decode_mlp_kernel[(P,)](rows, w1, w2, part, M, D, HID, rows.stride(0), w1.stride(0), w2.stride(0),
+                                 ROWS=SMALL_MATMUL_ROWS, BLOCK_H=DECODE_MLP_HIDDEN)
         return part
 
     @decode_mlp.register_fake
-    def _(x, h, gain, eps, w1, w2):
+    def _(x, w1, w2):
         return x.new_empty(triton.cdiv(w1.shape[0], DECODE_MLP_HIDDEN), *x.shape, dtype=torch.float32)
 
 
@@ -846,12 +810,10 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and hd >= 16 and hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1)
 
 
-def decode_mlp_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gain: torch.Tensor) -> bool:
-    """Whether decode_mlp handles x (..., D) through the norm's gain (D,), w1 (HID, D) and w2 (D, HID), on a
-    device that device_supported allows (model.Llama.setup_cache asks that once): as small_matmul for each
-    weight, with the gain in x's dtype."""
-    return (small_matmul_supported(x, w1) and w2.shape == w1.shape[::-1] and w2.dtype == x.dtype
-            and w2.stride(1) == 1 and gain.dtype == x.dtype and gain.shape == x.shape[-1:] and gain.is_contiguous())
+def decode_mlp_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether decode_mlp handles x (..., D) through w1 (HID, D) and w2 (D, HID), on a device that
+    device_supported allows (model.Llama.setup_cache asks that once): as small_matmul for each weight."""
+    return small_matmul_supported(x, w1) and w2.shape == w1.shape[::-1] and w2.dtype == x.dtype and w2.stride(1) == 1
 
 
 def small_matmul_supported(x: torch.Tensor, w: torch.Tensor) -> bool:

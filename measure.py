@@ -616,8 +616,8 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8)) -> list[dict]:
     """Microseconds of a decoded token's fused parts alone at the preset's shapes (graph_us), each against
     its plain twin: one layer's attention (kernels.decode_step with the preset's QK-norm, value mix, gate
     and window) with one program a head, then its positions split at each of DECODE_LAUNCHES (model.split_decode),
-    at DECODE_POSITIONS; and the ReLU² MLP branch (the residual add, the norm, the MLP) as the plain chain, as
-    kernels.decode_mlp alone at each of DECODE_MLP_UNITS and with the sum of its partials (model.decode_mlp). The attention's calls reuse one cache, which stays in the L2
+    at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as kernels.decode_mlp alone and with
+    the sum of its partials (model.decode_mlp). The attention's calls reuse one cache, which stays in the L2
     cache: its rows are the kernel's floor. The MLP's calls take each layer's weights in turn (88m: 8 x 9.4
     MB, more than an H200's 50 MB of L2), which come from memory as in a decode step."""
     if not (cuda and K.AVAILABLE):
@@ -660,14 +660,12 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8)) -> list[dict]:
             rows.append(row)
         if not M.fast_path_applies("decode_mlp", cfg):
             continue
-        x, h = (torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf) for _ in range(2))
-        gain, eps = torch.ones(cfg.d_model, device=dev, dtype=bf), cfg.norm_eps
-        plain = lambda i: F.linear(F.relu(F.linear(M.rms_norm(x + h, eps) * gain, w1[i])).square(), w2[i])  # noqa: E731
-        fused = lambda i: K.decode_mlp(x, h, gain, eps, w1[i], w2[i])  # noqa: E731
-        variants = {"plain (add, norm, matmul, ReLU², matmul)": (None, plain)}
+        x = torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf)
+        plain = lambda i: F.linear(F.relu(F.linear(x, w1[i])).square(), w2[i])  # noqa: E731
+        variants = {"plain (matmul, ReLU², matmul)": (None, plain)}
         for units in DECODE_MLP_UNITS:
-            variants[f"decode_mlp alone, {units} hidden units a program"] = (units, fused)
-        variants["decode_mlp + the sum of its partials"] = (None, lambda i: fused(i).sum(0).to(bf))
+            variants[f"decode_mlp alone, {units} hidden units a program"] = (units, lambda i: K.decode_mlp(x, w1[i], w2[i]))
+        variants["decode_mlp + the sum of its partials"] = (None, lambda i: K.decode_mlp(x, w1[i], w2[i]).sum(0).to(bf))
         for name, (units, mlp) in variants.items():
             with K.launch_settings(DECODE_MLP_HIDDEN=units):
                 row = {"rung": f"ReLU² MLP, batch {B}, {name}, {L} layers' weights in turn",

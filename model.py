@@ -785,8 +785,7 @@ class ReLU2(nn.Module):
     to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. Compiled, the square
     is one elementwise kernel after the up-projection; with fused_relu2 (training, CUDA, not with fp8)
     it runs in the up-projection's epilogue instead (FusedReLU2MLP), tested against the plain line below;
-    with decode_mlp (generation, CUDA) a decode step's MLP branch, its norm included, is one kernel
-    (decode_branch, which Block calls)."""
+    with decode_mlp (generation, CUDA) a decode step's MLP is one kernel (kernels.decode_mlp)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -798,20 +797,12 @@ class ReLU2(nn.Module):
     def forward(self, x):
         if self.fused and torch.is_grad_enabled() and K.runs_on(x):
             return fused_relu2_mlp(x, self.w1.weight, self.w2.weight)
+        if self.decode and not torch.is_grad_enabled() and K.decode_mlp_supported(x, self.w1.weight, self.w2.weight):
+            # (P, B, T, d) float32 partial sums, one per 32 hidden units: their sum is the MLP's output
+            return K.decode_mlp(x, self.w1.weight, self.w2.weight).sum(0).to(x.dtype)
         if self.w1.small and not self.w1.fp8:  # decoding with decode_matmuls: the square in the matmul's epilogue
             return self.w2(linear(x, self.w1.weight, small=True, relu2=True))
         return self.w2(F.relu(self.w1(x)).square())
-
-    def decodes(self, x, norm: RMSNorm) -> bool:
-        """Whether decode_branch runs for the stream x: generation with decode_mlp, where its kernel runs."""
-        return (self.decode and not torch.is_grad_enabled()
-                and K.decode_mlp_supported(x, self.w1.weight, self.w2.weight, norm.weight))
-
-    def decode_branch(self, x, h, norm: RMSNorm):
-        """self(norm(x + h)) in one kernel (kernels.decode_mlp): x (B, T, d) the stream, h the attention's
-        output (None: a block without attention). Its (P, B, T, d) float32 partial sums, one per
-        DECODE_MLP_HIDDEN hidden units, add up to the MLP's output."""
-        return K.decode_mlp(x, h, norm.weight, norm.eps, self.w1.weight, self.w2.weight).sum(0).to(x.dtype)
 
 
 class FusedReLU2MLP(torch.autograd.Function):
@@ -864,12 +855,8 @@ class Block(nn.Module):
         embedding (or None)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
-        h = self.attn(self.attn_norm(x), at, ve) if self.attn is not None else None
-        if isinstance(self.mlp, ReLU2) and self.mlp.decodes(x, self.mlp_norm):
-            # Generation's decode MLP adds h and norms in its kernel: the add after it stores x + h + MLP at once
-            return (x if h is None else x + h) + self.mlp.decode_branch(x, h, self.mlp_norm)
-        if h is not None:
-            x = x + h
+        if self.attn is not None:
+            x = x + self.attn(self.attn_norm(x), at, ve)
         if recompute_mlp:  # keep only x for the backward pass: the norm, the up-projection (w13 or w1) and
             # the activation are recomputed there, one extra up-projection matmul (Llama.recompute_mlp)
             return x + torch.utils.checkpoint.checkpoint(self.mlp_branch, x, use_reentrant=False)

@@ -421,34 +421,28 @@ def qk_norm_rope_check():
 
 
 def decode_mlp_check():
-    """The decode MLP branch's partial sums against the plain branch (the residual add and the norm in
-    float16 as the model stores them, the matmuls in float64): one row, rows that leave a tl.dot tile
-    partly masked, 16 rows (the most it takes), hidden units that leave its last program partly masked, a
-    (B, 1, d) input as a decode step hands it, no attention output (a block without attention), at
-    kernels.py's hidden units a program and at 16; then inside a model of the record recipe, the same
-    logits as the plain model's, eagerly and traced as the compiled decode step traces it."""
+    """The decode MLP's partial sums against the plain MLP in float64: one row, rows that leave a tl.dot
+    tile partly masked, 16 rows (the most it takes), hidden units that leave its last program partly
+    masked, a (B, 1, d) input as a decode step hands it, at kernels.py's hidden units a program and at 16;
+    then inside a model of the record recipe, the
+    same logits as the plain model's, eagerly and traced as the compiled decode step traces it."""
     g = torch.Generator().manual_seed(0)
     cases = [((1, 64), 96, None), ((5, 200), 100, None), ((16, 128), 512, None), ((2, 1, 64), 256, None),
              ((3, 64), 100, 16)]
-    for i, (shape, hidden, units) in enumerate(cases):
+    for shape, hidden, units in cases:
         x = torch.randn(*shape, generator=g).half()
-        h = None if i == 1 else torch.randn(*shape, generator=g).half()
-        gain = (1 + 0.1 * torch.randn(shape[-1], generator=g)).half()
         w1 = torch.randn(hidden, shape[-1], generator=g).half()
         w2 = (torch.randn(shape[-1], hidden, generator=g) * hidden ** -0.5).half()
-        assert K.decode_mlp_supported(x, w1, w2, gain)
+        assert K.decode_mlp_supported(x, w1, w2)
         with K.launch_settings(DECODE_MLP_HIDDEN=units):
-            parts = K.decode_mlp(x, h, gain, 1e-5, w1, w2)
+            parts = K.decode_mlp(x, w1, w2)
             assert parts.shape[0] == -(-hidden // K.DECODE_MLP_HIDDEN) and parts.dtype == torch.float32
-        normed = M.rms_norm(x if h is None else x + h, 1e-5) * gain  # float16, as the plain block computes it
-        exact = (normed.double() @ w1.double().t()).relu().square() @ w2.double().t()
+        exact = (x.double() @ w1.double().t()).relu().square() @ w2.double().t()
         assert parts.shape[1:] == exact.shape
         assert ((parts.sum(0).double() - exact).abs().max() / exact.abs().max()).item() < 2e-3, shape
     x, w1 = torch.randn(17, 64).half(), torch.randn(96, 64).half()
-    gain = torch.ones(64).half()
-    assert not K.decode_mlp_supported(x, w1, w1.t().contiguous(), gain)  # too many rows: the plain MLP keeps them
-    assert not K.decode_mlp_supported(x[:1], w1, w1, gain)  # w2 of the wrong shape
-    assert not K.decode_mlp_supported(x[:1], w1, w1.t().contiguous(), gain.float())  # a gain in another dtype
+    assert not K.decode_mlp_supported(x, w1, w1.t().contiguous())  # too many rows: the plain MLP keeps them
+    assert not K.decode_mlp_supported(x[:1], w1, w1)  # w2 of the wrong shape
 
     plain, fused, idx = record_pair(g, decode_mlp=True)
     with counted(K, "decode_mlp") as calls:
