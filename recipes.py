@@ -38,6 +38,7 @@ losses at equal seconds, as each rung trains and on plain 1,024-token windows.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -524,8 +525,18 @@ def stop_children(running: dict, runs_dir: Path):
     raise SystemExit(130)
 
 
+def progress_line(folder: str, seconds: float, taken: list[float], left: int, at_once: int) -> str:
+    """What a finished rung prints: its time, and what is left at the mean rung's time so far (taken:
+    every finished rung's seconds, this one's included) with `at_once` rungs running side by side."""
+    mean = sum(taken) / len(taken)
+    rest = f"{left} rung(s) left, about {mean * math.ceil(left / at_once) / 60:.0f} min at {mean:.0f} s a rung" \
+        if left else "the last rung"
+    return f"finished: {folder} in {seconds:.0f} s; {rest}"
+
+
 def _run_queue(todo: list, running: dict, free: list, results: dict, runs_dir: Path, timeout: int):
     """run_all's loop: start rungs on free devices, collect the finished and the late."""
+    taken, at_once = [], len(free)
     while todo or running:
         while todo and free:
             recipe, cmd = todo.pop(0)
@@ -554,6 +565,8 @@ def _run_queue(todo: list, running: dict, free: list, results: dict, runs_dir: P
             out.close()
             free.append(device)
             del running[folder]
+            taken.append(time.monotonic() - started)
+            print(progress_line(folder, taken[-1], taken, len(todo) + len(running), at_once), flush=True)
 
 
 def read_run(folder: Path) -> dict:

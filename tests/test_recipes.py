@@ -323,3 +323,14 @@ def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_ba
     assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch)) == default
     head = default.model.head_dim  # a power of two up to 128: FlexAttention pads any other to the next one
     assert head <= 128 and head & (head - 1) == 0 and default.model.n_kv_heads == default.model.n_heads
+
+
+def test_each_finished_rung_says_how_long_it_took_and_what_is_left(tmp_path, capsys):
+    quick = [sys.executable, "-c", "pass"]
+    todo = [(RE.Recipe(name, "tiny", "chain", {}), quick) for name in ("one", "two", "three")]
+    RE._run_queue(todo, {}, [None], {}, tmp_path, timeout=60)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("finished:")]
+    assert len(lines) == 3
+    assert "2 rung(s) left" in lines[0] and "1 rung(s) left" in lines[1] and "the last rung" in lines[2]
+    assert RE.progress_line("a", 300, [200.0, 300.0], 5, 2) == \
+        "finished: a in 300 s; 5 rung(s) left, about 12 min at 250 s a rung"  # 3 rounds of 250 s on 2 devices
