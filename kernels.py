@@ -745,7 +745,7 @@ if AVAILABLE:
                        other=0.0)
 
     @triton.autotune([triton.Config({"BLOCK_K": k, "BLOCK_D": n}, num_warps=w, num_stages=st)
-                      for k, n, w, st in (DECODE_MLP_TILES[:1] if INTERPRET else DECODE_MLP_TILES + DECODE_MLP_WIDE_TILES)],
+                      for k, n, w, st in ((DECODE_MLP_TILES + DECODE_MLP_WIDE_TILES)[:1 if INTERPRET else None])],
                      key=["M", "D", "HID", "BLOCK_H", "PREFETCH"])
     @triton.jit
     def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2, ROWS: tl.constexpr,

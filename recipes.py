@@ -530,7 +530,7 @@ def progress_line(folder: str, seconds: float, taken: list[float], left: int, at
     every finished rung's seconds, this one's included) with `at_once` rungs running side by side."""
     mean = sum(taken) / len(taken)
     rest = f"{left} rung(s) left, about {mean * math.ceil(left / at_once) / 60:.0f} min at {mean:.0f} s a rung" \
-        if left else "the last rung"
+        if left else "none left"
     return f"finished: {folder} in {seconds:.0f} s; {rest}"
 
 
