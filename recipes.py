@@ -525,13 +525,13 @@ def stop_children(running: dict, runs_dir: Path):
     raise SystemExit(130)
 
 
-def progress_line(folder: str, seconds: float, taken: list[float], left: int, at_once: int) -> str:
-    """What a finished rung prints: its time, and what is left at the mean rung's time so far (taken:
-    every finished rung's seconds, this one's included) with `at_once` rungs running side by side."""
+def progress_line(folder: str, taken: list[float], left: int, at_once: int) -> str:
+    """What a finished rung prints: its time (the last of taken, every finished rung's seconds), and what
+    is left at the mean rung's time so far with `at_once` rungs running side by side."""
     mean = sum(taken) / len(taken)
     rest = f"{left} rung(s) left, about {mean * math.ceil(left / at_once) / 60:.0f} min at {mean:.0f} s a rung" \
         if left else "none left"
-    return f"finished: {folder} in {seconds:.0f} s; {rest}"
+    return f"finished: {folder} in {taken[-1]:.0f} s; {rest}"
 
 
 def _run_queue(todo: list, running: dict, free: list, results: dict, runs_dir: Path, timeout: int):
@@ -566,7 +566,7 @@ def _run_queue(todo: list, running: dict, free: list, results: dict, runs_dir: P
             free.append(device)
             del running[folder]
             taken.append(time.monotonic() - started)
-            print(progress_line(folder, taken[-1], taken, len(todo) + len(running), at_once), flush=True)
+            print(progress_line(folder, taken, len(todo) + len(running), at_once), flush=True)
 
 
 def read_run(folder: Path) -> dict:

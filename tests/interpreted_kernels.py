@@ -424,8 +424,9 @@ def decode_mlp_check():
     """The decode MLP's partial sums against the plain MLP in float64: one row, rows that leave a tl.dot
     tile partly masked, 16 rows (the most it takes), hidden units that leave its last program partly
     masked, a (B, 1, d) input as a decode step hands it, at kernels.py's hidden units a program and at 16,
-    with W2's tiles loaded in turn and a step ahead (200 columns: two tiles); then inside a model of the record recipe, the same logits as the plain model's, eagerly and traced as
-    the compiled decode step traces it."""
+    with W2's tiles loaded in turn and a step ahead (200 columns: two tiles); then inside a model of the
+    record recipe, the same logits as the plain model's, eagerly and traced as the compiled decode step
+    traces it."""
     g = torch.Generator().manual_seed(0)
     cases = [((1, 64), 96, None, False), ((5, 200), 100, None, False), ((16, 128), 512, None, False),
              ((2, 1, 64), 256, None, False), ((3, 64), 100, 16, False), ((1, 64), 96, None, True),

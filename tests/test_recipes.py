@@ -332,5 +332,5 @@ def test_each_finished_rung_says_how_long_it_took_and_what_is_left(tmp_path, cap
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("finished:")]
     assert len(lines) == 3
     assert "2 rung(s) left" in lines[0] and "1 rung(s) left" in lines[1] and lines[2].endswith("none left")
-    assert RE.progress_line("a", 300, [200.0, 300.0], 5, 2) == \
+    assert RE.progress_line("a", [200.0, 300.0], 5, 2) == \
         "finished: a in 300 s; 5 rung(s) left, about 12 min at 250 s a rung"  # 3 rounds of 250 s on 2 devices
