@@ -82,14 +82,10 @@ SMALL_MATMUL_ROWS = 16  # at most this many rows (tokens) a call: tl.dot's small
 # decode_mlp: hidden units a program (3,072: 96 programs; tl.dot's inner side at least 16), and its
 # candidate tiles (inner columns of W1, output columns of W2), warps and stages, autotuned once per shape.
 DECODE_MLP_HIDDEN = 32
-DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2))
-# Whether decode_mlp loads its first tile of W2 before the up-projection, so that the two weights' loads
-# overlap where the kernel now waits for each in turn: at batch 1 on the 88m default it moved 9.4 MB in
-# 7.7 us a layer on an H200, a quarter of the card's bandwidth (docs/PERFORMANCE.md, generation). The
-# wider tiles, up to a whole 768-wide row a step, are candidates for it. Off until `python bench.py
-# --decode-parts` measures it faster.
-DECODE_MLP_PREFETCH = False
-DECODE_MLP_WIDE_TILES = ((256, 256, 4, 3), (512, 512, 8, 2), (1024, 1024, 8, 1))
+# The wider ones, up to a whole 768-wide row a step, joined the list on 2026-12-03. Loading W2's tiles a
+# step ahead was measured then too, and lost at every count and batch on an H200 (docs/LOG.md, 2026-12-03).
+DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2), (256, 256, 4, 3),
+                    (512, 512, 8, 2), (1024, 1024, 8, 1))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 
 if AVAILABLE:
@@ -738,38 +734,26 @@ if AVAILABLE:
     # Here each program takes DECODE_MLP_HIDDEN hidden units: their rows of W1, the square, and their
     # columns of W2, whose product it writes as a partial sum of the output in float32; the model sums the
     # partials, which Inductor fuses with the residual add after the MLP.
-    @triton.jit
-    def _w2_tile(w2_ptr, d, h, D, HID, s_w2):
-        """w2[d, h] (BLOCK_D, BLOCK_H), zeros past D and HID."""
-        return tl.load(w2_ptr + d[:, None].to(tl.int64) * s_w2 + h[None, :], mask=(d[:, None] < D) & (h[None, :] < HID),
-                       other=0.0)
-
     @triton.autotune([triton.Config({"BLOCK_K": k, "BLOCK_D": n}, num_warps=w, num_stages=st)
-                      for k, n, w, st in ((DECODE_MLP_TILES + DECODE_MLP_WIDE_TILES)[:1 if INTERPRET else None])],
-                     key=["M", "D", "HID", "BLOCK_H", "PREFETCH"])
+                      for k, n, w, st in DECODE_MLP_TILES[:1 if INTERPRET else None]],
+                     key=["M", "D", "HID", "BLOCK_H"])
     @triton.jit
     def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2, ROWS: tl.constexpr,
-                           BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
         """part[p] = relu(x @ w1[h]^T)^2 @ w2[:, h]^T for the hidden units h of program p (BLOCK_H of them):
         x (M, D) with M <= ROWS, w1 (HID, D) and w2 (D, HID) as nn.Linear keeps them, part (P, M, D) float32.
-        The square is rounded to x's dtype, as the plain path's activation is. PREFETCH: each tile of W2 is
-        loaded one loop step ahead, the first before the up-projection."""
+        The square is rounded to x's dtype, as the plain path's activation is."""
         p = tl.program_id(0)
         h = p * BLOCK_H + tl.arange(0, BLOCK_H)
         m = tl.arange(0, ROWS)
-        d = tl.arange(0, BLOCK_D)
-        if PREFETCH:
-            w = _w2_tile(w2_ptr, d, h, D, HID, s_w2)
         acc = tl.maximum(_rows_by_weight_rows(x_ptr, w1_ptr, m, h, M, HID, D, s_xm, s_w1, ROWS, BLOCK_H, BLOCK_K), 0.0)
         a = (acc * acc).to(x_ptr.dtype.element_ty)  # (ROWS, BLOCK_H)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            if not PREFETCH:
-                w = _w2_tile(w2_ptr, d, h, D, HID, s_w2)
-            out = tl.dot(a, tl.trans(w))
-            if PREFETCH:  # the next step's tile (all masked after the last), loaded before this step's store
-                w = _w2_tile(w2_ptr, d + BLOCK_D, h, D, HID, s_w2)
-            tl.store(part_ptr + (p * M + m[:, None]) * D + d[None, :], out, mask=(m[:, None] < M) & (d[None, :] < D))
+            w = tl.load(w2_ptr + d[:, None].to(tl.int64) * s_w2 + h[None, :], mask=(d[:, None] < D) & (h[None, :] < HID),
+                        other=0.0)  # (BLOCK_D, BLOCK_H)
+            tl.store(part_ptr + (p * M + m[:, None]) * D + d[None, :], tl.dot(a, tl.trans(w)),
+                     mask=(m[:, None] < M) & (d[None, :] < D))
 
     @torch.library.custom_op("onegpu::decode_mlp", mutates_args=())
     def decode_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -781,7 +765,7 @@ if AVAILABLE:
         P = triton.cdiv(HID, DECODE_MLP_HIDDEN)
         part = rows.new_empty(P, *x.shape[:-1], D, dtype=torch.float32)
         _decode_mlp_kernel[(P,)](rows, w1, w2, part, M, D, HID, rows.stride(0), w1.stride(0), w2.stride(0),
-                                 ROWS=SMALL_MATMUL_ROWS, BLOCK_H=DECODE_MLP_HIDDEN, PREFETCH=DECODE_MLP_PREFETCH)
+                                 ROWS=SMALL_MATMUL_ROWS, BLOCK_H=DECODE_MLP_HIDDEN)
         return part
 
     @decode_mlp.register_fake

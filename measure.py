@@ -617,9 +617,9 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
     its plain twin: one layer's attention (kernels.decode_step with the preset's QK-norm, value mix, gate
     and window) with one program a head, then its positions split at each of DECODE_LAUNCHES (model.split_decode),
     at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as kernels.decode_mlp alone (at each
-    of `units` hidden units a program, its W2 tiles loaded in turn and prefetched: each autotunes its own
-    tiles) and with the sum of its partials (model.decode_mlp). The attention's calls reuse one cache, which
-    stays in the L2 cache: its rows are the kernel's floor. The MLP's calls take each layer's weights in turn
+    of `units` hidden units a program: each autotunes its own tiles) and with the sum of its partials
+    (model.decode_mlp). The attention's calls reuse one cache, which stays in the L2 cache: its rows are
+    the kernel's floor. The MLP's calls take each layer's weights in turn
     (88m: 8 x 9.4 MB, more than an H200's 50 MB of L2), which come from memory as in a decode step."""
     if not (cuda and K.AVAILABLE):
         return [{"rung": "decode parts", "skipped": "Triton kernels in CUDA graphs: measured on CUDA only"}]
@@ -667,9 +667,8 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
         summed = lambda i: kernel(i).sum(0).to(bf)  # noqa: E731
         # name -> (kernels.py's launch settings, {}: as they are; what is timed; the MLP's output it gives)
         variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain),
-                    **{f"decode_mlp alone, {n} hidden units a program{', W2 prefetched' if ahead else ''}":
-                       (dict(DECODE_MLP_HIDDEN=n, DECODE_MLP_PREFETCH=ahead), kernel, summed)
-                       for ahead in (False, True) for n in units},
+                    **{f"decode_mlp alone, {n} hidden units a program": (dict(DECODE_MLP_HIDDEN=n), kernel, summed)
+                       for n in units},
                     "decode_mlp + the sum of its partials": ({}, summed, summed)}
         for name, (settings, timed, output) in variants.items():
             with K.launch_settings(**settings):

@@ -423,20 +423,19 @@ def qk_norm_rope_check():
 def decode_mlp_check():
     """The decode MLP's partial sums against the plain MLP in float64: one row, rows that leave a tl.dot
     tile partly masked, 16 rows (the most it takes), hidden units that leave its last program partly
-    masked, a (B, 1, d) input as a decode step hands it, at kernels.py's hidden units a program and at 16,
-    with W2's tiles loaded in turn and a step ahead (200 columns: two tiles); then inside a model of the
+    masked, a (B, 1, d) input as a decode step hands it, at kernels.py's hidden units a program and at 16
+    (200 columns: two tiles of W2); then inside a model of the
     record recipe, the same logits as the plain model's, eagerly and traced as the compiled decode step
     traces it."""
     g = torch.Generator().manual_seed(0)
-    cases = [((1, 64), 96, None, False), ((5, 200), 100, None, False), ((16, 128), 512, None, False),
-             ((2, 1, 64), 256, None, False), ((3, 64), 100, 16, False), ((1, 64), 96, None, True),
-             ((5, 200), 100, 16, True)]
-    for shape, hidden, units, ahead in cases:
+    cases = [((1, 64), 96, None), ((5, 200), 100, None), ((16, 128), 512, None), ((2, 1, 64), 256, None),
+             ((3, 64), 100, 16), ((5, 200), 100, 16)]
+    for shape, hidden, units in cases:
         x = torch.randn(*shape, generator=g).half()
         w1 = torch.randn(hidden, shape[-1], generator=g).half()
         w2 = (torch.randn(shape[-1], hidden, generator=g) * hidden ** -0.5).half()
         assert K.decode_mlp_supported(x, w1, w2)
-        with K.launch_settings(DECODE_MLP_HIDDEN=units, DECODE_MLP_PREFETCH=ahead):
+        with K.launch_settings(DECODE_MLP_HIDDEN=units):
             parts = K.decode_mlp(x, w1, w2)
             assert parts.shape[0] == -(-hidden // K.DECODE_MLP_HIDDEN) and parts.dtype == torch.float32
         exact = (x.double() @ w1.double().t()).relu().square() @ w2.double().t()

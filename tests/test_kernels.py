@@ -200,10 +200,7 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_qk_norm_rope_kernel", dict(H=12, HKV=4, NORM_P=16, V_P=4, D=64, TOKENS=16, BACKWARD=True),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
     ("_small_matmul_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, RELU2=True), {}),
-    ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN, PREFETCH=False),
-     {"part_ptr": "*fp32"}),
-    ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN, PREFETCH=True),
-     {"part_ptr": "*fp32"}),
+    ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN), {"part_ptr": "*fp32"}),
     ("_gram_kernel", dict(ADD=False), {}),
     ("_gram_kernel", dict(ADD=True), {}),
 ]
