@@ -36,7 +36,7 @@ import tokenizer as tk
 from config import DataConfig  # data's settings live with the others in config.py
 
 MAGIC = b"ONEGPUTK"
-VERSION = 1
+VERSION = 2  # 2: the text "<|endoftext|>" inside a document is encoded as text (tokenizer.load_tokenizer)
 HEADER_SIZE = 256  # bytes; keeps the token array 256-byte aligned in the file
 # magic, version, bytes per token, vocab size, reserved, tokenizer hash (16 hex digits),
 # token count, document count, UTF-8 bytes of the source text (for bits per byte)

@@ -52,7 +52,8 @@ def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tk.EOT, "bos_token": tk.EOT,
         "unk_token": None, "model_max_length": cfg.context, "clean_up_tokenization_spaces": False,
-        "add_bos_token": False, "add_eos_token": False}, indent=2))
+        "add_bos_token": False, "add_eos_token": False,
+        "split_special_tokens": True}, indent=2))  # "<|endoftext|>" in a text is text, as in training
     (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": tk.EOT, "bos_token": tk.EOT}, indent=2))
 
 

@@ -341,6 +341,11 @@ def load_tokenizer(path: Path):
                          f"retrain, or point --tokenizer at the original") from None
     if tok.token_to_id(EOT) is None:
         raise ValueError(f"tokenizer {path} has no {EOT} token: it was not trained by this project")
+    # The text "<|endoftext|>" inside a document is text, not a document boundary: by default
+    # `tokenizers` matches added special tokens in the input, so a file that holds the literal would
+    # be cut in two there and its 13 bytes would count none in bits per byte. The EOT between
+    # documents is written by id (data.py), never through the text.
+    tok.encode_special_tokens = True
     return tok
 
 

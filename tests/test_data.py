@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import data as D
 import model as M
@@ -42,12 +42,17 @@ def test_round_trip_any_unicode(tok, text):
 @settings(max_examples=100, deadline=None)
 @given(st.text(min_size=1))
 def test_token_byte_lengths_count_the_decoded_bytes(tok, text):
-    # A document holding the text "<|endoftext|>" is encoded with the EOT token there, which counts no
-    # bytes (docs/LOG.md, 2026-12-02: left as it is until the python-corpus ladder has finished, since
-    # encoding it as text changes those shards' tokens).
-    assume(tk.EOT not in text)
     lengths = tk.token_byte_lengths(tok)
     ids = tok.encode(text).ids
+    assert sum(lengths[i] for i in ids) == len(text.encode("utf-8"))
+
+
+def test_literal_eot_in_a_text_is_text_not_the_eot_token(tok):
+    text = f"a {tk.EOT} b"
+    ids = tok.encode(text).ids
+    assert tok.token_to_id(tk.EOT) not in ids
+    assert tok.decode(ids, skip_special_tokens=True) == text  # no special token to skip
+    lengths = tk.token_byte_lengths(tok)
     assert sum(lengths[i] for i in ids) == len(text.encode("utf-8"))
 
 

@@ -164,7 +164,7 @@ def test_export_loads_in_transformers_with_equal_logits(loaded, tmp_path):
     E.export(ckpt, tok_path, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    text = "# document 7\nthe tokens"
+    text = "# document 7\nthe tokens, and <|endoftext|> as text"  # the literal stays text, as in training
     assert hf_tok(text)["input_ids"] == tok.encode(text).ids and hf_tok.eos_token == "<|endoftext|>"
     idx = torch.randint(0, model.cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
