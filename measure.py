@@ -619,8 +619,8 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
     at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as kernels.decode_mlp alone (at each
     of `units` hidden units a program: each autotunes its own tiles) and with the sum of its partials
     (model.decode_mlp). The attention's calls reuse one cache, which stays in the L2 cache: its rows are
-    the kernel's floor. The MLP's calls take each layer's weights in turn
-    (88m: 8 x 9.4 MB, more than an H200's 50 MB of L2), which come from memory as in a decode step."""
+    the kernel's floor. The MLP's calls take each layer's weights in turn (88m: 8 x 9.4 MB, more than an
+    H200's 50 MB of L2), which come from memory as in a decode step."""
     if not (cuda and K.AVAILABLE):
         return [{"rung": "decode parts", "skipped": "Triton kernels in CUDA graphs: measured on CUDA only"}]
     cfg, dev, bf = C.preset(preset).model, torch.device("cuda"), torch.bfloat16

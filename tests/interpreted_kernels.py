@@ -424,9 +424,8 @@ def decode_mlp_check():
     """The decode MLP's partial sums against the plain MLP in float64: one row, rows that leave a tl.dot
     tile partly masked, 16 rows (the most it takes), hidden units that leave its last program partly
     masked, a (B, 1, d) input as a decode step hands it, at kernels.py's hidden units a program and at 16
-    (200 columns: two tiles of W2); then inside a model of the
-    record recipe, the same logits as the plain model's, eagerly and traced as the compiled decode step
-    traces it."""
+    (200 columns: two tiles of W2); then inside a model of the record recipe, the same logits as the plain
+    model's, eagerly and traced as the compiled decode step traces it."""
     g = torch.Generator().manual_seed(0)
     cases = [((1, 64), 96, None), ((5, 200), 100, None), ((16, 128), 512, None), ((2, 1, 64), 256, None),
              ((3, 64), 100, 16), ((5, 200), 100, 16)]
