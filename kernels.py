@@ -82,7 +82,7 @@ SMALL_MATMUL_ROWS = 16  # at most this many rows (tokens) a call: tl.dot's small
 # decode_mlp: hidden units a program (3,072: 96 programs; tl.dot's inner side at least 16), and its
 # candidate tiles (inner columns of W1, output columns of W2), warps and stages, autotuned once per shape.
 DECODE_MLP_HIDDEN = 32
-# The wider ones, up to a whole 768-wide row a step, joined the list on 2026-12-03. Loading W2's tiles a
+# The wider ones, up to 1,024 columns a step (88m's whole 768-wide row), joined the list on 2026-12-03. Loading W2's tiles a
 # step ahead was measured then too, and lost at every count and batch on an H200 (docs/LOG.md, 2026-12-03).
 DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2), (256, 256, 4, 3),
                     (512, 512, 8, 2), (1024, 1024, 8, 1))
