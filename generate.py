@@ -6,7 +6,9 @@ decode_one, which writes that token's keys and values into the preallocated cach
 (use_cache=False) every step re-reads the whole sequence: the slow reference.
 
 The fast path, GraphDecoder, replays the decode step as CUDA graphs; decoder(fast=False) is the
-plain step it is tested against. sample.py (the command) and bench.py --generate use this module.
+plain step it is tested against. Greedy decoding runs greedy_step, which also picks the token and
+advances the position, so that a replay is the whole of a token's work. sample.py (the command) and
+bench.py --generate use this module.
 """
 
 import time
@@ -40,13 +42,33 @@ def decode_one(model: M.Llama, token, pos, window: int | None = None):
     return model(token, pos=pos, window=window)[:, -1]
 
 
+def greedy_step(model: M.Llama, token, pos, window: int | None = None):
+    """One greedy step done on the device, in place: the most likely token after token (B, 1) at
+    position pos (1,) written into token, and pos advanced by one. Replayed as one CUDA graph
+    (GraphDecoder.greedy), a token leaves the host only the copy it yields, where the pick, the copies
+    into the graph's inputs and the position's increment took 19 of a batch-1 token's 250 us outside
+    the graph on an H200 (docs/PERFORMANCE.md, generation)."""
+    token.copy_(decode_one(model, token, pos, window).argmax(-1, keepdim=True))
+    pos.add_(1)
+
+
+def greedy(model: M.Llama, token, pos, n: int, length: int):
+    """n greedy tokens, each (B, 1), after token (B, 1) at pos (1,), eagerly: greedy_step on copies of
+    both, each step reading the positions written so far (length, then one more a step)."""
+    token, pos = token.clone(), pos.clone()
+    for i in range(n):
+        greedy_step(model, token, pos, length + i)
+        yield token.clone()
+
+
 @torch.no_grad()
 def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, generator=None, use_cache: bool = True, decode=None):
     """Yield (B, 1) new tokens one at a time after the prompt idx (B, T). With the cache, the
     prompt is read in one pass (prefill) and each step feeds one token through `decode`
-    (decode_one, or its CUDA-graph replay: GraphDecoder); without it, every step re-reads
-    the whole sequence (the slow reference). Stops at the context length."""
+    (decode_one, or its CUDA-graph replay: GraphDecoder), or at temperature 0 greedy_step (eagerly,
+    or replayed by the GraphDecoder); without it, every step re-reads the whole sequence (the slow
+    reference). Stops at the context length."""
     cfg = model.cfg
     B, T = idx.shape
     max_new_tokens = min(max_new_tokens, cfg.context - T)
@@ -60,6 +82,12 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
         decode = decode or decode_one
         logits = model(idx, pos=torch.arange(T, device=idx.device), window=T)[:, -1]
         pos = torch.full((1,), T, device=idx.device)  # on the device: no host-to-device copy per token
+        if temperature == 0:  # the pick inside each step: a graph replays all of a token's work
+            token = logits.argmax(-1, keepdim=True)
+            yield token
+            steps = decode.greedy if isinstance(decode, GraphDecoder) else greedy
+            yield from steps(model, token, pos, max_new_tokens - 1, T + 1)
+            return
     for i in range(max_new_tokens):
         if not use_cache:
             logits = model(idx)[:, -1]
@@ -87,7 +115,8 @@ class GraphDecoder:
     masked past the current length. Graphs per window of positions were measured and dropped: the
     step is bound by its ~80 small kernels, not by the bytes they read (docs/LOG.md, "Decode
     windows"). Inputs are copied into the graph's fixed buffers; the logits it returns are
-    overwritten by the next replay.
+    overwritten by the next replay. Greedy decoding replays a graph of greedy_step instead, which
+    feeds itself: its token and position buffers are its outputs too.
 
     mode is Inductor's compile mode; None picks by batch size what measured fastest on an H200
     (docs/PERFORMANCE.md, generation): max-autotune at batch 1, where Inductor's own kernels for the
@@ -99,38 +128,54 @@ class GraphDecoder:
         # Each batch size is one more compiled graph of decode_one, shared by every decoder in the
         # process; Dynamo's default limit (8) would stop a program that decodes many batch sizes.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.graphs = {}  # (batch, cache address) -> (graph, token, pos, logits)
+        self.graphs = {}  # (batch, cache address, step) -> (graph, token, pos, logits or None)
 
-    def step(self, batch: int):
-        """decode_one compiled with this decoder's mode for `batch` sequences."""
+    def step(self, batch: int, fn=decode_one):
+        """fn (decode_one or greedy_step) compiled with this decoder's mode for `batch` sequences."""
         mode = self.mode or ("max-autotune-no-cudagraphs" if batch == 1 else "default")
-        if mode not in self.steps:
-            self.steps[mode] = torch.compile(decode_one, mode=mode, fullgraph=True, dynamic=False)
-        return self.steps[mode]
+        if (mode, fn) not in self.steps:
+            self.steps[mode, fn] = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+        return self.steps[mode, fn]
+
+    def graph(self, token, pos, fn=decode_one):
+        """The graph of fn for this batch and cache, captured on first use, with token and pos
+        copied into its input buffers: (graph, token, pos, logits or None)."""
+        key = (token.shape[0], self.model.attentions()[0].cache.k.data_ptr(), fn)
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(token, pos, fn)
+        captured = self.graphs[key]
+        captured[1].copy_(token)
+        captured[2].copy_(pos)
+        return captured
 
     @torch.no_grad()  # inference graphs: compiled with grad on, Inductor would trace a backward too
     def __call__(self, model, token, pos, length: int | None = None):
         """Logits after `token` at `pos` (length, the tokens so far, is what eager decoding reads;
         the graph always reads the whole cache)."""
-        key = (token.shape[0], model.attentions()[0].cache.k.data_ptr())
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(token, pos)
-        graph, token_in, pos_in, logits = self.graphs[key]
-        token_in.copy_(token)
-        pos_in.copy_(pos)
+        graph, _, _, logits = self.graph(token, pos)
         graph.replay()
         return logits
 
-    def capture_all(self, batch: int):
-        """Compile and capture now (warm-up), not during a timed generation, the graph for `batch`."""
+    @torch.no_grad()
+    def greedy(self, model, token, pos, n: int, length: int):
+        """As generate.greedy (length unused: the graph reads the whole cache), one replay a token."""
+        graph, token_in, _, _ = self.graph(token, pos, greedy_step)
+        for _ in range(n):
+            graph.replay()
+            yield token_in.clone()  # the next replay overwrites token_in
+
+    def capture_all(self, batch: int, greedy: bool = False):
+        """Compile and capture now (warm-up), not during a timed generation, the graph for `batch`:
+        decode_one's, or greedy_step's for greedy decoding."""
         self.model.setup_cache(batch)
         device = self.model.embed.weight.device
-        self(self.model, torch.zeros(batch, 1, dtype=torch.long, device=device),
-             torch.zeros(1, dtype=torch.long, device=device))
+        with torch.no_grad():
+            self.graph(torch.zeros(batch, 1, dtype=torch.long, device=device),
+                       torch.zeros(1, dtype=torch.long, device=device), greedy_step if greedy else decode_one)
 
-    def capture(self, token, pos):
+    def capture(self, token, pos, fn):
         token_in, pos_in = token.clone(), pos.clone()
-        step = self.step(token.shape[0])
+        step = self.step(token.shape[0], fn)
         window = self.model.cfg.context
         # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
         saved = [(a.cache.k.clone(), a.cache.v.clone()) for a in self.model.attentions()]
@@ -138,6 +183,8 @@ class GraphDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
             for _ in range(3):
+                token_in.copy_(token)  # greedy_step advances pos_in: each warm-up writes the same position
+                pos_in.copy_(pos)
                 step(self.model, token_in, pos_in, window)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

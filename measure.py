@@ -337,7 +337,7 @@ def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, d
 
     def warm_up():
         if decode is not G.decode_one:
-            decode.capture_all(batch)
+            decode.capture_all(batch, greedy=True)
         generate()
     _, warm = timed(warm_up, net.embed.weight.device)
     runs = []
@@ -358,15 +358,21 @@ def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, d
     return row, tokens
 
 
-def decode_graph(decode: G.GraphDecoder, batch: int):
-    return next(g for (b, _), (g, *_) in decode.graphs.items() if b == batch)
+def decode_graph(decode: G.GraphDecoder, batch: int, replays: int):
+    """The graph greedy decoding replays at `batch` (greedy_step's, captured by a generation), its
+    position moved back by `replays` (not below 0): each replay advances it by one, so the replays
+    to come end where the generation left it, inside the cache."""
+    graph, _, pos, _ = next(c for (b, _, fn), c in decode.graphs.items() if b == batch and fn is G.greedy_step)
+    pos.sub_(replays).clamp_(min=0)
+    return graph
 
 
 def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
     """GPU time of one decode step: the batch's graph replayed n times back to back. Beside the
     step time of a real generation (step_us) it shows how much of each token is the GPU's work
     and how much the host's loop around it."""
-    return gpu_seconds(decode_graph(decode, batch).replay, n) * 1e6 / n
+    graph = decode_graph(decode, batch, n)
+    return gpu_seconds(graph.replay, n) * 1e6 / n
 
 
 def step_kernels(stats: dict[str, tuple[int, float]], steps: int, top: int = 8) -> dict:
@@ -382,7 +388,7 @@ def step_kernels(stats: dict[str, tuple[int, float]], steps: int, top: int = 8) 
 def decode_kernels(decode: G.GraphDecoder, batch: int, n: int = 50) -> dict:
     """step_kernels of the batch's decode graph, replayed n times under torch.profiler (after one
     replay outside it). The profiler sees each kernel of a replayed graph as its own launch."""
-    graph = decode_graph(decode, batch)
+    graph = decode_graph(decode, batch, n + 1)
     graph.replay()
     return step_kernels(kernel_stats(lambda: [graph.replay() for _ in range(n)], torch.device("cuda")), n)
 

@@ -73,6 +73,10 @@ def test_compiled_decode_gives_the_same_tokens_as_the_plain_paths():
     tuned = G.decoder(model, torch.device("cuda"), mode="max-autotune-no-cudagraphs")  # batch 1's mode, at batch 2
     autotuned = G.generate_batch(model, ids, 2, 40, 0.0, 0, 1.0, None, decode=tuned)[0]
     assert eager == plain and graph == plain and again == plain and autotuned == plain
+    # Sampling replays decode_one's graph (greedy decoding, greedy_step's): the same draws as eager decoding.
+    sampled = [G.generate_batch(model, ids, 2, 40, 1.0, 50, 1.0, torch.Generator("cuda").manual_seed(3),
+                                decode=decode)[0] for decode in (G.decode_one, G.decoder(model, torch.device("cuda")))]
+    assert sampled[0] == sampled[1] and sampled[0] != plain
 
 
 def test_the_decode_profile_sees_each_kernel_of_the_replayed_graph():

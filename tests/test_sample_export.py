@@ -44,6 +44,19 @@ def test_greedy_with_cache_equals_without(loaded):
     assert with_cache == greedy(model, ids, 40, use_cache=False) and len(with_cache) == 40
 
 
+@pytest.mark.slow
+def test_greedy_step_compiled_as_the_graph_decoder_compiles_it_gives_the_same_tokens(loaded, monkeypatch):
+    """GraphDecoder compiles greedy_step whole, reading the whole cache, and replays it: the step writes its
+    token and position in place, and Inductor must keep every read of the position before the increment.
+    Here the same compiled step runs eagerly on the CPU, each step as a replay would."""
+    ckpt, tok, _, model = loaded
+    ids = tok.encode("# document 3\n").ids
+    eager = greedy(model, ids, 20)
+    step = torch.compile(G.greedy_step, fullgraph=True, dynamic=False)
+    monkeypatch.setattr(G, "greedy_step", lambda model, token, pos, window: step(model, token, pos, model.cfg.context))
+    assert greedy(model, ids, 20) == eager
+
+
 def test_batch_of_n_equals_n_single_runs(loaded):
     ckpt, tok, _, model = loaded
     ids = tok.encode("the").ids
