@@ -623,8 +623,8 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
     its plain twin: one layer's attention (kernels.decode_step with the preset's QK-norm, value mix, gate
     and window) with one program a head, then its positions split at each of DECODE_LAUNCHES (model.split_decode),
     at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as kernels.decode_mlp alone (at each
-    of `units` hidden units a program: each autotunes its own tiles; and with W2 stored transposed) and with
-    the sum of its partials (model.decode_mlp). The attention's calls reuse one cache, which stays in the L2 cache: its rows are
+    of `units` hidden units a program: each autotunes its own tiles; and with W2 stored transposed), with
+    the sum of its partials (model.decode_mlp), and each of its halves alone (kernels.small_matmul). The attention's calls reuse one cache, which stays in the L2 cache: its rows are
     the kernel's floor. The MLP's calls take each layer's weights in turn (88m: 8 x 9.4 MB, more than an
     H200's 50 MB of L2), which come from memory as in a decode step."""
     if not (cuda and K.AVAILABLE):
@@ -668,26 +668,34 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
         if not M.fast_path_applies("decode_mlp", cfg):
             continue
         x = torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf)
-        plain = lambda i: F.linear(F.relu(F.linear(x, w1[i])).square(), w2[i])  # noqa: E731
+        up_plain = lambda i: F.relu(F.linear(x, w1[i])).square()  # noqa: E731
+        plain = lambda i: F.linear(up_plain(i), w2[i])  # noqa: E731
         kernel = lambda i: K.decode_mlp(x, w1[i], w2[i])  # noqa: E731
         summed = lambda i: kernel(i).sum(0).to(bf)  # noqa: E731
         # W2 stored as (hidden, d): each program's hidden units are one 48 KB block of memory (88m, 32
         # units), where nn.Linear's (d, hidden) gives it 768 pieces of 64 bytes, 6 KB apart.
         w2t = w2.transpose(1, 2).contiguous()
         transposed = lambda i: K.decode_mlp(x, w1[i], w2t[i].t())  # noqa: E731
-        # name -> (kernels.py's launch settings, {}: as they are; what is timed; the MLP's output it gives)
-        variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain),
-                    **{f"decode_mlp alone, {n} hidden units a program": (dict(DECODE_MLP_HIDDEN=n), kernel, summed)
-                       for n in units},
+        # Each half of the MLP alone, through the small matmul's tiles: which half the fused kernel loses in.
+        hidden = up_plain(0)  # (B, 1, hidden)
+        up = lambda i: K.small_matmul(x, w1[i], True)  # noqa: E731
+        down = lambda i: K.small_matmul(hidden, w2[i])  # noqa: E731
+        down_plain = lambda i: F.linear(hidden, w2[i])  # noqa: E731
+        # name -> (kernels.py's launch settings, {}: as they are; what is timed; its output; the plain output)
+        variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain, plain),
+                    **{f"decode_mlp alone, {n} hidden units a program":
+                       (dict(DECODE_MLP_HIDDEN=n), kernel, summed, plain) for n in units},
                     "decode_mlp alone, W2 stored as (hidden, d)": ({}, transposed,
-                                                                   lambda i: transposed(i).sum(0).to(bf)),
-                    "decode_mlp + the sum of its partials": ({}, summed, summed)}
-        for name, (settings, timed, output) in variants.items():
+                                                                   lambda i: transposed(i).sum(0).to(bf), plain),
+                    "decode_mlp + the sum of its partials": ({}, summed, summed, plain),
+                    "the up-projection and square alone (small_matmul)": ({}, up, up, up_plain),
+                    "the down-projection alone (small_matmul)": ({}, down, down, down_plain)}
+        for name, (settings, timed, output, reference) in variants.items():
             with K.launch_settings(**settings):
                 row = {"rung": f"ReLU² MLP, batch {B}, {name}, {L} layers' weights in turn",
                        "us": round(graph_us(lambda: [timed(i) for i in range(L)]) / L, 2)}
-                if output is not plain:
-                    row["max_abs_diff"] = round((output(0).float() - plain(0).float()).abs().max().item(), 5)
+                if output is not reference:
+                    row["max_abs_diff"] = round((output(0).float() - reference(0).float()).abs().max().item(), 5)
             rows.append(row)
     return rows
 
