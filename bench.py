@@ -296,7 +296,7 @@ def activation_checkpointing_study(preset, batch_tokens, micro_batch, steps, cud
 
 def optimizer_study(preset: str, cuda: bool) -> list[dict]:
     """Device time of clip + update (median of 20): AdamW in each implementation on every
-    parameter, then Muon's part alone (the block matrices), ours (with and without kernels.gram, which
+    parameter, then Muon's part alone (the block matrices), ours (with and without onegpu_kernels.gram, which
     runs on CUDA only) against torch.optim.Muon."""
     device = torch.device("cuda" if cuda else "cpu")
     model = M.Llama(C.preset(preset).model).to(device)

@@ -89,7 +89,7 @@ class TrainConfig:
     # record #28 stores that matrix transposed (d x ffn), so every update there is scaled by 1.
     muon_tall_scale: bool = True  # a tall (rows > cols) matrix's update times sqrt(rows / cols) (Jordan's)
     muon_shared: bool = True  # under torchrun each rank orthogonalises a share of the matrices (optim.Muon)
-    muon_kernel: bool = False  # Newton-Schulz's symmetric products as kernels.gram, half their tiles (CUDA)
+    muon_kernel: bool = False  # Newton-Schulz's symmetric products as onegpu_kernels.gram, half their tiles (CUDA)
     muon_momentum_warmup: int = 0  # steps over which Muon's momentum rises from muon_momentum_start (modded-nanogpt: 300)
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0 when muon_momentum_warmup > 0 (modded-nanogpt's)
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)

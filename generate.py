@@ -110,7 +110,7 @@ class GraphDecoder:
     whole step, where eager decoding launches about a hundred kernels and torch.compile's own
     CUDA graphs ("reduce-overhead") still check every weight on each call.
 
-    A graph's shapes are fixed. The fused decode kernel (kernels.decode_step, the default) reads
+    A graph's shapes are fixed. The fused decode kernel (onegpu_kernels.decode_step, the default) reads
     the position from a tensor and stops there; the plain path reads all `context` cache positions,
     masked past the current length. Graphs per window of positions were measured and dropped: the
     step is bound by its ~80 small kernels, not by the bytes they read (docs/LOG.md, "Decode

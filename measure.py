@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import checkpoint as CK
 import config as C
 import generate as G
-import kernels as K
+import onegpu_kernels as K
 import model as M
 import train as TR
 
@@ -591,11 +591,11 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
 
 # --- The decode parts alone (bench.py --decode-parts) ------------------------------------------------------------------
 
-# The split attention's launch settings compared, (keys a loop step, programs in all): kernels.py's own, and
+# The split attention's launch settings compared, (keys a loop step, programs in all): onegpu_kernels.py's own, and
 # the one it replaced on 2026-12-03 (docs/LOG.md, "The split decode's launch settings, swept alone").
 DECODE_LAUNCHES = ((K.SPLIT_BLOCK_KEYS, K.DECODE_PROGRAMS), (32, 128))
 DECODE_POSITIONS = (16, 256, 516, 1000)  # cache positions timed: a 500-token generation's range and beyond
-# decode_mlp's hidden units a program compared (kernels.DECODE_MLP_HIDDEN): at 88m's 3,072 hidden units, 192,
+# decode_mlp's hidden units a program compared (onegpu_kernels.DECODE_MLP_HIDDEN): at 88m's 3,072 hidden units, 192,
 # 96 and 48 programs on the H200's 132 SMs.
 DECODE_MLP_UNITS = (16, 32, 64)
 
@@ -618,15 +618,53 @@ def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
     return statistics.median(gpu_seconds(graph.replay) for _ in range(replays)) * 1e6 / calls
 
 
+def decode_mlp_rows(x, w1, w2, units) -> list[dict]:
+    """decode_parts_study's ReLU² MLP rows for x (B, 1, d) through one (w1, w2) pair a layer, (L, hidden, d)
+    and (L, d, hidden), taken in turn so that their bytes come from memory, as in a decode step."""
+    (B, _, _), L, bf = x.shape, w1.shape[0], x.dtype
+    up_plain = lambda i: F.relu(F.linear(x, w1[i])).square()  # noqa: E731
+    plain = lambda i: F.linear(up_plain(i), w2[i])  # noqa: E731
+    kernel = lambda i: K.decode_mlp(x, w1[i], w2[i])  # noqa: E731
+    summed = lambda i: kernel(i).sum(0).to(bf)  # noqa: E731
+    # W2 stored as (hidden, d): each program's hidden units are one 48 KB block of memory (88m, 32
+    # units), where nn.Linear's (d, hidden) gives it 768 pieces of 64 bytes, 6 KB apart.
+    w2t = w2.transpose(1, 2).contiguous()
+    transposed = lambda i: K.decode_mlp(x, w1[i], w2t[i].t())  # noqa: E731
+    # Each half of the MLP alone, through the small matmul's tiles: which half the fused kernel loses in.
+    hidden = up_plain(0)  # (B, 1, hidden)
+    up = lambda i: K.small_matmul(x, w1[i], True)  # noqa: E731
+    down = lambda i: K.small_matmul(hidden, w2[i])  # noqa: E731
+    down_plain = lambda i: F.linear(hidden, w2[i])  # noqa: E731
+    # name -> (onegpu_kernels.py's launch settings, {}: as they are; what is timed; its output; the plain output)
+    variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain, plain),
+                **{f"decode_mlp alone, {n} hidden units a program":
+                   (dict(DECODE_MLP_HIDDEN=n), kernel, summed, plain) for n in units},
+                "decode_mlp alone, W2 stored as (hidden, d)": ({}, transposed,
+                                                               lambda i: transposed(i).sum(0).to(bf), plain),
+                "decode_mlp + the sum of its partials": ({}, summed, summed, plain),
+                "the up-projection and square alone (small_matmul)": ({}, up, up, up_plain),
+                "the down-projection alone (small_matmul)": ({}, down, down, down_plain)}
+    rows = []
+    for name, (settings, timed, output, reference) in variants.items():
+        with K.launch_settings(**settings):
+            row = {"rung": f"ReLU² MLP, batch {B}, {name}, {L} layers' weights in turn",
+                   "us": round(graph_us(lambda: [timed(i) for i in range(L)]) / L, 2)}
+            if output is not reference:
+                row["max_abs_diff"] = round((output(0).float() - reference(0).float()).abs().max().item(), 5)
+        rows.append(row)
+    return rows
+
+
 def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP_UNITS) -> list[dict]:
     """Microseconds of a decoded token's fused parts alone at the preset's shapes (graph_us), each against
-    its plain twin: one layer's attention (kernels.decode_step with the preset's QK-norm, value mix, gate
-    and window) with one program a head, then its positions split at each of DECODE_LAUNCHES (model.split_decode),
-    at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as kernels.decode_mlp alone (at each
-    of `units` hidden units a program: each autotunes its own tiles; and with W2 stored transposed), with
-    the sum of its partials (model.decode_mlp), and each of its halves alone (kernels.small_matmul). The attention's calls reuse one cache, which stays in the L2 cache: its rows are
-    the kernel's floor. The MLP's calls take each layer's weights in turn (88m: 8 x 9.4 MB, more than an
-    H200's 50 MB of L2), which come from memory as in a decode step."""
+    its plain twin: one layer's attention (onegpu_kernels.decode_step with the preset's QK-norm, value mix,
+    gate and window) with one program a head, then its positions split at each of DECODE_LAUNCHES
+    (model.split_decode), at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as
+    onegpu_kernels.decode_mlp alone (at each of `units` hidden units a program: each autotunes its own
+    tiles; and with W2 stored transposed), with the sum of its partials (model.decode_mlp), and each of
+    its halves alone (onegpu_kernels.small_matmul). The attention's calls reuse one cache, which stays in
+    the L2 cache: its rows are the kernel's floor. The MLP's calls take each layer's weights in turn
+    (88m: 8 x 9.4 MB, more than an H200's 50 MB of L2), which come from memory as in a decode step."""
     if not (cuda and K.AVAILABLE):
         return [{"rung": "decode parts", "skipped": "Triton kernels in CUDA graphs: measured on CUDA only"}]
     cfg, dev, bf = C.preset(preset).model, torch.device("cuda"), torch.bfloat16
@@ -667,36 +705,7 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
             rows.append(row)
         if not M.fast_path_applies("decode_mlp", cfg):
             continue
-        x = torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf)
-        up_plain = lambda i: F.relu(F.linear(x, w1[i])).square()  # noqa: E731
-        plain = lambda i: F.linear(up_plain(i), w2[i])  # noqa: E731
-        kernel = lambda i: K.decode_mlp(x, w1[i], w2[i])  # noqa: E731
-        summed = lambda i: kernel(i).sum(0).to(bf)  # noqa: E731
-        # W2 stored as (hidden, d): each program's hidden units are one 48 KB block of memory (88m, 32
-        # units), where nn.Linear's (d, hidden) gives it 768 pieces of 64 bytes, 6 KB apart.
-        w2t = w2.transpose(1, 2).contiguous()
-        transposed = lambda i: K.decode_mlp(x, w1[i], w2t[i].t())  # noqa: E731
-        # Each half of the MLP alone, through the small matmul's tiles: which half the fused kernel loses in.
-        hidden = up_plain(0)  # (B, 1, hidden)
-        up = lambda i: K.small_matmul(x, w1[i], True)  # noqa: E731
-        down = lambda i: K.small_matmul(hidden, w2[i])  # noqa: E731
-        down_plain = lambda i: F.linear(hidden, w2[i])  # noqa: E731
-        # name -> (kernels.py's launch settings, {}: as they are; what is timed; its output; the plain output)
-        variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain, plain),
-                    **{f"decode_mlp alone, {n} hidden units a program":
-                       (dict(DECODE_MLP_HIDDEN=n), kernel, summed, plain) for n in units},
-                    "decode_mlp alone, W2 stored as (hidden, d)": ({}, transposed,
-                                                                   lambda i: transposed(i).sum(0).to(bf), plain),
-                    "decode_mlp + the sum of its partials": ({}, summed, summed, plain),
-                    "the up-projection and square alone (small_matmul)": ({}, up, up, up_plain),
-                    "the down-projection alone (small_matmul)": ({}, down, down, down_plain)}
-        for name, (settings, timed, output, reference) in variants.items():
-            with K.launch_settings(**settings):
-                row = {"rung": f"ReLU² MLP, batch {B}, {name}, {L} layers' weights in turn",
-                       "us": round(graph_us(lambda: [timed(i) for i in range(L)]) / L, 2)}
-                if output is not reference:
-                    row["max_abs_diff"] = round((output(0).float() - reference(0).float()).abs().max().item(), 5)
-            rows.append(row)
+        rows += decode_mlp_rows(torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf), w1, w2, units)
     return rows
 
 

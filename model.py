@@ -19,7 +19,7 @@ in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_ro
 token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
 programs, `decode_matmuls` hands it the matmuls of a decode step and `decode_mlp` its ReLU² MLP.
 
-Of the project, this file imports only kernels.py, where those Triton kernels live.
+Of the project, this file imports only onegpu_kernels.py, where those Triton kernels live.
 """
 
 import math
@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels as K
+import onegpu_kernels as K
 
 # How attention runs in training. "sdpa" lets PyTorch pick (cuDNN on an H100/H200 with torch 2.11);
 # flash/cudnn/efficient/math pin one SDPA backend (CUDA); "textbook" writes out the T x T scores.
@@ -374,7 +374,7 @@ def cached_attention(q, k, v, mask, scale: float | None = None):
     (B, Hkv, G * Tq, hd), so grouped-query attention needs no copies of K/V. On CUDA this is two
     matmuls and a softmax (decode_attention_matmuls); elsewhere one masked SDPA call, which is
     fewer operations for the CPU to dispatch. (With fused_decode a single new token skips all of
-    this: Attention.forward hands it to kernels.decode_step.)"""
+    this: Attention.forward hands it to onegpu_kernels.decode_step.)"""
     B, H, Tq, hd = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
@@ -555,7 +555,7 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
 
 
 class FP8HeadCrossEntropy(torch.autograd.Function):
-    """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then kernels.cross_entropy.
+    """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then onegpu_kernels.cross_entropy.
     Its backward has the loss kernel write the logits' gradient twice in one pass, in the logits' dtype
     for the weight gradient and in e5m2, scaled by the bound 1/n, for the input gradient. Apart, the
     FP8 head casts that gradient in a pass of its own: 2 bytes read and 1 written per logit. On one H200,
@@ -594,7 +594,7 @@ def fp8_head_cross_entropy(x, weight, targets, cap: float):
 def linear(x, weight, small: bool = False, relu2: bool = False):
     """F.linear without a bias (relu2: then relu(.)^2, the ReLU² MLP's activation). With small (generation
     on a GPU with decode_matmuls: Llama.setup_cache), a decode step's product, one new token for each of
-    at most 16 sequences (x: (B, 1, d)), runs as kernels.small_matmul, the square in its epilogue, tested
+    at most 16 sequences (x: (B, 1, d)), runs as onegpu_kernels.small_matmul, the square in its epilogue, tested
     against these lines. Not the prompt's: its kernel is autotuned per shape, once, and the compiled decode
     step's warm-up is where that costs nothing a user waits for."""
     one_token = x.dim() == 3 and x.shape[1] == 1
@@ -648,9 +648,9 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_heads, context, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        # Whether kernels.decode_step can run here (Ampere or newer), asked once, outside compiled code.
+        # Whether onegpu_kernels.decode_step can run here (Ampere or newer), asked once, outside compiled code.
         self.fusable = K.device_supported(torch.device(device))
-        # split_decode's count of each head's finished programs (kernels.decode_step), zero between steps.
+        # split_decode's count of each head's finished programs (onegpu_kernels.decode_step), zero between steps.
         self.register_buffer("counts", torch.zeros(batch, n_kv_heads, device=device, dtype=torch.int32),
                              persistent=False)
 
@@ -707,7 +707,7 @@ class Attention(nn.Module):
         """(B, T, H + 2 Hkv, hd) -> q, k, v (B, T, heads, hd): split_heads, then RoPE on q and k (cos, sin:
         (T, hd))."""
         if training and self.fused_qk and torch.is_grad_enabled() and K.qk_norm_rope_supported(qkv, cos):
-            # Training: QK-norm and RoPE in one Triton kernel each way (kernels.qk_norm_rope), tested
+            # Training: QK-norm and RoPE in one Triton kernel each way (onegpu_kernels.qk_norm_rope), tested
             # against the two lines below, which evaluation and decoding run.
             qkv = K.qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads, self.q_norm.eps)
             return self.split_heads(qkv, ve, norm=False)
@@ -728,7 +728,7 @@ class Attention(nn.Module):
         if (pos is not None and self.fused_decode and self.cache.fusable and not torch.is_grad_enabled()
                 and K.decode_step_supported(qkv, self.cache.k)):
             # One new token: QK-norm, RoPE, the value's mix, the cache write, attention over positions
-            # 0..pos and the gate in one Triton kernel (kernels.decode_step), tested against the plain
+            # 0..pos and the gate in one Triton kernel (onegpu_kernels.decode_step), tested against the plain
             # path below. It has no backward pass: with gradients on, the plain path runs.
             parts = {}
             if self.q_norm is not None:
@@ -761,7 +761,7 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """(silu(x W1) * x W3) W2 (Shazeer 2020), with W1 and W3 stacked into one matmul. With
     fused_swiglu (CUDA, training; on in the presets, so it runs wherever mlp = "swiglu") the
-    activation runs as kernels.swiglu, forward and backward one kernel each, tested against the
+    activation runs as onegpu_kernels.swiglu, forward and backward one kernel each, tested against the
     plain line below, which runs on CPU."""
 
     def __init__(self, cfg: ModelConfig):
@@ -785,7 +785,7 @@ class ReLU2(nn.Module):
     to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. Compiled, the square
     is one elementwise kernel after the up-projection; with fused_relu2 (training, CUDA, not with fp8)
     it runs in the up-projection's epilogue instead (FusedReLU2MLP), tested against the plain line below;
-    with decode_mlp (generation, CUDA) a decode step's MLP is one kernel (kernels.decode_mlp)."""
+    with decode_mlp (generation, CUDA) a decode step's MLP is one kernel (onegpu_kernels.decode_mlp)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -806,7 +806,7 @@ class ReLU2(nn.Module):
 
 
 class FusedReLU2MLP(torch.autograd.Function):
-    """relu(x W1^T)^2 W2^T with the square in the up-projection's epilogue (kernels.relu2_matmul). It
+    """relu(x W1^T)^2 W2^T with the square in the up-projection's epilogue (onegpu_kernels.relu2_matmul). It
     keeps the activation a = relu(h)^2 for the backward, which the down-projection's weight gradient needs
     anyway, and not h: relu(h) = sqrt(a), so the backward needs no more. Where the plain path keeps both
     h and a, this saves one (tokens, hidden) tensor per layer (3.7 GiB at 88m, micro-batch 64 on an H200).
@@ -1126,7 +1126,7 @@ class Llama(nn.Module):
 
 def cross_entropy(logits, targets, cap: float, kernel: bool = False):
     """Mean cross-entropy of softcap(logits, cap) (N, vocab) against targets (N,). kernel: through
-    kernels.cross_entropy where it runs (ModelConfig.loss_kernel), else the plain loss, its reference."""
+    onegpu_kernels.cross_entropy where it runs (ModelConfig.loss_kernel), else the plain loss, its reference."""
     if kernel and K.cross_entropy_supported(logits):
         return K.cross_entropy(logits, targets, cap)[0].mean()
     # Softmax in (at least) float32: bf16 logits lose about three digits of the loss.

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import config as C
-import kernels as K
+import onegpu_kernels as K
 import model as M
 
 # The optimizer's fast path beside model.TRAINING_FAST_PATHS: a train setting, off unless named, whose
@@ -88,7 +88,7 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7, kernel
     """The Newton-Schulz iteration on a stack of matrices g (n, rows, cols): about U V^T of each
     matrix's SVD U S V^T (the singular values land in roughly [0.7, 1.2], which trains as well).
     Computed in `dtype` (bfloat16 on a GPU, as published); returns g's dtype. kernel: the two symmetric
-    products through kernels.gram where it runs (train.muon_kernel), each symmetric tile computed once."""
+    products through onegpu_kernels.gram where it runs (train.muon_kernel), each symmetric tile computed once."""
     x = g.to(dtype)
     wide = x.shape[-2] <= x.shape[-1]
     if not wide:  # iterate on the wide orientation: the Gram matrix is the smaller square
@@ -131,7 +131,7 @@ class Muon(torch.optim.Optimizer):
     bfloat16 matmuls are slow). Tests pass float64 to compare with the published algorithm.
     shared: in a process group of several ranks, split the iteration over them (orthogonalize_shared);
     every rank must then step with the same gradients, as DDP's all-reduce leaves them.
-    kernel: the iteration's symmetric products through kernels.gram where it runs (orthogonalize)."""
+    kernel: the iteration's symmetric products through onegpu_kernels.gram where it runs (orthogonalize)."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
                  ns_dtype: torch.dtype | None = None, tall_scale: bool = True, shared: bool = True,

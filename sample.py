@@ -9,7 +9,7 @@ KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (
 the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
 --no-cache re-reads the whole sequence every token (the slow reference both are tested against).
 On GPUs of compute capability 8.0 and newer each new token's RoPE, cache write and attention run
-as one Triton kernel (kernels.py), split over many programs with split_decode, and with
+as one Triton kernel (onegpu_kernels.py), split over many programs with split_decode, and with
 decode_matmuls its matmuls, with decode_mlp its ReLU² MLP, as kernels of their own; --no-fused-decode
 runs the plain PyTorch paths instead.
 bfloat16 weights on CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to
@@ -98,7 +98,7 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (no CUDA graph)")
     p.add_argument("--no-fused-decode", action="store_true",
                    help="CUDA: plain PyTorch attention and matmuls for each new token, not the Triton kernels "
-                        "(kernels.py: decode_step, and small_matmul or decode_mlp where the model has "
+                        "(onegpu_kernels.py: decode_step, and small_matmul or decode_mlp where the model has "
                         "decode_matmuls or decode_mlp)")
     for name, label in M.GENERATION_FAST_PATHS.items():  # generation's own switches: the weights stay the same
         if name != "fused_decode":  # its off switch is --no-fused-decode, which turns all of them off

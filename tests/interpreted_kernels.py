@@ -1,4 +1,4 @@
-"""Checks of kernels.py's Triton kernels that run under Triton's CPU interpreter. TRITON_INTERPRET=1
+"""Checks of onegpu_kernels.py's Triton kernels that run under Triton's CPU interpreter. TRITON_INTERPRET=1
 must be set before Triton is imported, so tests/test_kernels.py runs them all in one fresh process
 with it set (one start of torch and Triton, not one a check); the file is not named test_*.py, so pytest does not collect it itself.
 float16 throughout: the interpreter computes with NumPy, which has no bfloat16."""
@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 import generate as G
-import kernels as K
+import onegpu_kernels as K
 import model as M
 
 
@@ -347,7 +347,7 @@ def relu2_check():
 
 
 def gram_check():
-    """kernels.gram against float32 matmuls (x x^T, and b G + c G G), on sides the tiles do not divide and on
+    """onegpu_kernels.gram against float32 matmuls (x x^T, and b G + c G G), on sides the tiles do not divide and on
     a transposed view; then Muon's step with the kernel against Muon without, float16, and that it ran."""
     import optim as O
     g = torch.Generator().manual_seed(3)
@@ -379,7 +379,7 @@ def gram_check():
 
 
 def qk_norm_rope_check():
-    """kernels.qk_norm_rope against the plain lines (RMSNorm with q's and k's gains, then model.apply_rope),
+    """onegpu_kernels.qk_norm_rope against the plain lines (RMSNorm with q's and k's gains, then model.apply_rope),
     forward and the gradients of qkv and both gains, float16, for full and half-truncated RoPE, at 10
     tokens (not a multiple of a program's 16); then the model takes it in training with fused_qk_norm_rope."""
     g = torch.Generator().manual_seed(6)
@@ -423,7 +423,7 @@ def qk_norm_rope_check():
 def decode_mlp_check():
     """The decode MLP's partial sums against the plain MLP in float64: one row, rows that leave a tl.dot
     tile partly masked, 16 rows (the most it takes), hidden units that leave its last program partly
-    masked, a (B, 1, d) input as a decode step hands it, at kernels.py's hidden units a program and at 16
+    masked, a (B, 1, d) input as a decode step hands it, at onegpu_kernels.py's hidden units a program and at 16
     (200 columns: two tiles of W2); then inside a model of the record recipe, the same logits as the plain
     model's, eagerly and traced as the compiled decode step traces it. W2 as nn.Linear keeps it and as the
     transpose of a (hidden, d) copy give the same partial sums."""

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import generate as G
-import kernels as K
+import onegpu_kernels as K
 import measure as ME
 import model as M
 
@@ -92,7 +92,7 @@ def test_the_decode_profile_sees_each_kernel_of_the_replayed_graph():
 
 def test_the_decode_parts_study_times_each_part_and_the_fused_ones_agree():
     units = ME.K.DECODE_MLP_HIDDEN
-    other = next(n for n in ME.DECODE_MLP_UNITS if n != units)  # a second count, to see kernels.py's put back
+    other = next(n for n in ME.DECODE_MLP_UNITS if n != units)  # a second count, to see onegpu_kernels.py's put back
     rows = ME.decode_parts_study("88m", cuda=True, batches=(1,), units=(units, other))  # each autotunes its tiles
     attention = [r for r in rows if r["rung"].startswith("attention")]
     mlp = rows[len(attention):]  # plain, the kernel at each count, with W2 transposed, with its sum, each half
@@ -227,7 +227,7 @@ def test_the_fused_relu2_mlp_matches_plain_in_bf16(compiled):
 @pytest.mark.parametrize("truncate", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_qk_norm_and_rope_match_plain_in_bf16(compiled, truncate):
-    """kernels.qk_norm_rope in the model (fused_qk_norm_rope) against QK-norm and RoPE as plain lines, at
+    """onegpu_kernels.qk_norm_rope in the model (fused_qk_norm_rope) against QK-norm and RoPE as plain lines, at
     the record preset's head size 128 and without grouped kv heads, full and half-truncated RoPE."""
     base = dict(qk_norm=True, n_heads=2, n_kv_heads=2, rope_truncate=truncate)
     out = loss_and_grads(compiled, seed=8, base=base, fused_qk_norm_rope=True)
@@ -328,7 +328,7 @@ def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
 
 
 def test_muons_symmetric_gram_kernel_matches_the_batched_matmuls_in_bf16():
-    """kernels.gram (train.muon_kernel) at the presets' shapes: x x^T of a stack of 768 x 3,072 parts as the
+    """onegpu_kernels.gram (train.muon_kernel) at the presets' shapes: x x^T of a stack of 768 x 3,072 parts as the
     bmm computes it, and the whole Newton-Schulz iteration with it as without, in bf16."""
     import optim as O
     g = torch.Generator("cuda").manual_seed(9)

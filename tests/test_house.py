@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a module may import only modules to its left.
-LAYERS = ["kernels", "model", "generate", "tokenizer", "config", "optim", "data", "checkpoint", "train", "measure",
-          "recipes", "bench", "sample", "export", "evaluate"]
+LAYERS = ["onegpu_kernels", "model", "generate", "tokenizer", "config", "optim", "data", "checkpoint", "train",
+          "measure", "recipes", "bench", "sample", "export", "evaluate"]
 
 
 def project_imports(module: str) -> set[str]:
@@ -28,10 +28,19 @@ def test_every_module_is_in_a_layer():
     assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(LAYERS)
 
 
+def test_no_module_takes_the_import_name_of_an_installed_package():
+    """The modules install flat, each its own top-level name, where another distribution's package of the
+    same name wins or loses by chance. transformers 5.25 brought Hugging Face's `kernels` package, whose
+    import found this project's kernels.py (and export failed) until that file became onegpu_kernels.py."""
+    from importlib.metadata import packages_distributions
+    taken = {name: dists for name, dists in packages_distributions().items() if set(dists) - {"onegpu"}}
+    assert {m: taken[m] for m in LAYERS if m in taken} == {}
+
+
 def test_imports_only_point_down():
     upward = [f"{m} imports {d}" for m in LAYERS for d in project_imports(m) if LAYERS.index(d) >= LAYERS.index(m)]
     assert upward == []
-    assert project_imports("tokenizer") == set() and project_imports("model") == {"kernels"}
+    assert project_imports("tokenizer") == set() and project_imports("model") == {"onegpu_kernels"}
 
 
 def test_a_script_loads_its_own_module_once():

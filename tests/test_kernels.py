@@ -1,4 +1,4 @@
-"""The Triton kernels of kernels.py against the plain PyTorch paths they replace, on CPU through
+"""The Triton kernels of onegpu_kernels.py against the plain PyTorch paths they replace, on CPU through
 Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported: hence one subprocess for all).
 tests/test_gpu.py runs the same comparisons compiled, on CUDA, in bfloat16."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels as K
+import onegpu_kernels as K
 import model as M
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -570,9 +570,9 @@ def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
     fp8 = M.Llama(M.ModelConfig(**SMALL, fp8=True))
     fp8.load_state_dict(plain.state_dict())  # same parameters, same names
     idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(9))
-    opt = torch.optim.AdamW(fp8.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(fp8.parameters(), lr=1e-2)
     losses = []
-    for _ in range(30):
+    for _ in range(10):  # FP8 matmuls are slow on a CPU (about 0.7 s a step here): few steps, a high rate
         loss = fp8(idx, targets)
         losses.append(loss.item())
         opt.zero_grad()
