@@ -8,6 +8,7 @@ import torch
 import checkpoint as CK
 import export as E
 import generate as G
+import measure as ME
 import model as M
 import sample as S
 import train as TR
@@ -55,6 +56,34 @@ def test_greedy_step_compiled_as_the_graph_decoder_compiles_it_gives_the_same_to
     step = torch.compile(G.greedy_step, fullgraph=True, dynamic=False)
     monkeypatch.setattr(G, "greedy_step", lambda model, token, pos, window: step(model, token, pos, model.cfg.context))
     assert greedy(model, ids, 20) == eager
+
+
+def test_the_graph_decoders_greedy_loop_feeds_itself(loaded, monkeypatch):
+    """GraphDecoder.greedy's bookkeeping on a CPU, its capture replaced by a stand-in whose replay runs
+    the step on the captured buffers, as the CUDA graph does: the eager tokens, one graph (greedy_step's)
+    for the batch, and the profile moving the graph's position back before it replays. Random weights and an
+    untied head, whose greedy tokens vary (a token yielded twice from one buffer would show)."""
+    torch.manual_seed(0)
+    model = M.Llama(dataclasses.replace(loaded[3].cfg, tie_embeddings=False, zero_init=False)).eval()
+    ids = [1, 2, 3, 4, 5]
+
+    class Graph:
+        def __init__(self, fn, token, pos):
+            self.fn, self.token, self.pos = fn, token, pos
+
+        def replay(self):
+            self.fn(model, self.token, self.pos, model.cfg.context)
+
+    def capture(decoder, token, pos, fn):
+        token_in, pos_in = token.clone(), pos.clone()
+        return Graph(fn, token_in, pos_in), token_in, pos_in, None
+    monkeypatch.setattr(G.GraphDecoder, "capture", capture)
+    decode = G.GraphDecoder(model)
+    assert greedy(model, [9, 8, 7], 20, decode=decode) == greedy(model, [9, 8, 7], 20)
+    assert greedy(model, ids, 20, decode=decode) == greedy(model, ids, 20)  # the same graph, new inputs
+    (key, (graph, _, pos, _)), = decode.graphs.items()
+    assert key[0] == 1 and key[2] is G.greedy_step and pos.item() == len(ids) + 19
+    assert ME.decode_graph(decode, 1, 5) is graph and pos.item() == len(ids) + 14
 
 
 def test_batch_of_n_equals_n_single_runs(loaded):
