@@ -48,7 +48,7 @@ def greedy_step(model: M.Llama, token, pos, window: int | None = None):
     (GraphDecoder.greedy), a token leaves the host only the copy it yields, where the pick, the copies
     into the graph's inputs and the position's increment took 19 of a batch-1 token's 250 us outside
     the graph on an H200 (docs/PERFORMANCE.md, generation)."""
-    token.copy_(decode_one(model, token, pos, window).argmax(-1, keepdim=True))
+    token.copy_(sample_next(decode_one(model, token, pos, window), temperature=0))
     pos.add_(1)
 
 
@@ -83,7 +83,7 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
         logits = model(idx, pos=torch.arange(T, device=idx.device), window=T)[:, -1]
         pos = torch.full((1,), T, device=idx.device)  # on the device: no host-to-device copy per token
         if temperature == 0:  # the pick inside each step: a graph replays all of a token's work
-            token = logits.argmax(-1, keepdim=True)
+            token = sample_next(logits, temperature=0)
             yield token
             steps = decode.greedy if isinstance(decode, GraphDecoder) else greedy
             yield from steps(model, token, pos, max_new_tokens - 1, T + 1)
@@ -143,10 +143,10 @@ class GraphDecoder:
         key = (token.shape[0], self.model.attentions()[0].cache.k.data_ptr(), fn)
         if key not in self.graphs:
             self.graphs[key] = self.capture(token, pos, fn)
-        captured = self.graphs[key]
-        captured[1].copy_(token)
-        captured[2].copy_(pos)
-        return captured
+        _, token_in, pos_in, _ = self.graphs[key]
+        token_in.copy_(token)
+        pos_in.copy_(pos)
+        return self.graphs[key]
 
     @torch.no_grad()  # inference graphs: compiled with grad on, Inductor would trace a backward too
     def __call__(self, model, token, pos, length: int | None = None):
