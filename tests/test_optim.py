@@ -197,10 +197,10 @@ inner = O.orthogonalize
 O.orthogonalize = lambda g, dtype, kernel=False: iterated.append(g.shape[0]) or inner(g, dtype, kernel=kernel)
 torch.save({"params": two_muon_steps(), "iterated": iterated}, f"{sys.argv[3]}/rank{dist.get_rank()}.pt")
 # Both ranks leave together, the group closed: a rank that exits while gloo's threads still talk to the
-# other aborts it ("terminate called without an active exception", about once in 10 runs). Even so, one
-# CI run in many still saw a rank end in SIGABRT after the barrier: the interpreter's finalization can
-# free objects gloo's threads still hold (pytorch/pytorch#179291 describes it), so each rank leaves
-# without finalizing, its result already on disk.
+# other aborts it ("terminate called without an active exception", about once in 10 runs). Even so, a
+# CI run on 2026-12-03 saw rank 1 end in SIGABRT (not reproduced in 45 runs since). Its cause is not
+# known here; gloo's threads are known to abort during interpreter finalization (pytorch/pytorch#179291),
+# so each rank leaves without finalizing, its result already on disk.
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush(); sys.stderr.flush()
