@@ -626,10 +626,6 @@ def decode_mlp_rows(x, w1, w2, units) -> list[dict]:
     plain = lambda i: F.linear(up_plain(i), w2[i])  # noqa: E731
     kernel = lambda i: K.decode_mlp(x, w1[i], w2[i])  # noqa: E731
     summed = lambda i: kernel(i).sum(0).to(bf)  # noqa: E731
-    # W2 stored as (hidden, d): each program's hidden units are one 48 KB block of memory (88m, 32
-    # units), where nn.Linear's (d, hidden) gives it 768 pieces of 64 bytes, 6 KB apart.
-    w2t = w2.transpose(1, 2).contiguous()
-    transposed = lambda i: K.decode_mlp(x, w1[i], w2t[i].t())  # noqa: E731
     # Each half of the MLP alone, through the small matmul's tiles: which half the fused kernel loses in.
     hidden = up_plain(0)  # (B, 1, hidden)
     up = lambda i: K.small_matmul(x, w1[i], True)  # noqa: E731
@@ -639,8 +635,6 @@ def decode_mlp_rows(x, w1, w2, units) -> list[dict]:
     variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain, plain),
                 **{f"decode_mlp alone, {n} hidden units a program":
                    (dict(DECODE_MLP_HIDDEN=n), kernel, summed, plain) for n in units},
-                "decode_mlp alone, W2 stored as (hidden, d)": ({}, transposed,
-                                                               lambda i: transposed(i).sum(0).to(bf), plain),
                 "decode_mlp + the sum of its partials": ({}, summed, summed, plain),
                 "the up-projection and square alone (small_matmul)": ({}, up, up, up_plain),
                 "the down-projection alone (small_matmul)": ({}, down, down, down_plain)}
@@ -661,7 +655,7 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
     gate and window) with one program a head, then its positions split at each of DECODE_LAUNCHES
     (model.split_decode), at DECODE_POSITIONS; and the ReLU² MLP as the plain chain of matmuls, as
     onegpu_kernels.decode_mlp alone (at each of `units` hidden units a program: each autotunes its own
-    tiles; and with W2 stored transposed), with the sum of its partials (model.decode_mlp), and each of
+    tiles), with the sum of its partials (model.decode_mlp), and each of
     its halves alone (onegpu_kernels.small_matmul). The attention's calls reuse one cache, which stays in
     the L2 cache: its rows are the kernel's floor. The MLP's calls take each layer's weights in turn
     (88m: 8 x 9.4 MB, more than an H200's 50 MB of L2), which come from memory as in a decode step."""

@@ -738,13 +738,13 @@ if AVAILABLE:
                       for k, n, w, st in DECODE_MLP_TILES[:1 if INTERPRET else None]],
                      key=["M", "D", "HID", "BLOCK_H"])
     @triton.jit
-    def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2d, s_w2h, ROWS: tl.constexpr,
+    def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2, ROWS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
         """part[p] = relu(x @ w1[h]^T)^2 @ w2[:, h]^T for the hidden units h of program p (BLOCK_H of them):
-        x (M, D) with M <= ROWS, w1 (HID, D) as nn.Linear keeps it, w2 (D, HID) with strides (s_w2d, s_w2h):
-        nn.Linear's (s_w2h = 1), or a (HID, D) copy's transpose (s_w2d = 1), where each program's columns
-        are one block of memory; part (P, M, D) float32. The square is rounded to x's dtype, as the plain
-        path's activation is."""
+        x (M, D) with M <= ROWS, w1 (HID, D) and w2 (D, HID) as nn.Linear keeps them, part (P, M, D) float32.
+        The square is rounded to x's dtype, as the plain path's activation is. Each program reads its
+        columns of w2 as D pieces of BLOCK_H elements; a (HID, D) copy, where they are one block, measured
+        slower (docs/LOG.md, 2026-12-03)."""
         p = tl.program_id(0)
         h = p * BLOCK_H + tl.arange(0, BLOCK_H)
         m = tl.arange(0, ROWS)
@@ -752,22 +752,21 @@ if AVAILABLE:
         a = (acc * acc).to(x_ptr.dtype.element_ty)  # (ROWS, BLOCK_H)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            w = tl.load(w2_ptr + d[:, None].to(tl.int64) * s_w2d + h[None, :].to(tl.int64) * s_w2h,
-                        mask=(d[:, None] < D) & (h[None, :] < HID), other=0.0)  # (BLOCK_D, BLOCK_H)
+            w = tl.load(w2_ptr + d[:, None].to(tl.int64) * s_w2 + h[None, :], mask=(d[:, None] < D) & (h[None, :] < HID),
+                        other=0.0)  # (BLOCK_D, BLOCK_H)
             tl.store(part_ptr + (p * M + m[:, None]) * D + d[None, :], tl.dot(a, tl.trans(w)),
                      mask=(m[:, None] < M) & (d[None, :] < D))
 
     @torch.library.custom_op("onegpu::decode_mlp", mutates_args=())
     def decode_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """The ReLU² MLP's partial sums for at most SMALL_MATMUL_ROWS rows: x (..., D), w1 (HID, D), w2
-        (D, HID) with either stride 1; returns (P, ..., D) float32, P = HID / DECODE_MLP_HIDDEN, whose sum
-        over its first dimension is relu(x w1^T)^2 w2^T. A custom op: the compiled decode step calls it as
-        one opaque step."""
+        (D, HID); returns (P, ..., D) float32, P = HID / DECODE_MLP_HIDDEN, whose sum over its first dimension
+        is relu(x w1^T)^2 w2^T. A custom op: the compiled decode step calls it as one opaque step."""
         rows = x.reshape(-1, x.shape[-1])
         (M, D), HID = rows.shape, w1.shape[0]
         P = triton.cdiv(HID, DECODE_MLP_HIDDEN)
         part = rows.new_empty(P, *x.shape[:-1], D, dtype=torch.float32)
-        _decode_mlp_kernel[(P,)](rows, w1, w2, part, M, D, HID, rows.stride(0), w1.stride(0), *w2.stride(),
+        _decode_mlp_kernel[(P,)](rows, w1, w2, part, M, D, HID, rows.stride(0), w1.stride(0), w2.stride(0),
                                  ROWS=SMALL_MATMUL_ROWS, BLOCK_H=DECODE_MLP_HIDDEN)
         return part
 
@@ -818,10 +817,8 @@ def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def decode_mlp_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether decode_mlp handles x (..., D) through w1 (HID, D) and w2 (D, HID), on a device that
-    device_supported allows (model.Llama.setup_cache asks that once): as small_matmul for w1, and w2 in
-    x's dtype with either stride 1."""
-    return (small_matmul_supported(x, w1) and w2.shape == w1.shape[::-1] and w2.dtype == x.dtype
-            and 1 in w2.stride())
+    device_supported allows (model.Llama.setup_cache asks that once): as small_matmul for each weight."""
+    return small_matmul_supported(x, w1) and w2.shape == w1.shape[::-1] and w2.dtype == x.dtype and w2.stride(1) == 1
 
 
 def small_matmul_supported(x: torch.Tensor, w: torch.Tensor) -> bool:

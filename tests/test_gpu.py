@@ -95,8 +95,8 @@ def test_the_decode_parts_study_times_each_part_and_the_fused_ones_agree():
     other = next(n for n in ME.DECODE_MLP_UNITS if n != units)  # a second count, to see onegpu_kernels.py's put back
     rows = ME.decode_parts_study("88m", cuda=True, batches=(1,), units=(units, other))  # each autotunes its tiles
     attention = [r for r in rows if r["rung"].startswith("attention")]
-    mlp = rows[len(attention):]  # plain, the kernel at each count, with W2 transposed, with its sum, each half
-    assert len(attention) == 1 + len(ME.DECODE_LAUNCHES) and len(mlp) == 2 + 2 + 1 + 2
+    mlp = rows[len(attention):]  # plain, the kernel at each count, with its sum, each half
+    assert len(attention) == 1 + len(ME.DECODE_LAUNCHES) and len(mlp) == 2 + 2 + 2
     assert all(r[f"us_at_{pos}"] > 0 for r in attention for pos in ME.DECODE_POSITIONS)
     # bf16 outputs of size ~1; the up-projection's squares reach ~16, where one bf16 step is 0.125
     assert all(r["max_abs_diff"] < (0.25 if "up-projection" in r["rung"] else 0.05)
