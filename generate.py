@@ -120,7 +120,7 @@ class GraphDecoder:
 
     mode is Inductor's compile mode; None picks by batch size what measured fastest on an H200
     (docs/PERFORMANCE.md, generation): max-autotune at batch 1, where Inductor's own kernels for the
-    one-row matmuls can fuse RMSNorm and SiLU in, and the default mode above it, where cuBLAS wins."""
+    one-row matmuls can fuse the norms and the activation in, and the default mode above it, where cuBLAS wins."""
 
     def __init__(self, model: M.Llama, mode: str | None = None):
         self.model, self.mode = model, mode
