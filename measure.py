@@ -645,6 +645,8 @@ def decode_mlp_rows(x, w1, w2, units) -> list[dict]:
                    "us": round(graph_us(lambda: [timed(i) for i in range(L)]) / L, 2)}
             if output is not reference:
                 row["max_abs_diff"] = round((output(0).float() - reference(0).float()).abs().max().item(), 5)
+            if "decode_mlp" in name or "small_matmul" in name:  # which autotuned tiles the row timed
+                row["tiles"] = K.chosen_tiles(K._decode_mlp_kernel if "decode_mlp" in name else K._small_matmul_kernel)
         rows.append(row)
     return rows
 

@@ -788,6 +788,16 @@ def launch_settings(**settings):
         globals().update(saved)
 
 
+def chosen_tiles(kernel) -> str:
+    """The launch config an autotuned kernel of this module (_decode_mlp_kernel, ...) picked for its last
+    call, as "BLOCK_K=128 BLOCK_D=128 warps=4 stages=3". Its picks can differ from run to run (the decode
+    MLP at 32 hidden units a program took 6.88 us in one run and 8.35 in another, docs/LOG.md
+    2026-12-03), so a study that times one says which tiles it timed."""
+    config = kernel.best_config
+    return " ".join([*(f"{k}={v}" for k, v in config.kwargs.items()), f"warps={config.num_warps}",
+                     f"stages={config.num_stages}"])
+
+
 def device_supported(device: torch.device) -> bool:
     """Whether these kernels run on `device`: an NVIDIA GPU of compute capability 8.0 (Ampere) or
     newer, the oldest Triton supports and the first with bfloat16 arithmetic; on CPU, Triton's

@@ -440,6 +440,7 @@ def decode_mlp_check():
         exact = (x.double() @ w1.double().t()).relu().square() @ w2.double().t()
         assert parts.shape[1:] == exact.shape
         assert ((parts.sum(0).double() - exact).abs().max() / exact.abs().max()).item() < 2e-3, shape
+        assert K.chosen_tiles(K._decode_mlp_kernel).startswith("BLOCK_K="), K.chosen_tiles(K._decode_mlp_kernel)
     assert not K.decode_mlp_supported(x, w1, w2.t().contiguous().t())  # W2 stored as (hidden, d)
     x, w1 = torch.randn(17, 64).half(), torch.randn(96, 64).half()
     assert not K.decode_mlp_supported(x, w1, w1.t().contiguous())  # too many rows: the plain MLP keeps them
