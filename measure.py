@@ -631,22 +631,24 @@ def decode_mlp_rows(x, w1, w2, units) -> list[dict]:
     up = lambda i: K.small_matmul(x, w1[i], True)  # noqa: E731
     down = lambda i: K.small_matmul(hidden, w2[i])  # noqa: E731
     down_plain = lambda i: F.linear(hidden, w2[i])  # noqa: E731
-    # name -> (onegpu_kernels.py's launch settings, {}: as they are; what is timed; its output; the plain output)
-    variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain, plain),
+    # name -> (onegpu_kernels.py's launch settings, {}: as they are; what is timed; its output; the plain
+    # output; the autotuned kernel it times, whose picked tiles the row names, or None)
+    mlp_k, matmul_k = K._decode_mlp_kernel, K._small_matmul_kernel
+    variants = {"plain (matmul, ReLU², matmul)": ({}, plain, plain, plain, None),
                 **{f"decode_mlp alone, {n} hidden units a program":
-                   (dict(DECODE_MLP_HIDDEN=n), kernel, summed, plain) for n in units},
-                "decode_mlp + the sum of its partials": ({}, summed, summed, plain),
-                "the up-projection and square alone (small_matmul)": ({}, up, up, up_plain),
-                "the down-projection alone (small_matmul)": ({}, down, down, down_plain)}
+                   (dict(DECODE_MLP_HIDDEN=n), kernel, summed, plain, mlp_k) for n in units},
+                "decode_mlp + the sum of its partials": ({}, summed, summed, plain, mlp_k),
+                "the up-projection and square alone (small_matmul)": ({}, up, up, up_plain, matmul_k),
+                "the down-projection alone (small_matmul)": ({}, down, down, down_plain, matmul_k)}
     rows = []
-    for name, (settings, timed, output, reference) in variants.items():
+    for name, (settings, timed, output, reference, tuned) in variants.items():
         with K.launch_settings(**settings):
             row = {"rung": f"ReLU² MLP, batch {B}, {name}, {L} layers' weights in turn",
                    "us": round(graph_us(lambda: [timed(i) for i in range(L)]) / L, 2)}
             if output is not reference:
                 row["max_abs_diff"] = round((output(0).float() - reference(0).float()).abs().max().item(), 5)
-            if "decode_mlp" in name or "small_matmul" in name:  # which autotuned tiles the row timed
-                row["tiles"] = K.chosen_tiles(K._decode_mlp_kernel if "decode_mlp" in name else K._small_matmul_kernel)
+            if tuned is not None:
+                row["tiles"] = K.chosen_tiles(tuned)
         rows.append(row)
     return rows
 
