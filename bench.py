@@ -1,9 +1,9 @@
 """Where the speed comes from: the ladder, one study per setting, and generation, on any GPU.
 
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
-                                             #   AdamW -> pinned -> fused loss -> fused SwiGLU -> bf16
-                                             #   residual -> coordinate descent -> max-autotune -> FP8
-    python bench.py --kernels                # each fused kernel, and max-autotune, alone against compiled BF16
+                                             #   AdamW -> pinned -> each fast path the preset can run ->
+                                             #   coordinate descent -> max-autotune -> FP8 block matmuls
+    python bench.py --kernels                # defaults, all kernels stacked, each alone: against compiled BF16
     python bench.py --kernels --repeats 3    # each rung 3 times in turn: the median run and the spread
     python bench.py --ladder --preset 22m    # any preset in configs/
     python bench.py --ladder --resume        # go on from where an interrupted ladder stopped
@@ -101,14 +101,22 @@ def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = N
     block matmuls; each rung keeps the settings of the ones before it."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
                 *fast_paths(preset).items(), *COMPILE_TUNING.items(), *fast_paths(preset, last=True).items()]
-    rungs, overrides = [], {**(base or {}), **FAST, "train__micro_batch": micro_batch}
+    return [ME.Rung(name, preset, overrides, steps) for name, overrides in
+            stacked(preset, {**(base or {}), **FAST, "train__micro_batch": micro_batch}, settings)]
+
+
+def stacked(preset: str, overrides: dict, settings: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """(name, overrides) for each setting added on top of the ones before it, skipping a model fast
+    path that those already switched on exclude (the fused loss has its own head, which the FP8 head
+    and the loss kernel replace)."""
+    out = []
     for name, setting in settings:
         switch = next((k[len("model__"):] for k in setting if k.startswith("model__")), None)
         if switch and not M.fast_path_applies(switch, ME.Rung(name, preset, overrides).config().model):
-            continue  # excluded by a fast path the rungs above switched on (the fused loss has its own head)
+            continue
         overrides = {**overrides, **setting}
-        rungs.append(ME.Rung(name, preset, overrides, steps))
-    return rungs
+        out.append((name, overrides))
+    return out
 
 
 ATTENTION_VARIANTS = ["textbook", "math", "efficient", "cudnn", "flash", "sdpa", "doc-mask"]
@@ -128,14 +136,18 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
 
 def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """Compiled BF16 with fused AdamW; the preset's fast paths together, what `train.py` gains over
-    plain torch.compile (second, so that a run cut short still answers that); then each fast path, and
-    Inductor's own kernel tuning, switched on alone against the first: which of them pays at this
-    preset, apart from the order of the ladder's rungs. The compile tuning comes last because
-    max-autotune autotunes for about five minutes at 88m."""
+    plain torch.compile (second, so that a run cut short still answers that); the defaults with every
+    other fast path the preset can run stacked on them (third: how far the kernels we have go together);
+    then each fast path, and Inductor's own kernel tuning, switched on alone against the first: which of
+    them pays at this preset, apart from the order of the ladder's rungs. The compile tuning comes last
+    because max-autotune autotunes for about five minutes at 88m."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
+    defaults = {**o, **preset_kernels(preset)}
+    every = stacked(preset, defaults, list(fast_paths(preset).items()))[-1][1]
     alone = lambda switches: [ME.Rung(name, preset, {**o, **s}, steps) for name, s in switches.items()]  # noqa: E731
     return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps),
-            ME.Rung("the preset's defaults", preset, {**o, **preset_kernels(preset)}, steps),
+            ME.Rung("the preset's defaults", preset, defaults, steps),
+            ME.Rung("the defaults + every other fast path", preset, every, steps),
             *alone(fast_paths(preset)), *alone(COMPILE_TUNING)]
 
 

@@ -66,6 +66,8 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
     assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fused_relu2, c.model.fused_qk_norm_rope,
              c.model.bf16_residual, c.train.muon_kernel, c.train.compile_mode) for c in others] == [
         (False, False, False, False, True, False, "default"),  # the preset's defaults
+        (True, False, True, True, True, True, "default"),  # and every other fast path (not the fused loss:
+        # the loss kernel, stacked first, excludes it)
         (True, False, False, False, False, False, "default"), (False, True, False, False, False, False, "default"),
         (False, False, True, False, False, False, "default"), (False, False, False, True, False, False, "default"),
         (False, False, False, False, True, False, "default"), (False, False, False, False, False, True, "default"),
