@@ -263,6 +263,7 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
     assert attention["flash eager"]["skipped"] == "SDPA backends are CUDA kernels"
     assert [r["micro_batch"] for r in rows("micro_batch_sweep") if "micro_batch" in r] == [1, 2, 4]
     assert [r["rung"] for r in rows("kernels")] == ["compiled BF16, fused AdamW", "the preset's defaults",
+                                                    "the defaults + every other fast path",
                                                     *B.fast_paths("tiny"), *B.COMPILE_TUNING]
     assert abs(sum(r["share"] for r in rows("profile")) - 1) < 1e-6
     assert [r["rung"] for r in rows("optimizer") if r.get("update_ms")][-2:] == [
