@@ -105,10 +105,10 @@ def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = N
             stacked(preset, {**(base or {}), **FAST, "train__micro_batch": micro_batch}, settings)]
 
 
-def stacked(preset: str, overrides: dict, settings: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+def stacked(preset: str, overrides: dict, settings) -> list[tuple[str, dict]]:
     """(name, overrides) for each setting added on top of the ones before it, skipping a model fast
     path that those already switched on exclude (the fused loss has its own head, which the FP8 head
-    and the loss kernel replace)."""
+    and the loss kernel replace). settings: (name, overrides) pairs, in order."""
     out = []
     for name, setting in settings:
         switch = next((k[len("model__"):] for k in setting if k.startswith("model__")), None)
@@ -143,11 +143,12 @@ def kernel_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
     because max-autotune autotunes for about five minutes at 88m."""
     o = {**(base or {}), **FAST, "train__optimizer": "fused", "train__micro_batch": micro_batch}
     defaults = {**o, **preset_kernels(preset)}
-    every = stacked(preset, defaults, list(fast_paths(preset).items()))[-1][1]
+    every = ([("", defaults)] + stacked(preset, defaults, fast_paths(preset).items()))[-1][1]
     alone = lambda switches: [ME.Rung(name, preset, {**o, **s}, steps) for name, s in switches.items()]  # noqa: E731
+    # a preset whose defaults already run every fast path gets no third rung: it would time them again
+    stack = [ME.Rung("the defaults + every other fast path", preset, every, steps)] if every != defaults else []
     return [ME.Rung("compiled BF16, fused AdamW", preset, o, steps),
-            ME.Rung("the preset's defaults", preset, defaults, steps),
-            ME.Rung("the defaults + every other fast path", preset, every, steps),
+            ME.Rung("the preset's defaults", preset, defaults, steps), *stack,
             *alone(fast_paths(preset)), *alone(COMPILE_TUNING)]
 
 

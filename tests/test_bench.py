@@ -79,6 +79,14 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
     assert (defaults.model.fused_swiglu, defaults.model.bf16_residual) == (preset.fused_swiglu, preset.bf16_residual)
 
 
+def test_the_kernel_plan_stacks_nothing_onto_defaults_that_already_run_every_fast_path(monkeypatch):
+    every = B.kernel_rungs("88m", 16, 3)[2].config()
+    on = {**{f"model__{s}": getattr(every.model, s) for s in B.M.TRAINING_FAST_PATHS},
+          **{f"train__{s}": getattr(every.train, s) for s in B.O.FAST_PATHS}}
+    monkeypatch.setattr(B, "preset_kernels", lambda preset: on)
+    assert "the defaults + every other fast path" not in [r.name for r in B.kernel_rungs("88m", 16, 3)]
+
+
 def test_the_decode_parts_table_has_a_column_per_cache_position_and_the_difference_in_full():
     rows = [{"rung": "attention, one program a head", "us_at_16": 4.72, "us_at_256": 6.64},
             {"rung": "attention, split", "us_at_16": 6.35, "max_abs_diff": 0.0039, "us_at_256": 6.56},
