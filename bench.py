@@ -252,12 +252,14 @@ def ladder(preset: str, batch_tokens: int, steps: int, cuda: bool, timeout: int,
         return [first] + [{"rung": r.name, "skipped": ME.cpu_skip(r) or "CUDA-only setting"}
                           for r in rest + ladder_tail(preset, mb, steps, base)]
     rows = [first] + ME.run(rest, cuda, timeout, journal)
-    best = rows[-1]
+    best, compiled = rows[-1], len(rows) - 1  # from this row on, the compiled BF16 settings at each micro-batch
     for size in (16, 32, 64, 128, 256, 512):
         if size <= mb or batch_tokens % (size * context):
             continue
-        row = ME.run([ME.Rung(f"micro-batch {size}", preset, {**base, **FAST, "train__micro_batch": size}, steps)],
-                  cuda, timeout, journal)[0]
+        name = f"micro-batch {size}"
+        too_big = does_not_fit(rows[compiled:], size)
+        row = {"rung": name, "skipped": too_big} if too_big else ME.run(
+            [ME.Rung(name, preset, {**base, **FAST, "train__micro_batch": size}, steps)], cuda, timeout, journal)[0]
         rows.append(row)
         if "skipped" in row:
             break
@@ -283,6 +285,20 @@ def micro_batch_study(preset: str, batch_tokens: int, steps: int, cuda: bool, ti
         size *= 2
     fit = memory_line([r for r in rows if r.get("peak_gib")])
     return rows + ([fit] if fit else [])
+
+
+def does_not_fit(rows: list[dict], micro_batch: int, margin: float = 0.95) -> str | None:
+    """Why micro_batch will not fit, from the memory line through the measured rows of the same settings
+    (None when it may, or when fewer than two rows were measured): each size that does not fit would cost
+    a process start and a compile before its first step fails (about two minutes at 88m on an H200)."""
+    measured = [r for r in rows if r.get("peak_gib") and r.get("device_gib")]
+    fit = memory_line(measured)
+    if fit is None:
+        return None
+    peak, card = fit["fixed_gib"] + fit["gib_per_seq"] * micro_batch, measured[-1]["device_gib"]
+    if peak <= margin * card:
+        return None
+    return f"predicted peak {peak:.0f} GiB from the micro-batches before it, over {margin:.0%} of the card's {card:.0f} GiB"
 
 
 def memory_line(rows: list[dict]) -> dict | None:

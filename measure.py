@@ -69,6 +69,7 @@ class Result:
     loss: float | None = None
     peak_gib: float | None = None
     reserved_gib: float | None = None  # CUDA graphs replay in a private pool the allocated peak does not see
+    device_gib: float | None = None  # the card's memory, against which the next micro-batch's peak is predicted
     accum: int | None = None
     device: str = ""
     data: str = ""
@@ -250,6 +251,7 @@ def time_run(run: TR.Run, rung: Rung) -> Result:
                     spread=spread, warmup_s=warmup_s, loss=steps[-1][0], accum=run.accum,
                     peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                     reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                    device_gib=torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None,
                     device=torch.cuda.get_device_name() if cuda else "cpu", data=run.data_source,
                     **(sampler.summary() if sampler else {}))
     if rung.kernels:

@@ -59,6 +59,27 @@ def test_the_ladders_first_rung_tries_at_most_65536_tokens_a_micro_batch(monkeyp
         assert tried[:len(sizes)] == sizes and rows[0]["skipped"] == "no micro-batch fits", (preset, tried)
 
 
+def test_the_ladder_skips_a_micro_batch_its_memory_line_says_will_not_fit(monkeypatch):
+    """88m on a 139 GiB card: 25 GiB at 8 sequences and 46 at 16 put 32 at 88 (it runs) and 64 at 172 (it
+    is skipped without a process: it would only compile and fail)."""
+    peaks, tried = {8: 25.0, 16: 46.0, 32: 88.0}, []
+    def run(rungs, cuda, timeout, journal=None):
+        out = []
+        for r in rungs:
+            mb = r.config().train.micro_batch
+            tried.append(mb)
+            out.append({"rung": r.name, "micro_batch": mb, "tok_s": 1000.0 + mb, "peak_gib": peaks[mb],
+                        "device_gib": 139.8})
+        return out
+    monkeypatch.setattr(B.ME, "run", run)
+    rows = B.ladder("88m", 524_288, 3, cuda=True, timeout=60)
+    sweep = {r["rung"]: r for r in rows if r["rung"].startswith("micro-batch")}
+    assert 64 not in tried and "tok_s" in sweep["micro-batch 32"]
+    assert sweep["micro-batch 64"]["skipped"].startswith("predicted peak 172 GiB")
+    assert tried[-1] == 32 and rows[-1]["micro_batch"] == 32  # the tail runs at the fastest size that fit
+    assert B.does_not_fit(rows[3:4], 64) is None  # one measured size gives no line: try it
+
+
 def test_kernel_plan_switches_on_one_kernel_at_a_time():
     base, *others = [r.config() for r in B.kernel_rungs("88m-muon", 64, 3)]
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
