@@ -202,13 +202,19 @@ ATTENTION_SIGNS = [("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "fmha")
 FUSED_ATTENTION = tuple(sign for backend, sign in ATTENTION_SIGNS if backend != "math")
 KERNEL_CLASSES = [("attention", FUSED_ATTENTION + ("attention", "sdpa")),
                   ("loss", ("nll", "log_softmax", "cross_entropy", "_loss_chunk", "logsumexp")),
-                  ("optimizer", ("adam", "multi_tensor", "foreach", "norm", "clamp", "clip")),
+                  # the gradient clipping's norm and clamp by their ATen names: a bare "norm" or "clamp" also names
+                  # the fused QK-norm kernel and the FP8 casts, which the 2026-12-04 profile counted as optimizer
+                  ("optimizer", ("adam", "multi_tensor", "foreach", "normtwo", "launch_clamp", "clip")),
                   ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "::mm", "bmm", "addmm", "cublas", "mm_"))]
 
 
 def kernel_class(name: str) -> str:
     lower = name.lower()
-    return next((c for c, signs in KERNEL_CLASSES if any(s in lower for s in signs)), "elementwise/other")
+    # Inductor names its pointwise and reduction kernels after the graph's ops around them: one with
+    # "_scaled_mm" in its name is an FP8 cast before the matmul, not the matmul
+    fused = lower.startswith(("triton_poi", "triton_red", "triton_per"))
+    return next((c for c, signs in KERNEL_CLASSES if any(s in lower for s in signs) and not (fused and c == "matmul")),
+                "elementwise/other")
 
 
 def attention_kernels(run: TR.Run) -> str:
