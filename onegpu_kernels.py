@@ -65,7 +65,13 @@ SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the pre
 # and Ampere. The interpreter takes the first alone.
 RELU2_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
-QK_TOKENS = 16  # tokens per program in qk_norm_rope: its backward writes one partial gain gradient a program
+# qk_norm_rope's candidate (rows of D a tile, warps), autotuned once per shape; the interpreter takes the
+# first. Compiled for sm_90 (Triton 3.9), 16 rows of 128 at 4 warps take 122 registers forward and 136
+# backward, 32 at 8 take 122 and 142, 64 at 16 take 104 and 128 with a spill; 32 rows at 4 warps took
+# 208 and 255 with a spill, and is left out. QK_BLOCKS tiles a program: its backward writes one partial
+# gain gradient a program, 2 x 128 float32 per QK_BLOCKS tiles (18.9 MB at 16 rows for 88m's micro-batch
+# of 16 x 8,192 tokens of 18 heads, against the 604 MB of qkv it reads).
+QK_TILES, QK_BLOCKS = ((16, 4), (32, 8), (64, 16)), 8
 # gram's candidate square tiles (side, inner), warps and stages, autotuned once per shape; the interpreter
 # takes the first. Side 128 splits the presets' 768-wide Gram matrices into 6 x 6 tiles, of which 21 run.
 GRAM_TILES = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3))
@@ -524,63 +530,79 @@ if AVAILABLE:
     # (3.7 ms per two micro-batches of 49,152 tokens of the record preset on an H200) and three backward
     # (3.1 + 3.6 + 0.9 ms; docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/,
     # profile-real-data), where reading and writing q and k once needs about 1.4 ms forward and 2 backward at
-    # 4.8 TB/s. Here one program takes QK_TOKENS tokens, each token's H + Hkv heads as one (heads, D) tile:
-    # the norm over D, the gain (q's or k's by row), then rotate-half RoPE against the partner column
-    # (j + D/2) mod D, in float32, rounded once; v is copied through, so the output is the whole qkv tensor
-    # and the backward writes the whole gradient, with no concatenation after it. The backward recomputes
-    # the norm from qkv and sums each program's gain gradients into one row of a small buffer.
+    # 4.8 TB/s. qkv (B, T, H + 2 Hkv, D) is taken as its rows of D: each (token, head) row is normed on its
+    # own, so a program takes ROWS consecutive rows (QK_TILES), whatever tokens and heads they belong to,
+    # as two (rows, D/2) tiles, the halves that rotate-half RoPE pairs: every load and store is a
+    # contiguous half row. A q row gets q's gain, a k row k's, a v row is copied through, so the output is
+    # the whole qkv tensor and the backward writes the whole gradient, with no concatenation after it (the
+    # gradient it reads is still one, of attention's dq, dk and dv: 4.0 ms of Inductor's a step at 88m).
+    # All in float32, rounded once. The backward recomputes the norm from qkv; each program sums the gain
+    # gradients of its QK_BLOCKS tiles into one row of a small buffer, which the op then sums.
+    # (The first version took one token's heads a tile, one token after another, with the partner half
+    # gathered column by column: 33 ms a step at 88m on an H200 where Inductor's kernels took 15.8, docs/LOG.md
+    # 2026-12-04.)
+    @triton.autotune([triton.Config({"ROWS": rows}, num_warps=w) for rows, w in (QK_TILES[:1] if INTERPRET else QK_TILES)],
+                     key=["R", "T", "H", "HKV", "D", "BACKWARD"], reset_to_zero=["dg_ptr"])  # see the backward's op
     @triton.jit
-    def _qk_norm_rope_kernel(x_ptr, dy_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, N, T, eps,
-                             H: tl.constexpr, HKV: tl.constexpr, NORM_P: tl.constexpr, V_P: tl.constexpr,
-                             D: tl.constexpr, TOKENS: tl.constexpr, BACKWARD: tl.constexpr):
-        pid = tl.program_id(0)
-        heads, d, vh = tl.arange(0, NORM_P), tl.arange(0, D), tl.arange(0, V_P)
-        rows, is_q = heads[:, None] < H + HKV, heads[:, None] < H  # (NORM_P, 1): q heads, then k heads, then padding
-        partner = (d + D // 2) % D
-        sign = tl.where(d < D // 2, -1.0, 1.0)  # rotate half: (x1, x2) -> (-x2, x1)
-        gain = tl.where(is_q, tl.load(qg_ptr + d).to(tl.float32)[None, :], tl.load(kg_ptr + d).to(tl.float32)[None, :])
-        gain_p = tl.where(is_q, tl.load(qg_ptr + partner).to(tl.float32)[None, :],
-                          tl.load(kg_ptr + partner).to(tl.float32)[None, :])
-        own, other = heads[:, None] * D + d[None, :], heads[:, None] * D + partner[None, :]
-        v_cols = (H + HKV + vh[:, None]) * D + d[None, :]
-        dg_q, dg_k = tl.zeros([D], tl.float32), tl.zeros([D], tl.float32)
-        for i in range(TOKENS):
-            n = pid.to(tl.int64) * TOKENS + i
-            if n < N:
-                row = n * (H + 2 * HKV) * D
-                t = n % T
-                # rope_tables repeats its angles in both halves, so the partner column's cos and sin are the own.
-                cos = tl.load(cos_ptr + t * D + d).to(tl.float32)[None, :]
-                sin = (tl.load(sin_ptr + t * D + d).to(tl.float32) * sign)[None, :]
-                x = tl.load(x_ptr + row + own, mask=rows, other=0.0).to(tl.float32)
-                r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # (NORM_P,)
-                if BACKWARD:  # y = u cos + sign u_p sin, u = x r g  =>  du = dy cos - sign dy_p sin
-                    dy = tl.load(dy_ptr + row + own, mask=rows, other=0.0).to(tl.float32)
-                    dy_p = tl.load(dy_ptr + row + other, mask=rows, other=0.0).to(tl.float32)
-                    du = dy * cos - dy_p * sin
-                    normed = x * r[:, None]
-                    dg_q += tl.sum(tl.where(is_q, du * normed, 0.0), axis=0)
-                    dg_k += tl.sum(tl.where(is_q, 0.0, du * normed), axis=0)
-                    dn = du * gain
-                    y = r[:, None] * (dn - normed * (tl.sum(dn * normed, axis=1) / D)[:, None])
-                    v = tl.load(dy_ptr + row + v_cols, mask=vh[:, None] < HKV)
-                else:
-                    x_p = tl.load(x_ptr + row + other, mask=rows, other=0.0).to(tl.float32)
-                    y = x * r[:, None] * gain * cos + x_p * r[:, None] * gain_p * sin
-                    v = tl.load(x_ptr + row + v_cols, mask=vh[:, None] < HKV)
-                tl.store(out_ptr + row + own, y.to(out_ptr.dtype.element_ty), mask=rows)
-                tl.store(out_ptr + row + v_cols, v, mask=vh[:, None] < HKV)
+    def _qk_norm_rope_kernel(x_ptr, dy_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, R, T, eps,
+                             H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCKS: tl.constexpr, BACKWARD: tl.constexpr):
+        HALF: tl.constexpr = D // 2
+        c = tl.arange(0, HALF)
+        # (1, D/2) gains of each half, q's and k's
+        qg1, qg2 = tl.load(qg_ptr + c).to(tl.float32)[None, :], tl.load(qg_ptr + HALF + c).to(tl.float32)[None, :]
+        kg1, kg2 = tl.load(kg_ptr + c).to(tl.float32)[None, :], tl.load(kg_ptr + HALF + c).to(tl.float32)[None, :]
+        dq1, dq2 = tl.zeros([HALF], tl.float32), tl.zeros([HALF], tl.float32)
+        dk1, dk2 = tl.zeros([HALF], tl.float32), tl.zeros([HALF], tl.float32)
+        for b in range(BLOCKS):
+            r = (tl.program_id(0).to(tl.int64) * BLOCKS + b) * ROWS + tl.arange(0, ROWS)  # (ROWS,) row numbers
+            head = r % (H + 2 * HKV)
+            is_q, is_v = (head < H)[:, None], (head >= H + HKV)[:, None]
+            t = (r // (H + 2 * HKV)) % T
+            live = (r < R)[:, None]
+            first = r[:, None] * D + c[None, :]  # (ROWS, D/2) offsets of each row's first half
+            # rope_tables repeats its angles in both halves, so the first half's cos and sin serve both.
+            cos = tl.load(cos_ptr + t[:, None] * D + c[None, :], mask=live, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + t[:, None] * D + c[None, :], mask=live, other=0.0).to(tl.float32)
+            g1, g2 = tl.where(is_q, qg1, kg1), tl.where(is_q, qg2, kg2)
+            x1 = tl.load(x_ptr + first, mask=live, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+            n1, n2 = x1 * inv, x2 * inv
+            if BACKWARD:  # y1 = u1 cos - u2 sin, y2 = u2 cos + u1 sin, u = n g  =>  du1 = dy1 cos + dy2 sin, ...
+                dy1 = tl.load(dy_ptr + first, mask=live, other=0.0).to(tl.float32)
+                dy2 = tl.load(dy_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
+                du1, du2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
+                qk = ~is_v
+                dq1 += tl.sum(tl.where(is_q, du1 * n1, 0.0), axis=0)
+                dq2 += tl.sum(tl.where(is_q, du2 * n2, 0.0), axis=0)
+                dk1 += tl.sum(tl.where(qk & ~is_q, du1 * n1, 0.0), axis=0)
+                dk2 += tl.sum(tl.where(qk & ~is_q, du2 * n2, 0.0), axis=0)
+                dn1, dn2 = du1 * g1, du2 * g2
+                mean = ((tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) / D)[:, None]
+                y1 = tl.where(is_v, dy1, inv * (dn1 - n1 * mean))
+                y2 = tl.where(is_v, dy2, inv * (dn2 - n2 * mean))
+            else:
+                u1, u2 = n1 * g1, n2 * g2
+                y1 = tl.where(is_v, x1, u1 * cos - u2 * sin)
+                y2 = tl.where(is_v, x2, u2 * cos + u1 * sin)
+            tl.store(out_ptr + first, y1.to(out_ptr.dtype.element_ty), mask=live)
+            tl.store(out_ptr + first + HALF, y2.to(out_ptr.dtype.element_ty), mask=live)
         if BACKWARD:
-            tl.store(dg_ptr + pid * 2 * D + d, dg_q)
-            tl.store(dg_ptr + pid * 2 * D + D + d, dg_k)
+            row = dg_ptr + tl.program_id(0) * 2 * D
+            tl.store(row + c, dq1)
+            tl.store(row + HALF + c, dq2)
+            tl.store(row + D + c, dk1)
+            tl.store(row + D + HALF + c, dk2)
+
+    def _qk_norm_rope_programs(qkv, rows: int) -> int:
+        return triton.cdiv(qkv.numel() // qkv.shape[-1], rows * QK_BLOCKS)
 
     def _qk_norm_rope_launch(qkv, dy, out, cos, sin, q_gain, k_gain, dg, n_heads: int, eps: float, backward: bool):
         B, T, n, D = qkv.shape
-        Hkv = (n - n_heads) // 2
-        _qk_norm_rope_kernel[(triton.cdiv(B * T, QK_TOKENS),)](
-            qkv, dy, out, cos, sin, q_gain, k_gain, dg, B * T, T, eps, H=n_heads, HKV=Hkv,
-            NORM_P=triton.next_power_of_2(n_heads + Hkv), V_P=triton.next_power_of_2(Hkv), D=D, TOKENS=QK_TOKENS,
-            BACKWARD=backward)
+        _qk_norm_rope_kernel[lambda meta: (_qk_norm_rope_programs(qkv, meta["ROWS"]),)](
+            qkv, dy, out, cos, sin, q_gain, k_gain, dg, B * T * n, T, eps, H=n_heads, HKV=(n - n_heads) // 2, D=D,
+            BLOCKS=QK_BLOCKS, BACKWARD=backward)
         return out
 
     @torch.library.custom_op("onegpu::qk_norm_rope", mutates_args=())
@@ -601,8 +623,10 @@ if AVAILABLE:
                               q_gain: torch.Tensor, k_gain: torch.Tensor, n_heads: int,
                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gradients of qk_norm_rope with respect to qkv, q_gain and k_gain, given grad (its output's)."""
-        B, T, _, D = qkv.shape
-        partial = qkv.new_empty(triton.cdiv(B * T, QK_TOKENS), 2, D, dtype=torch.float32)
+        # One row a program at the fewest rows a tile. A tile of more rows fills fewer, and the rest must
+        # read zero: here, and after the autotuner's trial runs of each tile (its reset_to_zero).
+        partial = qkv.new_zeros(_qk_norm_rope_programs(qkv, min(rows for rows, _ in QK_TILES)), 2, qkv.shape[-1],
+                                dtype=torch.float32)
         dqkv = _qk_norm_rope_launch(qkv, grad.contiguous(), torch.empty_like(qkv), cos, sin, q_gain, k_gain, partial,
                                     n_heads, eps, backward=True)
         return dqkv, partial[:, 0].sum(0).to(q_gain.dtype), partial[:, 1].sum(0).to(k_gain.dtype)
