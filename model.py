@@ -440,6 +440,9 @@ def flex_attention_compiled():
     return _flex
 
 
+FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys (its default)
+
+
 def flex_block_mask(doc_ids, window: int, T: int, device):
     """FlexAttention block mask for causal attention within documents (doc_ids: (B, T) on CUDA, or
     None) and within `window` keys (0: no window)."""
@@ -456,11 +459,46 @@ def flex_block_mask(doc_ids, window: int, T: int, device):
     def same_doc_causal(b, h, q_idx, kv_idx):
         return causal(b, h, q_idx, kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
+    mask_mod = causal if doc_ids is None else same_doc_causal
+    if T % FLEX_BLOCK == 0:
+        return block_mask_from_documents(doc_ids, window or T, T, mask_mod, device)
     # _compile: the mask is evaluated block by block in one compiled kernel, where the eager path
     # materialises all B x T x T booleans (268M for 4 sequences of 8,192 tokens) every micro-batch.
+    return create_block_mask(mask_mod, None if doc_ids is None else doc_ids.shape[0], None, T, T, device=device,
+                             _compile=True)
+
+
+def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
+    """flex_block_mask's BlockMask from each block's first and last document and the blocks' distance,
+    for T a multiple of FLEX_BLOCK: (B, T/128, T/128) comparisons, where create_block_mask evaluates the
+    mask at all B x T x T pairs (3.5 ms a step at 88m on an H200, 2 x 2 masks of 16 x 8,192 tokens,
+    docs/PERFORMANCE.md "Where the time goes"). Exact, because documents are runs of equal, rising ids
+    (data.ShardLoader numbers them by a cumulative sum): kv block j before query block i holds a pair of
+    one document within reach iff its last id equals block i's first id and their nearest tokens are
+    within reach; every pair is allowed iff both blocks lie in one document and their farthest tokens
+    are within reach. tests/test_model.py checks it against create_block_mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+    n, S = T // FLEX_BLOCK, FLEX_BLOCK
+    i = torch.arange(n, device=device)[:, None]  # query block
+    j = torch.arange(n, device=device)[None, :]  # key block
+    some = (j <= i) & ((i - j) * S - (S - 1) < reach)  # (n, n): the nearest pair is causal and within reach
+    every = (j < i) & ((i - j) * S + (S - 1) < reach)  # the farthest pair is
     if doc_ids is None:
-        return create_block_mask(causal, None, None, T, T, device=device, _compile=True)
-    return create_block_mask(same_doc_causal, doc_ids.shape[0], None, T, T, device=device, _compile=True)
+        some, every = some[None], every[None]  # (1, n, n)
+    else:
+        blocks = doc_ids.view(doc_ids.shape[0], n, S)
+        first, last = blocks[..., 0], blocks[..., -1]  # (B, n)
+        some = some & (last[:, None, :] >= first[:, :, None])  # (B, n, n); for j < i, last_j <= first_i anyway
+        # query block i in one document, which key block j (before it) starts in: then j lies in it too
+        every = every & (first == last)[:, :, None] & (first[:, :, None] == first[:, None, :])
+    partial = some & ~every
+
+    def ordered(dense):  # (B, n, n) booleans -> each row's count and its blocks' indices first, rising
+        count = dense.sum(-1, dtype=torch.int32)
+        return count[:, None], torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(every), BLOCK_SIZE=S, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))
 
 
 # --- FP8 matmuls --------------------------------------------------------------------------

@@ -646,3 +646,33 @@ def test_sequence_longer_than_context_is_refused():
     model = small_model()
     with pytest.raises(ValueError, match=r"33 tokens is longer than model\.context=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize("with_docs", [True, False])
+def test_the_block_mask_from_document_boundaries_is_create_block_masks(with_docs):
+    """model.block_mask_from_documents against create_block_mask, which evaluates the mask at every pair:
+    the same partial and full blocks, each row's indices in the same order, on both the key side and the
+    query side (the backward's), for windows under, at, just past, across and over the 128-token block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 640
+    docs = None
+    if with_docs:
+        docs = torch.cumsum(torch.rand(B, T, generator=g) < 0.01, dim=1).int()
+        docs[0, 100:400] = docs[0, 100]  # one document over whole blocks: full blocks off the diagonal
+        docs[0, 400:] += 1
+    for window in (0, 100, 128, 129, 200, 257, 300):  # 129 and 257: one past a block's nearest pairs
+        reach = window or T
+
+        def allowed(b, h, q, k):
+            ok = (q >= k) & (q - k < reach)
+            return ok & (docs[b, q] == docs[b, k]) if with_docs else ok
+        want = create_block_mask(allowed, B if with_docs else None, None, T, T, device="cpu")
+        got = M.flex_block_mask(docs, window, T, torch.device("cpu"))
+        assert int(want.full_kv_num_blocks.sum()) > 0 or window < 2 * M.FLEX_BLOCK  # full blocks are tested
+        for count, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                               ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+            n = getattr(want, count)
+            assert torch.equal(getattr(got, count), n), (window, count)
+            keep = torch.arange(n.shape[-1])[None, None, None, :] < n[..., None]  # each row's first n indices
+            assert torch.equal(getattr(got, indices)[keep], getattr(want, indices)[keep]), (window, indices)
