@@ -452,6 +452,22 @@ def attended_pairs(doc_ids: torch.Tensor, window: int) -> int:
     return int((seen.clamp(max=window) if window else seen).sum())
 
 
+# FlexAttention's kernel options that --attention-rate times at the long window, against Inductor's own
+# choice. Its choice for head size 128 on Hopper (torch 2.13's template heuristics): forward tiles of
+# 128 queries x 64 keys, 8 warps, 3 stages; backward 64 x 128 and 128 x 64, 8 warps, 3 stages. The backward
+# took 39.0 of 55.7 ms of attention in the 88m default's step (docs/PERFORMANCE.md, "Where the time goes").
+FLEX_CANDIDATES = [
+    ("every row sees a key", {"ROWS_GUARANTEED_SAFE": True}),  # causal: each query sees itself
+    ("TMA loads", {"USE_TMA": True}),
+    ("backward 64 x 64 tiles, 4 warps", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                                         "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}),
+    ("backward 32 x 128 tiles, 4 warps", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                                          "bwd_BLOCK_N2": 32, "bwd_num_warps": 4, "bwd_num_stages": 3}),
+    ("forward 128 x 128 tiles, 8 warps, 2 stages", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8,
+                                                    "fwd_num_stages": 2}),
+]
+
+
 def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     """TFLOP/s of one layer's attention, forward and backward (median of 20 after 5 warm-ups), at the
     preset's shape (micro_batch sequences of its context, its heads, bf16): cuDNN's dense causal attention,
@@ -477,12 +493,19 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
              ("FlexAttention, causal", dict(block_mask=M.flex_block_mask(None, 0, T, device)), causal, 0)]
     cases += [(f"FlexAttention, documents, window {w or T}", dict(block_mask=M.flex_block_mask(doc, w, T, device)),
                doc, w) for w in windows]
+    long = max(windows)
+    cases += [(f"FlexAttention, documents, window {long or T}, {name}",
+               dict(block_mask=M.flex_block_mask(doc, long, T, device), kernel_options=options), doc, long)
+              for name, options in FLEX_CANDIDATES]
+    # one compiled flex_attention, recompiled for each candidate's options: past dynamo's limit (8) it would
+    # fall back to the eager, unfused attention and time that
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(cases))
     rows, scale = [], mcfg.attn_scale or None
     for name, how, ids, window in cases:
         run = lambda: M.attention(q, k, v, scale=scale, **how).sum().backward()  # noqa: E731
         try:
             seconds = ME.median_seconds(run, device, repeats=20, warmup=5)
-        except RuntimeError as e:  # cuDNN refuses some shapes (grouped kv heads on some versions): say so, go on
+        except Exception as e:  # cuDNN refuses some shapes, an option may not build here: say so, go on
             rows.append({"rung": name, "skipped": str(e).splitlines()[0][:200]})
             continue
         flops = 3.5 * 4 * mcfg.head_dim * mcfg.n_heads * attended_pairs(ids, window)

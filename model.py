@@ -337,8 +337,14 @@ def textbook_attention(q, k, v, mask=None, scale: float | None = None):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+# FlexAttention's kernel options in training (torch.nn.attention.flex_attention.FlexKernelOptions): none, so
+# Inductor's heuristics pick its tiles. `python bench.py --attention-rate` times the candidates in
+# bench.FLEX_CANDIDATES at the preset's shape; one that pays goes here.
+FLEX_OPTIONS: dict = {}
+
+
 def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None, window: int = 0,
-              scale: float | None = None):
+              scale: float | None = None, kernel_options: dict | None = None):
     """Causal attention in training and evaluation (Tq == Tk): the one place the kernel is chosen.
 
     q: (B, H, T, hd); k, v: (B, Hkv, T, hd) with H a multiple of Hkv (grouped-query heads are
@@ -346,9 +352,11 @@ def attention(q, k, v, kind: str = "sdpa", *, doc_ids=None, block_mask=None, win
     documents from attending into each other. window: a query sees at most this many keys, itself
     included (0: all before it). block_mask: FlexAttention's mask for doc_ids and window, built
     once per micro-batch on CUDA (see mask_inputs); without it they become a boolean mask.
-    scale: the scores' scale (None: 1/sqrt(hd))."""
+    scale: the scores' scale (None: 1/sqrt(hd)). kernel_options: FlexAttention's (None: FLEX_OPTIONS)."""
     if block_mask is not None:
-        return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True, scale=scale)
+        options = FLEX_OPTIONS if kernel_options is None else kernel_options
+        return flex_attention_compiled()(q, k, v, block_mask=block_mask, enable_gqa=True, scale=scale,
+                                         kernel_options=options or None)
     if doc_ids is not None or window:
         mask = doc_mask(doc_ids, window, q.shape[2], q.device)[:, None]  # (B or 1, 1, T, T)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)

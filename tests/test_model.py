@@ -676,3 +676,16 @@ def test_the_block_mask_from_document_boundaries_is_create_block_masks(with_docs
             assert torch.equal(getattr(got, count), n), (window, count)
             keep = torch.arange(n.shape[-1])[None, None, None, :] < n[..., None]  # each row's first n indices
             assert torch.equal(getattr(got, indices)[keep], getattr(want, indices)[keep]), (window, indices)
+
+
+def test_flex_attention_gets_the_kernel_options(monkeypatch):
+    """FLEX_OPTIONS reach FlexAttention in training (none: Inductor's own tiles); a call's own options win,
+    which is how `bench.py --attention-rate` times each of bench.FLEX_CANDIDATES."""
+    seen = []
+    monkeypatch.setattr(M, "flex_attention_compiled", lambda: lambda q, k, v, **kw: seen.append(kw["kernel_options"]) or q)
+    q = torch.zeros(1, 2, 4, 8)
+    M.attention(q, q, q, block_mask="mask")
+    M.attention(q, q, q, block_mask="mask", kernel_options={"USE_TMA": True})
+    monkeypatch.setattr(M, "FLEX_OPTIONS", {"ROWS_GUARANTEED_SAFE": True})
+    M.attention(q, q, q, block_mask="mask")
+    assert seen == [None, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE": True}]
