@@ -472,7 +472,8 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     """TFLOP/s of one layer's attention, forward and backward (median of 20 after 5 warm-ups), at the
     preset's shape (micro_batch sequences of its context, its heads, bf16): cuDNN's dense causal attention,
     then FlexAttention causal, and with documents masked apart (lengths drawn from 500 to 5,500 tokens)
-    at the long and short windows the preset's schedule starts and ends with (train.window_at). FLOPs count the
+    at the long and short windows the preset's schedule starts and ends with (train.window_at), then at the
+    long window with each of FLEX_CANDIDATES' kernel options in place of Inductor's own. FLOPs count the
     (query, key) pairs each computes: 4 hd a pair forward (two matmuls), 2.5 times that backward
     (FlashAttention-2's count), so a masked-out block adds no FLOPs and a kernel that computes it anyway
     shows a lower rate. kernel_ms: the device time of the call's kernels alone (torch.profiler)."""
