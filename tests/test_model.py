@@ -689,3 +689,20 @@ def test_flex_attention_gets_the_kernel_options(monkeypatch):
     monkeypatch.setattr(M, "FLEX_OPTIONS", {"ROWS_GUARANTEED_SAFE": True})
     M.attention(q, q, q, block_mask="mask")
     assert seen == [None, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE": True}]
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_with_the_document_block_mask_is_the_boolean_mask():
+    """FlexAttention compiled for the CPU skips the blocks a BlockMask leaves out (its eager form only reads
+    the mask function), so this is block_mask_from_documents end to end: the same output as SDPA with the
+    boolean mask, at windows under, across and past the 128-token block (about 10 s: one compile)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 384, 16, generator=g)
+    k, v = (torch.randn(2, 2, 384, 16, generator=g) for _ in range(2))
+    doc = torch.cumsum(torch.rand(2, 384, generator=g) < 0.01, dim=1).int()
+    for window in (0, 100, 200):
+        mask = M.flex_block_mask(doc, window, 384, torch.device("cpu"))
+        out = flex(q, k, v, block_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(out, M.attention(q, k, v, doc_ids=doc, window=window), rtol=1e-5, atol=1e-5)
