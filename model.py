@@ -494,7 +494,7 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
     if doc_ids is None:
         some, every = some[None], every[None]  # (1, n, n)
     else:
-        blocks = doc_ids.view(doc_ids.shape[0], n, S)
+        blocks = doc_ids.reshape(doc_ids.shape[0], n, S)
         first, last = blocks[..., 0], blocks[..., -1]  # (B, n)
         some = some & (last[:, None, :] >= first[:, :, None])  # (B, n, n); for j < i, last_j <= first_i anyway
         # query block i in one document, which key block j (before it) starts in: then j lies in it too
