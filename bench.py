@@ -492,12 +492,11 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     windows = sorted({w for step in (0, 1) for w in TR.window_at(step, 1, cfg) if 0 < w < T}) or [0]
     cases = [("cuDNN, dense causal", dict(kind="cudnn"), causal, 0),
              ("FlexAttention, causal", dict(block_mask=M.flex_block_mask(None, 0, T, device)), causal, 0)]
-    cases += [(f"FlexAttention, documents, window {w or T}", dict(block_mask=M.flex_block_mask(doc, w, T, device)),
-               doc, w) for w in windows]
+    masks = {w: M.flex_block_mask(doc, w, T, device) for w in windows}
+    cases += [(f"FlexAttention, documents, window {w or T}", dict(block_mask=masks[w]), doc, w) for w in windows]
     long = max(windows)
     cases += [(f"FlexAttention, documents, window {long or T}, {name}",
-               dict(block_mask=M.flex_block_mask(doc, long, T, device), kernel_options=options), doc, long)
-              for name, options in FLEX_CANDIDATES]
+               dict(block_mask=masks[long], kernel_options=options), doc, long) for name, options in FLEX_CANDIDATES]
     # one compiled flex_attention, recompiled for each candidate's options: past dynamo's limit (8) it would
     # fall back to the eager, unfused attention and time that
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(cases))

@@ -366,13 +366,14 @@ if AVAILABLE:
     # per row: the forward reads the row once (a logsumexp against a fixed shift for capped logits, else
     # online, as FlashAttention's softmax) and keeps only its logsumexp; the backward reads it once more
     # and writes the gradient in the logits' dtype. These kernels are bound by the GPU's special-function
-    # units, not by its memory: 16 results a clock an SM on Hopper, about 3.8 T a second on an H200, where
-    # each logit took three (two exponentials and the sigmoid's reciprocal: 6.8 ms of a 262,144 x 32,768
-    # step at 88m against 3.6 to read the logits once; the loss took 21.8 ms forward and backward, docs/
-    # PERFORMANCE.md "Where the time goes"). So the cap is c * tanh(z / c) from the hardware's tanh
-    # (PTX tanh.approx.f32, one result a logit, relative error under 2^-10.9: 0.008 at the cap of 15, where
-    # bf16 logits near it are only 0.06 apart), and its slope 1 - tanh^2 from the same value. The
-    # interpreter has no PTX: there the cap is 2c * sigmoid(2z / c) - c, the same function.
+    # units, not by its memory: 16 results a clock an SM on Hopper (the CUDA C++ Programming Guide's
+    # arithmetic-instruction throughput table, compute capability 9.0), about 3.8 T a second on an H200.
+    # With the cap as 2c * sigmoid(2z / c) - c, the sm_90 build took 17 exponentials and 10 reciprocals per
+    # 8 logits: 7.9 ms for the forward of a 262,144 x 32,768 step at 88m, against 3.6 to read the logits
+    # once and the 9.0 measured (docs/PERFORMANCE.md "Where the time goes"). So the cap is c * tanh(z / c)
+    # from the hardware's tanh (PTX tanh.approx.f32, relative error under 2^-10.987 by the PTX ISA: 0.008 at
+    # the cap of 15, where bf16 logits near it are 0.06 apart), and its slope 1 - tanh^2 from the same
+    # value: 2.25 results a logit. The interpreter has no PTX: there the cap keeps the sigmoid form.
     _PTX = tl.constexpr(not INTERPRET)  # a kernel reads a module's global only as a constexpr
 
     @triton.jit
