@@ -357,7 +357,8 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     preset's vocabulary and soft-cap, median of 20 after 5 warm-ups): forward alone and forward plus
     backward, the plain loss against the loss kernel, each compiled on CUDA, on bf16 logits and, for
     an untied head, behind the FP8 head (x of width d_model): apart (model.fp8_linear, then the loss),
-    and as one function (model.fp8_head_cross_entropy, which the model runs where both are on)."""
+    and as one function (model.fp8_head_cross_entropy, which the model runs where both are on; its
+    forward also writes the logits' gradient, so its forward_ms is not comparable with the others')."""
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
     n, dtype = micro_batch * mcfg.context, torch.bfloat16 if cuda else torch.float32

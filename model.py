@@ -601,37 +601,36 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
 
 
 class FP8HeadCrossEntropy(torch.autograd.Function):
-    """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then onegpu_kernels.cross_entropy.
-    Its backward has the loss kernel write the logits' gradient twice in one pass, in the logits' dtype
-    for the weight gradient and in e5m2, scaled by the bound 1/n, for the input gradient. Apart, the
-    FP8 head casts that gradient in a pass of its own: 2 bytes read and 1 written per logit. On one H200,
-    a micro-batch of the 126m preset (32,768 tokens) took 8.34 ms forward and backward this way, 8.91
-    apart and 9.70 with the plain loss (`python bench.py --loss --preset 126m --micro-batch-size 4`,
-    docs/PERFORMANCE.md). The model runs it where fp8_head and loss_kernel are both on."""
+    """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then
+    onegpu_kernels.cross_entropy_and_gradient, which writes the logits' gradient in the forward, in the same
+    launch as the loss, twice: in the logits' dtype for the weight gradient, and in e5m2, scaled by the
+    bound 1/n, for the input gradient. The backward is two matmuls, whose products it scales by the
+    incoming gradient (a scalar: the step's 1 / accumulation), where a loss kernel of its own would have
+    read the logits again. The model runs it where fp8_head and loss_kernel are both on."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, cap, out_dtype):
         logits, _, _, w8, sw = fp8_matmul(x, weight, out_dtype)  # x: (N, d); weight: (vocab, d)
-        loss, lse = K.cross_entropy(logits, targets, cap)
-        ctx.save_for_backward(x.to(out_dtype), w8, sw, logits, targets, lse)
-        ctx.cap, ctx.dtypes = cap, (x.dtype, weight.dtype)
+        # Each logit's gradient of the mean loss lies within 1 / n, so e5m2 holds it scaled by top * n,
+        # never read for its maximum (as FP8Matmul's head).
+        n, top = targets.numel(), torch.finfo(E5M2).max
+        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n)
+        ctx.save_for_backward(x.to(out_dtype), w8, sw, dz, dz8)
+        ctx.scale, ctx.dtypes = top * n, (x.dtype, weight.dtype)
         return loss.mean()
 
     @staticmethod
     def backward(ctx, grad):
-        x16, w8, sw, logits, targets, lse = ctx.saved_tensors
-        n, top = targets.numel(), torch.finfo(E5M2).max
-        # As FP8Matmul's head: each logit's gradient lies within grad / n <= 1 / n (grad is the step's
-        # 1 / accumulation), so e5m2 holds it scaled by top * n, never read for its maximum.
-        dz, dz8 = K.cross_entropy_backward(logits, targets, lse, (grad / n).expand(n), ctx.cap, top * n)
-        grad_x = torch._scaled_mm(dz8, col_major(w8), scale_a=torch.full((), 1 / (top * n), device=dz.device),
-                                  scale_b=sw, out_dtype=ctx.dtypes[0])
-        return grad_x, (dz.t() @ x16).to(ctx.dtypes[1]), None, None, None
+        x16, w8, sw, dz, dz8 = ctx.saved_tensors
+        grad_x = torch._scaled_mm(dz8, col_major(w8), scale_a=grad.float() / ctx.scale, scale_b=sw,
+                                  out_dtype=ctx.dtypes[0])
+        return grad_x, (dz.t() @ x16).to(ctx.dtypes[1]) * grad, None, None, None
 
 
 def fp8_head_cross_entropy(x, weight, targets, cap: float):
-    """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True) with one pass fewer in the
-    backward (FP8HeadCrossEntropy). x: (N, d); weight: (vocab, d); targets: (N,). Where K.runs_on(x)."""
+    """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True), its gradient written in the
+    forward (FP8HeadCrossEntropy): for training, where a backward follows. x: (N, d); weight: (vocab, d);
+    targets: (N,). Where K.runs_on(x)."""
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype)

@@ -388,10 +388,8 @@ if AVAILABLE:
         return z, z * 0.0 + 1.0
 
     @triton.jit
-    def _cross_entropy_forward_kernel(z_ptr, t_ptr, loss_ptr, lse_ptr, vocab, cap, BLOCK: tl.constexpr,
-                                      CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        z_row = z_ptr + row * vocab
+    def _row_logsumexp(z_row, vocab, cap, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
+        """The logsumexp of softcap(z) over one row of vocab logits, read once."""
         # A capped logit lies within (-cap, cap), so exp(y - cap) lies within (exp(-2 cap), 1]: for a cap of
         # at most 40 (FIXED_SHIFT) it neither overflows nor leaves float32's normal range, and the sum runs
         # against that fixed shift, one exponential a logit besides the cap's. Otherwise a running max, one
@@ -412,7 +410,33 @@ if AVAILABLE:
                 new = tl.maximum(m, tl.max(y, 0))
                 total = total * tl.exp(m - new) + tl.sum(tl.exp(y - new), 0)
                 m = new
-        lse = m + tl.log(total)
+        return m + tl.log(total)
+
+    @triton.jit
+    def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, fp8_scale, fp8_max, BLOCK: tl.constexpr,
+                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr):
+        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype; with FP8 also
+        times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's blocks last to first."""
+        steps = tl.cdiv(vocab, BLOCK)
+        for step in range(0, steps):
+            if BACKWARDS:
+                cols = (steps - 1 - step) * BLOCK + tl.arange(0, BLOCK)
+            else:
+                cols = step * BLOCK + tl.arange(0, BLOCK)
+            keep = cols < vocab
+            y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
+            d = (tl.exp(y - lse) - tl.where(cols == target, 1.0, 0.0)) * slope * g
+            tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
+            if FP8:
+                d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
+                tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _cross_entropy_forward_kernel(z_ptr, t_ptr, loss_ptr, lse_ptr, vocab, cap, BLOCK: tl.constexpr,
+                                      CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * vocab
+        lse = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT)
         y_t, _ = _capped(tl.load(z_row + tl.load(t_ptr + row)).to(tl.float32), cap, CAPPED)
         tl.store(lse_ptr + row, lse)
         tl.store(loss_ptr + row, lse - y_t)
@@ -420,19 +444,30 @@ if AVAILABLE:
     @triton.jit
     def _cross_entropy_backward_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, dz8_ptr, vocab, cap, fp8_scale, fp8_max,
                                        BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr):
-        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times the row's incoming gradient;
-        with FP8 also that gradient times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype."""
+        """The gradient of sum(g * loss) for the per-row g at g_ptr (_row_gradient)."""
         row = tl.program_id(0).to(tl.int64)
-        lse, target, g = tl.load(lse_ptr + row), tl.load(t_ptr + row), tl.load(g_ptr + row)
-        for start in range(0, vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            keep = cols < vocab
-            y, slope = _capped(tl.load(z_ptr + row * vocab + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
-            d = (tl.exp(y - lse) - tl.where(cols == target, 1.0, 0.0)) * slope * g
-            tl.store(dz_ptr + row * vocab + cols, d.to(dz_ptr.dtype.element_ty), mask=keep)
-            if FP8:
-                d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
-                tl.store(dz8_ptr + row * vocab + cols, d8.to(dz8_ptr.dtype.element_ty), mask=keep)
+        _row_gradient(z_ptr + row * vocab, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, tl.load(t_ptr + row),
+                      tl.load(lse_ptr + row), tl.load(g_ptr + row), cap, fp8_scale, fp8_max, BLOCK, CAPPED, FP8, False)
+
+    # The loss and its gradient in one launch, for the FP8 head (model.FP8HeadCrossEntropy), whose backward
+    # can scale the products by the incoming gradient where the loss kernel's backward had to scale every
+    # logit's. Apart, the two kernels read each row twice from memory and write its gradient: 6 bytes a
+    # logit, 7 with the FP8 copy, 5.95 and 10.79 ms for 262,144 x 32,768 logits at 88m on an H200 (the
+    # defaults' profile, docs/PERFORMANCE.md). Here the second read of a row (64 KB at 32,768) follows the
+    # first within one program and starts from the block read last, so it should mostly come from the L2
+    # cache: 5 bytes a logit from memory, about 9 ms at 4.8 TB/s, where the tanh and exponentials (about 4.5
+    # results a logit, as the two kernels apart) take about 10 ms at the special-function units' rate.
+    @triton.jit
+    def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
+                                           fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
+                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * vocab
+        lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
+        y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, CAPPED)
+        tl.store(loss_ptr + row, lse - y_t)
+        _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap,
+                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True)
 
     @torch.library.custom_op("onegpu::cross_entropy", mutates_args=())
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,6 +504,25 @@ if AVAILABLE:
     @cross_entropy_backward.register_fake
     def _(logits, targets, lse, grad, cap, fp8_scale=0.0):
         return torch.empty_like(logits), logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2)
+
+    @torch.library.custom_op("onegpu::cross_entropy_and_gradient", mutates_args=())
+    def cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, cap: float,
+                                   fp8_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cross_entropy's per-row loss and, from the same launch, cross_entropy_backward's two gradients
+        of the mean loss (each row's incoming gradient 1 / N). Returns (loss (N,), dz, dz8)."""
+        n, vocab = logits.shape
+        loss, dz = logits.new_empty(n, dtype=torch.float32), torch.empty_like(logits)
+        dz8 = torch.empty((n, vocab) if fp8_scale else (0,), device=logits.device, dtype=torch.float8_e5m2)
+        _cross_entropy_and_gradient_kernel[(n,)](logits, targets, loss, dz, dz8 if fp8_scale else dz, vocab,
+                                                 float(cap), 1.0 / n, float(fp8_scale),
+                                                 torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK, CAPPED=cap > 0,
+                                                 FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0, num_warps=CE_WARPS)
+        return loss, dz, dz8
+
+    @cross_entropy_and_gradient.register_fake
+    def _(logits, targets, cap, fp8_scale=0.0):
+        return (logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits),
+                logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2))
 
     def _cross_entropy_save(ctx, inputs, output):
         logits, targets, cap = inputs

@@ -171,7 +171,7 @@ def test_qk_norm_and_rope_in_one_kernel_match_the_plain_lines_forward_and_backwa
 # triton wheel) assembles it for Hopper (sm_90), with no GPU present. A kernel that only the interpreter
 # accepts (it checks no types, no register or shared-memory budget) fails here. Pointers are bf16 but
 # where named; the autotuned kernels build every tile they may pick.
-FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta"}
+FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta", "row_grad"}
 HOPPER_SHARED = 232_448  # bytes of shared memory one block may use on an H100 or H200
 BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_decode_step_kernel", dict(H=12, HKV=4, G=3, G_PAD=16, D=64, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=0,
@@ -194,6 +194,8 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
      {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_cross_entropy_backward_kernel", dict(BLOCK=2048, CAPPED=False, FP8=False),
      {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
+    ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True),
+     {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
     ("_qk_norm_rope_kernel", dict(H=6, HKV=6, D=128, BLOCKS=K.QK_BLOCKS, BACKWARD=False),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
