@@ -93,7 +93,6 @@ DECODE_MLP_HIDDEN = 32
 DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2), (256, 256, 4, 3),
                     (512, 512, 8, 2), (1024, 1024, 8, 1))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
-CE_STAGES = 3  # the loss kernels' loads run CE_STAGES - 1 loop steps ahead (see _row_logsumexp)
 
 if AVAILABLE:
 
@@ -389,13 +388,8 @@ if AVAILABLE:
         return z, z * 0.0 + 1.0
 
     @triton.jit
-    def _row_logsumexp(z_row, vocab, cap, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr,
-                       STAGES: tl.constexpr):
+    def _row_logsumexp(z_row, vocab, cap, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
         """The logsumexp of softcap(z) over one row of vocab logits, read once."""
-        # Why the loops load ahead: with one block a program in flight (4 KB at 2,048 bf16 logits, five
-        # programs an SM), Little's law at about 1 us of memory latency allows some 2.6 TB/s, and the
-        # kernels measured 2.9 (docs/LOG.md, 2026-12-04). tl.range's num_stages has Triton load STAGES - 1
-        # blocks ahead into shared memory (cp.async in the sm_90 build).
         # A capped logit lies within (-cap, cap), so exp(y - cap) lies within (exp(-2 cap), 1]: for a cap of
         # at most 40 (FIXED_SHIFT) it neither overflows nor leaves float32's normal range, and the sum runs
         # against that fixed shift, one exponential a logit besides the cap's. Otherwise a running max, one
@@ -405,10 +399,13 @@ if AVAILABLE:
         else:
             m = -1e30
         # With the fixed shift each lane keeps its own sum, added up once after the loop: a sum across the
-        # block every step costs two barriers, and no warp could run ahead of the others to its next load.
+        # block every step cost two barriers, so no warp could run ahead of the others to its next load. The
+        # loss and its gradient from one launch took 7.05 ms a micro-batch of 131,072 x 32,768 logits this
+        # way, 7.38 before (two H200s the same hour); loading blocks ahead through tl.range's stages gave
+        # 6.95 to 7.57 (docs/LOG.md, 2026-12-04).
         sums = tl.zeros([BLOCK], dtype=tl.float32)
         total = 0.0
-        for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+        for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             keep = cols < vocab
             y, _ = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
@@ -425,11 +422,11 @@ if AVAILABLE:
 
     @triton.jit
     def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, fp8_scale, fp8_max, BLOCK: tl.constexpr,
-                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr, STAGES: tl.constexpr):
+                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr):
         """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype; with FP8 also
         times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's blocks last to first."""
         steps = tl.cdiv(vocab, BLOCK)
-        for step in tl.range(0, steps, num_stages=STAGES):
+        for step in range(0, steps):
             if BACKWARDS:
                 cols = (steps - 1 - step) * BLOCK + tl.arange(0, BLOCK)
             else:
@@ -444,23 +441,21 @@ if AVAILABLE:
 
     @triton.jit
     def _cross_entropy_forward_kernel(z_ptr, t_ptr, loss_ptr, lse_ptr, vocab, cap, BLOCK: tl.constexpr,
-                                      CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr, STAGES: tl.constexpr):
+                                      CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
-        lse = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT, STAGES)
+        lse = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT)
         y_t, _ = _capped(tl.load(z_row + tl.load(t_ptr + row)).to(tl.float32), cap, CAPPED)
         tl.store(lse_ptr + row, lse)
         tl.store(loss_ptr + row, lse - y_t)
 
     @triton.jit
     def _cross_entropy_backward_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, dz8_ptr, vocab, cap, fp8_scale, fp8_max,
-                                       BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr,
-                                       STAGES: tl.constexpr):
+                                       BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr):
         """The gradient of sum(g * loss) for the per-row g at g_ptr (_row_gradient)."""
         row = tl.program_id(0).to(tl.int64)
         _row_gradient(z_ptr + row * vocab, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, tl.load(t_ptr + row),
-                      tl.load(lse_ptr + row), tl.load(g_ptr + row), cap, fp8_scale, fp8_max, BLOCK, CAPPED, FP8, False,
-                      STAGES)
+                      tl.load(lse_ptr + row), tl.load(g_ptr + row), cap, fp8_scale, fp8_max, BLOCK, CAPPED, FP8, False)
 
     # The loss and its gradient in one launch, for the FP8 head (model.FP8HeadCrossEntropy), whose backward
     # can scale the products by the incoming gradient where the loss kernel's backward had to scale every
@@ -473,14 +468,14 @@ if AVAILABLE:
     @triton.jit
     def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
                                            fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
-                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr):
+                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
-        lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT, STAGES), tl.load(t_ptr + row)
+        lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
         y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, CAPPED)
         tl.store(loss_ptr + row, lse - y_t)
         _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap,
-                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True, STAGES)
+                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True)
 
     @torch.library.custom_op("onegpu::cross_entropy", mutates_args=())
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,8 +485,7 @@ if AVAILABLE:
         n, vocab = logits.shape
         loss, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(2))
         _cross_entropy_forward_kernel[(n,)](logits, targets, loss, lse, vocab, float(cap), BLOCK=CE_BLOCK,
-                                            CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40, STAGES=CE_STAGES,
-                                            num_warps=CE_WARPS)
+                                            CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40, num_warps=CE_WARPS)
         return loss, lse
 
     @cross_entropy.register_fake
@@ -512,7 +506,7 @@ if AVAILABLE:
         _cross_entropy_backward_kernel[(n,)](logits, targets, lse, grad.float().contiguous(), dz,
                                              dz8 if fp8_scale else dz, vocab, float(cap),
                                              float(fp8_scale), torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK,
-                                             CAPPED=cap > 0, FP8=fp8_scale > 0, STAGES=CE_STAGES, num_warps=CE_WARPS)
+                                             CAPPED=cap > 0, FP8=fp8_scale > 0, num_warps=CE_WARPS)
         return dz, dz8
 
     @cross_entropy_backward.register_fake
@@ -530,8 +524,7 @@ if AVAILABLE:
         _cross_entropy_and_gradient_kernel[(n,)](logits, targets, loss, dz, dz8 if fp8_scale else dz, vocab,
                                                  float(cap), 1.0 / n, float(fp8_scale),
                                                  torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK, CAPPED=cap > 0,
-                                                 FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0, STAGES=CE_STAGES,
-                                                 num_warps=CE_WARPS)
+                                                 FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0, num_warps=CE_WARPS)
         return loss, dz, dz8
 
     @cross_entropy_and_gradient.register_fake
