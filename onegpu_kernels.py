@@ -365,7 +365,7 @@ if AVAILABLE:
     # ms at 4.8 TB/s; the first version of these kernels took 4.00, bound by its exponentials. One program
     # per row: the forward reads the row once (a logsumexp against a fixed shift for capped logits, else
     # online, as FlashAttention's softmax) and keeps only its logsumexp; the backward reads it once more
-    # and writes the gradient in the logits' dtype. These kernels are bound by the GPU's special-function
+    # and writes the gradient in the logits' dtype. The forward was bound by the GPU's special-function
     # units, not by its memory: 16 results a clock an SM on Hopper (the CUDA C++ Programming Guide's
     # arithmetic-instruction throughput table, compute capability 9.0), about 3.8 T a second on an H200.
     # With the cap as 2c * sigmoid(2z / c) - c, the sm_90 build took 17 exponentials and 10 reciprocals per
@@ -462,9 +462,10 @@ if AVAILABLE:
     # logit's. Apart, the two kernels read each row twice from memory and write its gradient: 6 bytes a
     # logit, 7 with the FP8 copy, 5.95 and 10.79 ms for 262,144 x 32,768 logits at 88m on an H200 (the
     # defaults' profile, docs/PERFORMANCE.md). Here the second read of a row (64 KB at 32,768) follows the
-    # first within one program and starts from the block read last, so it should mostly come from the L2
-    # cache: 5 bytes a logit from memory, about 9 ms at 4.8 TB/s, where the tanh and exponentials (about 4.5
-    # results a logit, as the two kernels apart) take about 10 ms at the special-function units' rate.
+    # first within one program and starts from the block read last, the likeliest still in the L2 cache: 5
+    # bytes a logit from memory. Measured on an H200, 7.05 ms a micro-batch of 131,072 x 32,768 logits
+    # against 7.80 for the two kernels (docs/LOG.md, 2026-12-04): 3.0 TB/s, with the tanh and exponentials
+    # (4.25 special-function results a logit) at about two thirds of those units' rate, so neither bounds it.
     @triton.jit
     def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
                                            fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
