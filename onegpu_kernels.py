@@ -65,12 +65,12 @@ SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the pre
 # and Ampere. The interpreter takes the first alone.
 RELU2_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
-# qk_norm_rope's candidate (rows of D a tile, warps), autotuned once per shape; the interpreter takes the
-# first. Compiled for sm_90 (Triton 3.9), 16 rows of 128 at 4 warps take 122 registers forward and 136
-# backward, 32 at 8 take 122 and 142, 64 at 16 take 104 and 128 with a spill; 32 rows at 4 warps took
-# 208 and 255 with a spill, and is left out. QK_BLOCKS tiles a program: its backward writes one partial
-# gain gradient a program, 2 x 128 float32 per QK_BLOCKS tiles (18.9 MB at 16 rows for 88m's micro-batch
-# of 16 x 8,192 tokens of 18 heads, against the 604 MB of qkv it reads).
+# qk_norm_rope's candidate (tokens a tile, warps), autotuned once per shape; the interpreter takes the
+# first. Compiled for sm_90 (Triton 3.9, the launch's specialization, 88m's heads of 128), 16 tokens at 4
+# warps take 72 registers forward and 96 backward, 32 at 8 take 78 and 118, 64 at 16 take 74 and 119, none
+# spilling. QK_BLOCKS tiles a program: its backward writes one partial gain gradient a program, 2 x 128
+# float32 per QK_BLOCKS tiles of one head (18.9 MB at 16 tokens for 88m's micro-batch of 16 x 8,192
+# tokens of 18 heads, against the 604 MB of qkv it reads).
 QK_TILES, QK_BLOCKS = ((16, 4), (32, 8), (64, 16)), 8
 # gram's candidate square tiles (side, inner), warps and stages, autotuned once per shape; the interpreter
 # takes the first. Side 128 splits the presets' 768-wide Gram matrices into 6 x 6 tiles, of which 21 run.
@@ -606,78 +606,79 @@ if AVAILABLE:
     # (3.7 ms per two micro-batches of 49,152 tokens of the record preset on an H200) and three backward
     # (3.1 + 3.6 + 0.9 ms; docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/,
     # profile-real-data), where reading and writing q and k once needs about 1.4 ms forward and 2 backward at
-    # 4.8 TB/s. qkv (B, T, H + 2 Hkv, D) is taken as its rows of D: each (token, head) row is normed on its
-    # own, so a program takes ROWS consecutive rows (QK_TILES), whatever tokens and heads they belong to,
-    # as two (rows, D/2) tiles, the halves that rotate-half RoPE pairs: every load and store is a
-    # contiguous half row. A q row gets q's gain, a k row k's, a v row is copied through, so the output is
+    # 4.8 TB/s. qkv (B, T, H + 2 Hkv, D) is taken as rows of D, each (token, head) row normed on its own. A
+    # program takes one head and QK_BLOCKS tiles of ROWS consecutive tokens (QK_TILES), so that a tile is all
+    # q, all k or all v: its gain is one (D,) vector, and its gain gradient a sum down the tile's rows that
+    # each lane keeps for itself and adds up once, after the last tile. Each row is loaded as its two
+    # contiguous halves, the halves that rotate-half RoPE pairs. A v row is copied through, so the output is
     # the whole qkv tensor and the backward writes the whole gradient, with no concatenation after it (the
     # gradient it reads is still one, of attention's dq, dk and dv: 4.0 ms of Inductor's a step at 88m).
-    # All in float32, rounded once. The backward recomputes the norm from qkv; each program sums the gain
-    # gradients of its QK_BLOCKS tiles into one row of a small buffer, which the op then sums.
-    # (The first version took one token's heads a tile, one token after another, with the partner half
-    # gathered column by column: 33 ms a step at 88m on an H200 where Inductor's kernels took 15.8, docs/LOG.md
+    # All in float32, rounded once; the backward recomputes the norm from qkv.
+    # (Two versions before this one lost to Inductor: one token's heads a tile with the partner half
+    # gathered, 33 ms a step at 88m on an H200 against Inductor's 15.8; then tiles of any rows, whose
+    # backward summed the gain products down each tile across the warps, two barriers a sum, four sums a
+    # tile, at up to 194 registers a thread in the sm_90 build: twice Inductor's time backward, docs/LOG.md
     # 2026-12-04.)
     @triton.autotune([triton.Config({"ROWS": rows}, num_warps=w) for rows, w in (QK_TILES[:1] if INTERPRET else QK_TILES)],
-                     key=["R", "T", "H", "HKV", "D", "BACKWARD"], reset_to_zero=["dg_ptr"])  # see the backward's op
+                     key=["BT", "T", "H", "HKV", "D", "BACKWARD"], reset_to_zero=["dg_ptr"])  # see the backward's op
     @triton.jit
-    def _qk_norm_rope_kernel(x_ptr, dy_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, R, T, eps,
+    def _qk_norm_rope_kernel(x_ptr, dy_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, BT, T, eps,
                              H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                              BLOCKS: tl.constexpr, BACKWARD: tl.constexpr):
         HALF: tl.constexpr = D // 2
+        N: tl.constexpr = H + 2 * HKV  # heads a token
+        head = tl.program_id(1)
+        is_q, is_v = head < H, head >= H + HKV
         c = tl.arange(0, HALF)
-        # (1, D/2) gains of each half, q's and k's
-        qg1, qg2 = tl.load(qg_ptr + c).to(tl.float32)[None, :], tl.load(qg_ptr + HALF + c).to(tl.float32)[None, :]
-        kg1, kg2 = tl.load(kg_ptr + c).to(tl.float32)[None, :], tl.load(kg_ptr + HALF + c).to(tl.float32)[None, :]
-        dq1, dq2 = tl.zeros([HALF], tl.float32), tl.zeros([HALF], tl.float32)
-        dk1, dk2 = tl.zeros([HALF], tl.float32), tl.zeros([HALF], tl.float32)
+        # (1, D/2) the gain's halves, this head's: q's or k's
+        g1 = tl.where(is_q, tl.load(qg_ptr + c), tl.load(kg_ptr + c)).to(tl.float32)[None, :]
+        g2 = tl.where(is_q, tl.load(qg_ptr + HALF + c), tl.load(kg_ptr + HALF + c)).to(tl.float32)[None, :]
+        dg1, dg2 = tl.zeros([ROWS, HALF], tl.float32), tl.zeros([ROWS, HALF], tl.float32)
         for b in range(BLOCKS):
-            r = (tl.program_id(0).to(tl.int64) * BLOCKS + b) * ROWS + tl.arange(0, ROWS)  # (ROWS,) row numbers
-            head = r % (H + 2 * HKV)
-            is_q, is_v = (head < H)[:, None], (head >= H + HKV)[:, None]
-            t = (r // (H + 2 * HKV)) % T
-            live = (r < R)[:, None]
-            first = r[:, None] * D + c[None, :]  # (ROWS, D/2) offsets of each row's first half
-            # rope_tables repeats its angles in both halves, so the first half's cos and sin serve both.
-            cos = tl.load(cos_ptr + t[:, None] * D + c[None, :], mask=live, other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + t[:, None] * D + c[None, :], mask=live, other=0.0).to(tl.float32)
-            g1, g2 = tl.where(is_q, qg1, kg1), tl.where(is_q, qg2, kg2)
-            x1 = tl.load(x_ptr + first, mask=live, other=0.0).to(tl.float32)
-            x2 = tl.load(x_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
-            inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-            n1, n2 = x1 * inv, x2 * inv
-            if BACKWARD:  # y1 = u1 cos - u2 sin, y2 = u2 cos + u1 sin, u = n g  =>  du1 = dy1 cos + dy2 sin, ...
-                dy1 = tl.load(dy_ptr + first, mask=live, other=0.0).to(tl.float32)
-                dy2 = tl.load(dy_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
-                du1, du2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
-                qk = ~is_v
-                dq1 += tl.sum(tl.where(is_q, du1 * n1, 0.0), axis=0)
-                dq2 += tl.sum(tl.where(is_q, du2 * n2, 0.0), axis=0)
-                dk1 += tl.sum(tl.where(qk & ~is_q, du1 * n1, 0.0), axis=0)
-                dk2 += tl.sum(tl.where(qk & ~is_q, du2 * n2, 0.0), axis=0)
-                dn1, dn2 = du1 * g1, du2 * g2
-                mean = ((tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) / D)[:, None]
-                y1 = tl.where(is_v, dy1, inv * (dn1 - n1 * mean))
-                y2 = tl.where(is_v, dy2, inv * (dn2 - n2 * mean))
+            tok = (tl.program_id(0).to(tl.int64) * BLOCKS + b) * ROWS + tl.arange(0, ROWS)  # (ROWS,) tokens
+            live = (tok < BT)[:, None]
+            first = (tok * N + head)[:, None] * D + c[None, :]  # (ROWS, D/2) offsets of each row's first half
+            if is_v:  # copied through, forward and backward
+                src = dy_ptr if BACKWARD else x_ptr
+                tl.store(out_ptr + first, tl.load(src + first, mask=live), mask=live)
+                tl.store(out_ptr + first + HALF, tl.load(src + first + HALF, mask=live), mask=live)
             else:
-                u1, u2 = n1 * g1, n2 * g2
-                y1 = tl.where(is_v, x1, u1 * cos - u2 * sin)
-                y2 = tl.where(is_v, x2, u2 * cos + u1 * sin)
-            tl.store(out_ptr + first, y1.to(out_ptr.dtype.element_ty), mask=live)
-            tl.store(out_ptr + first + HALF, y2.to(out_ptr.dtype.element_ty), mask=live)
+                t = (tok % T)[:, None]
+                # rope_tables repeats its angles in both halves, so the first half's cos and sin serve both.
+                cos = tl.load(cos_ptr + t * D + c[None, :], mask=live, other=0.0).to(tl.float32)
+                sin = tl.load(sin_ptr + t * D + c[None, :], mask=live, other=0.0).to(tl.float32)
+                x1 = tl.load(x_ptr + first, mask=live, other=0.0).to(tl.float32)
+                x2 = tl.load(x_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
+                inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+                n1, n2 = x1 * inv, x2 * inv
+                if BACKWARD:  # y1 = u1 cos - u2 sin, y2 = u2 cos + u1 sin, u = n g  =>  du1 = dy1 cos + dy2 sin, ...
+                    dy1 = tl.load(dy_ptr + first, mask=live, other=0.0).to(tl.float32)
+                    dy2 = tl.load(dy_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
+                    du1, du2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
+                    dg1 += du1 * n1  # dead rows loaded zeros: they add nothing
+                    dg2 += du2 * n2
+                    dn1, dn2 = du1 * g1, du2 * g2
+                    mean = ((tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) / D)[:, None]
+                    y1, y2 = inv * (dn1 - n1 * mean), inv * (dn2 - n2 * mean)
+                else:
+                    u1, u2 = n1 * g1, n2 * g2
+                    y1, y2 = u1 * cos - u2 * sin, u2 * cos + u1 * sin
+                tl.store(out_ptr + first, y1.to(out_ptr.dtype.element_ty), mask=live)
+                tl.store(out_ptr + first + HALF, y2.to(out_ptr.dtype.element_ty), mask=live)
         if BACKWARD:
-            row = dg_ptr + tl.program_id(0) * 2 * D
-            tl.store(row + c, dq1)
-            tl.store(row + HALF + c, dq2)
-            tl.store(row + D + c, dk1)
-            tl.store(row + D + HALF + c, dk2)
+            if head < H + HKV:  # this program's row of the partial gain gradients: q's at 0, k's at D
+                row = dg_ptr + (tl.program_id(0) * N + head) * 2 * D + tl.where(is_q, 0, D)
+                tl.store(row + c, tl.sum(dg1, axis=0))
+                tl.store(row + HALF + c, tl.sum(dg2, axis=0))
 
-    def _qk_norm_rope_programs(qkv, rows: int) -> int:
-        return triton.cdiv(qkv.numel() // qkv.shape[-1], rows * QK_BLOCKS)
+    def _qk_norm_rope_tiles(qkv, rows: int) -> int:
+        """Token tiles of the grid's first axis (its second is the heads)."""
+        return triton.cdiv(qkv.numel() // (qkv.shape[-2] * qkv.shape[-1]), rows * QK_BLOCKS)
 
     def _qk_norm_rope_launch(qkv, dy, out, cos, sin, q_gain, k_gain, dg, n_heads: int, eps: float, backward: bool):
         B, T, n, D = qkv.shape
-        _qk_norm_rope_kernel[lambda meta: (_qk_norm_rope_programs(qkv, meta["ROWS"]),)](
-            qkv, dy, out, cos, sin, q_gain, k_gain, dg, B * T * n, T, eps, H=n_heads, HKV=(n - n_heads) // 2, D=D,
+        _qk_norm_rope_kernel[lambda meta: (_qk_norm_rope_tiles(qkv, meta["ROWS"]), n)](
+            qkv, dy, out, cos, sin, q_gain, k_gain, dg, B * T, T, eps, H=n_heads, HKV=(n - n_heads) // 2, D=D,
             BLOCKS=QK_BLOCKS, BACKWARD=backward)
         return out
 
@@ -699,10 +700,11 @@ if AVAILABLE:
                               q_gain: torch.Tensor, k_gain: torch.Tensor, n_heads: int,
                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gradients of qk_norm_rope with respect to qkv, q_gain and k_gain, given grad (its output's)."""
-        # One row a program at the fewest rows a tile. A tile of more rows fills fewer, and the rest must
-        # read zero: here, and after the autotuner's trial runs of each tile (its reset_to_zero).
-        partial = qkv.new_zeros(_qk_norm_rope_programs(qkv, min(rows for rows, _ in QK_TILES)), 2, qkv.shape[-1],
-                                dtype=torch.float32)
+        # One row a program (a token tile of one head) at the fewest rows a tile. A tile of more rows fills
+        # fewer, and v's programs none, and the rest must read zero: here, and after the autotuner's trial
+        # runs of each tile (its reset_to_zero).
+        partial = qkv.new_zeros(_qk_norm_rope_tiles(qkv, min(rows for rows, _ in QK_TILES)) * qkv.shape[-2], 2,
+                                qkv.shape[-1], dtype=torch.float32)
         dqkv = _qk_norm_rope_launch(qkv, grad.contiguous(), torch.empty_like(qkv), cos, sin, q_gain, k_gain, partial,
                                     n_heads, eps, backward=True)
         return dqkv, partial[:, 0].sum(0).to(q_gain.dtype), partial[:, 1].sum(0).to(k_gain.dtype)

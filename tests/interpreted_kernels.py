@@ -386,13 +386,13 @@ def gram_check():
 
 def qk_norm_rope_check():
     """onegpu_kernels.qk_norm_rope against the plain lines (RMSNorm with q's and k's gains, then model.apply_rope),
-    forward and the gradients of qkv and both gains, float16, for full and half-truncated RoPE, at 80 rows
-    of D (less than a program's 16 x QK_BLOCKS = 128 in the interpreter) and at 312 (three programs, the
-    last partly masked, whose partial gain gradients are summed); then the model takes it in training with
-    fused_qk_norm_rope."""
+    forward and the gradients of qkv and both gains, float16, for full and half-truncated RoPE, at 10
+    tokens (fewer than a program's 16 x QK_BLOCKS = 128 in the interpreter) and at 135 (two token tiles of
+    each head, the second partly masked; the partial gain gradients of all q and all k programs are
+    summed); then the model takes it in training with fused_qk_norm_rope."""
     g = torch.Generator().manual_seed(6)
     H, Hkv, D = 4, 2, 16
-    for truncate, B, T in ((False, 2, 5), (True, 3, 13)):
+    for truncate, B, T in ((False, 2, 5), (True, 3, 45)):
         cos, sin = (t.half() for t in M.rope_tables(D, T, 10000.0, truncate))
         qkv0 = torch.randn(B, T, H + 2 * Hkv, D, generator=g).half()
         gains0 = [torch.rand(D, generator=g) + 0.5 for _ in range(2)]
