@@ -1156,7 +1156,7 @@ class Llama(nn.Module):
         if targets is not None and self.cfg.fp8_head and torch.is_grad_enabled():
             # Training only (evaluation and decoding keep the plain head): d loss / d logits of the
             # mean over targets.numel() tokens lies within 1 / targets.numel() (see the FP8 section).
-            if self.cfg.loss_kernel and K.runs_on(x):  # head and loss in one function: a pass fewer back
+            if self.cfg.loss_kernel and K.runs_on(x):  # head and loss in one function, the gradient written forward
                 return fp8_head_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(),
                                               self.cfg.logit_softcap)
             logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel())
