@@ -390,10 +390,9 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
             rows.append({"rung": name, "skipped": "a Triton kernel or an FP8 matmul: measured on CUDA only"})
             continue
         fn = torch.compile(fn) if cuda else fn
-        forward_backward = lambda: fn(inp).backward()  # noqa: E731
+        forward_backward = ME.backward_from_scratch(lambda: fn(inp), (inp, w))
         rows.append({"rung": name, "forward_ms": round(1000 * ME.median_seconds(lambda: fn(inp), device, **timing), 3),
                      "ms": round(1000 * ME.median_seconds(forward_backward, device, **timing), 3)})
-        inp.grad = w.grad = None
     return rows
 
 
@@ -437,8 +436,8 @@ def parts_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
             grad = torch.randn(out.shape, device=device, generator=g).to(out.dtype)
             rows.append({"rung": f"{name}, {'fused' if fused else 'plain'}", "switch": switch,
                          "forward_ms": round(1000 * ME.median_seconds(fn, device, **timing), 3),
-                         "ms": round(1000 * ME.median_seconds(lambda: fn().backward(grad), device, **timing), 3)})
-            inp.grad = None
+                         "ms": round(1000 * ME.median_seconds(ME.backward_from_scratch(fn, (inp,), grad), device,
+                                                               **timing), 3)})
     return rows
 
 
@@ -503,7 +502,7 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(cases))
     rows, scale = [], mcfg.attn_scale or None
     for name, how, ids, window in cases:
-        run = lambda: M.attention(q, k, v, scale=scale, **how).sum().backward()  # noqa: E731
+        run = ME.backward_from_scratch(lambda: M.attention(q, k, v, scale=scale, **how).sum(), (q, k, v))
         try:
             seconds = ME.median_seconds(run, device, repeats=20, warmup=5)
         except Exception as e:  # cuDNN refuses some shapes, an option may not build here: say so, go on
@@ -515,7 +514,6 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
         kernel_s = sum(ME.kernel_times(run, device).values()) / 1000
         rows.append({"rung": name, "ms": round(1000 * seconds, 3), "tflops": round(flops / seconds / 1e12, 1),
                      "kernel_ms": round(1000 * kernel_s, 3), "kernel_tflops": round(flops / kernel_s / 1e12, 1)})
-        q.grad = k.grad = v.grad = None
     return rows
 
 

@@ -162,6 +162,16 @@ def test_an_interrupted_study_resumes_from_its_journal(tmp_path, monkeypatch):
     assert not path.exists()
 
 
+def test_a_timed_backward_starts_each_call_with_its_leaves_gradients_unset():
+    """Called again and again (as median_seconds does), each call leaves one backward's gradient, as a
+    training step's activations get: not a sum over the calls."""
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    call = ME.backward_from_scratch(lambda: x @ w, (x, w), torch.ones(3))
+    for _ in range(3):
+        call()
+    assert torch.equal(x.grad, w.expand(3, 4)) and torch.equal(w.grad, x.detach().sum(0))
+
+
 def test_attention_plan_is_a_model_setting():
     rungs = B.attention_rungs("tiny", 4, 1, only=["textbook", "doc-mask"])
     assert [r.name for r in rungs] == ["textbook eager", "textbook compiled", "doc-mask eager", "doc-mask compiled"]
