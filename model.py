@@ -735,18 +735,20 @@ class Attention(nn.Module):
         self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
 
-    def split_heads(self, qkv, ve=None, norm: bool = True):
-        """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd): q and k normed with qk_norm
-        (unless norm is False: the fused kernel normed them), the value embedding ve (B, T, Hkv * hd)
-        mixed into v."""
+    def split_heads(self, qkv, ve=None):
+        """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd): q and k normed with qk_norm, v
+        mixed (mixed_values)."""
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
-        if self.q_norm is not None and norm:
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, self.mixed_values(v, ve)
+
+    def mixed_values(self, v, ve=None):
+        """v (B, T, Hkv, hd) with the value embedding ve (B, T, Hkv * hd) mixed in, or scaled alone
+        (value_scale)."""
         if ve is not None:
-            v = self.v_mix[0] * v + self.v_mix[1] * ve.view_as(v)
-        elif self.v_mix is not None:
-            v = self.v_mix[0] * v
-        return q, k, v
+            return self.v_mix[0] * v + self.v_mix[1] * ve.view_as(v)
+        return v if self.v_mix is None else self.v_mix[0] * v
 
     def heads(self, qkv, cos, sin, ve=None, training: bool = True):
         """(B, T, H + 2 Hkv, hd) -> q, k, v (B, T, heads, hd): split_heads, then RoPE on q and k (cos, sin:
@@ -754,8 +756,9 @@ class Attention(nn.Module):
         if training and self.fused_qk and torch.is_grad_enabled() and K.qk_norm_rope_supported(qkv, cos):
             # Training: QK-norm and RoPE in one Triton kernel each way (onegpu_kernels.qk_norm_rope), tested
             # against the two lines below, which evaluation and decoding run.
-            qkv = K.qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads, self.q_norm.eps)
-            return self.split_heads(qkv, ve, norm=False)
+            q, k, v = K.qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads,
+                                     self.q_norm.eps)
+            return q, k, self.mixed_values(v, ve)
         q, k, v = self.split_heads(qkv, ve)
         return apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v), v
 

@@ -189,7 +189,7 @@ if AVAILABLE:
             k_partner = k_partner * k_scale * tl.load(kg_ptr + partner).to(tl.float32)
         q = (q_own * cos[None, :] + q_partner * sin[None, :]).to(token.dtype.element_ty)
         v_new = tl.load(token + (H + HKV + h) * s_qkv_h + d).to(tl.float32)
-        if V_MIX > 0:  # as model.Attention.split_heads: a v (value_scale), a v + b ve (value embeddings)
+        if V_MIX > 0:  # as model.Attention.mixed_values: a v (value_scale), a v + b ve (value embeddings)
             v_new = v_new * tl.load(vm_ptr).to(tl.float32)
             if V_MIX == 2:
                 v_new += tl.load(vm_ptr + 1).to(tl.float32) * tl.load(ve_row + d).to(tl.float32)
@@ -610,10 +610,11 @@ if AVAILABLE:
     # program takes one head and QK_BLOCKS tiles of ROWS consecutive tokens (QK_TILES), so that a tile is all
     # q, all k or all v: its gain is one (D,) vector, and its gain gradient a sum down the tile's rows that
     # each lane keeps for itself and adds up once, after the last tile. Each row is loaded as its two
-    # contiguous halves, the halves that rotate-half RoPE pairs. A v row is copied through, so the output is
-    # the whole qkv tensor and the backward writes the whole gradient, with no concatenation after it (the
-    # gradient it reads is still one, of attention's dq, dk and dv: 4.0 ms of Inductor's a step at 88m).
-    # All in float32, rounded once; the backward recomputes the norm from qkv.
+    # contiguous halves, the halves that rotate-half RoPE pairs. The outputs are q, k and v apart (v's rows
+    # copied through), so that their gradients come back apart and the backward reads each where attention
+    # and the value mix left it: given one gradient of the whole qkv-shaped output, as the version before
+    # was, Inductor copied dq, dk and dv into it first, 4.0 ms a step at 88m on an H200. The backward writes
+    # qkv's whole gradient. All in float32, rounded once; the backward recomputes the norm from qkv.
     # (Two versions before this one lost to Inductor: one token's heads a tile with the partner half
     # gathered, 33 ms a step at 88m on an H200 against Inductor's 15.8; then tiles of any rows, whose
     # backward summed the gain products down each tile across the warps, two barriers a sum, four sums a
@@ -622,13 +623,24 @@ if AVAILABLE:
     @triton.autotune([triton.Config({"ROWS": rows}, num_warps=w) for rows, w in (QK_TILES[:1] if INTERPRET else QK_TILES)],
                      key=["BT", "T", "H", "HKV", "D", "BACKWARD"], reset_to_zero=["dg_ptr"])  # see the backward's op
     @triton.jit
-    def _qk_norm_rope_kernel(x_ptr, dy_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, BT, T, eps,
-                             H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCKS: tl.constexpr, BACKWARD: tl.constexpr):
+    def _qk_norm_rope_kernel(x_ptr, q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, BT, T, eps,
+                             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, H: tl.constexpr,
+                             HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
+                             BACKWARD: tl.constexpr):
+        """Forward: qkv at x_ptr (BT tokens of H + 2 HKV rows of D, contiguous) to q, k and v at q_ptr, k_ptr,
+        v_ptr, each (B, T, heads, D) at its strides (s_*b, s_*t, s_*h; D contiguous). Backward: their
+        gradients at q_ptr, k_ptr, v_ptr to qkv's at out_ptr, and the partial gain gradients at dg_ptr."""
         HALF: tl.constexpr = D // 2
         N: tl.constexpr = H + 2 * HKV  # heads a token
         head = tl.program_id(1)
         is_q, is_v = head < H, head >= H + HKV
+        # This head's tensor among q, k and v, its index there and its strides
+        if is_q:
+            part_ptr, index, s_b, s_t, s_h = q_ptr, head, s_qb, s_qt, s_qh
+        elif is_v:
+            part_ptr, index, s_b, s_t, s_h = v_ptr, head - H - HKV, s_vb, s_vt, s_vh
+        else:
+            part_ptr, index, s_b, s_t, s_h = k_ptr, head - H, s_kb, s_kt, s_kh
         c = tl.arange(0, HALF)
         # (1, D/2) the gain's halves, this head's: q's or k's
         g1 = tl.where(is_q, tl.load(qg_ptr + c), tl.load(kg_ptr + c)).to(tl.float32)[None, :]
@@ -637,34 +649,36 @@ if AVAILABLE:
         for b in range(BLOCKS):
             tok = (tl.program_id(0).to(tl.int64) * BLOCKS + b) * ROWS + tl.arange(0, ROWS)  # (ROWS,) tokens
             live = (tok < BT)[:, None]
-            first = (tok * N + head)[:, None] * D + c[None, :]  # (ROWS, D/2) offsets of each row's first half
+            t = tok % T
+            # (ROWS, D/2) offsets of each row's first half: in qkv, and in this head's tensor
+            first = (tok * N + head)[:, None] * D + c[None, :]
+            part = ((tok // T) * s_b + t * s_t + index * s_h)[:, None] + c[None, :]
             if is_v:  # copied through, forward and backward
-                src = dy_ptr if BACKWARD else x_ptr
-                tl.store(out_ptr + first, tl.load(src + first, mask=live), mask=live)
-                tl.store(out_ptr + first + HALF, tl.load(src + first + HALF, mask=live), mask=live)
+                src, src_at, dst, dst_at = (part_ptr, part, out_ptr, first) if BACKWARD else (x_ptr, first, part_ptr, part)
+                tl.store(dst + dst_at, tl.load(src + src_at, mask=live), mask=live)
+                tl.store(dst + dst_at + HALF, tl.load(src + src_at + HALF, mask=live), mask=live)
             else:
-                t = (tok % T)[:, None]
                 # rope_tables repeats its angles in both halves, so the first half's cos and sin serve both.
-                cos = tl.load(cos_ptr + t * D + c[None, :], mask=live, other=0.0).to(tl.float32)
-                sin = tl.load(sin_ptr + t * D + c[None, :], mask=live, other=0.0).to(tl.float32)
+                cos = tl.load(cos_ptr + t[:, None] * D + c[None, :], mask=live, other=0.0).to(tl.float32)
+                sin = tl.load(sin_ptr + t[:, None] * D + c[None, :], mask=live, other=0.0).to(tl.float32)
                 x1 = tl.load(x_ptr + first, mask=live, other=0.0).to(tl.float32)
                 x2 = tl.load(x_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
                 inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
                 n1, n2 = x1 * inv, x2 * inv
                 if BACKWARD:  # y1 = u1 cos - u2 sin, y2 = u2 cos + u1 sin, u = n g  =>  du1 = dy1 cos + dy2 sin, ...
-                    dy1 = tl.load(dy_ptr + first, mask=live, other=0.0).to(tl.float32)
-                    dy2 = tl.load(dy_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
+                    dy1 = tl.load(part_ptr + part, mask=live, other=0.0).to(tl.float32)
+                    dy2 = tl.load(part_ptr + part + HALF, mask=live, other=0.0).to(tl.float32)
                     du1, du2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
                     dg1 += du1 * n1  # dead rows loaded zeros: they add nothing
                     dg2 += du2 * n2
                     dn1, dn2 = du1 * g1, du2 * g2
                     mean = ((tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) / D)[:, None]
-                    y1, y2 = inv * (dn1 - n1 * mean), inv * (dn2 - n2 * mean)
+                    tl.store(out_ptr + first, (inv * (dn1 - n1 * mean)).to(out_ptr.dtype.element_ty), mask=live)
+                    tl.store(out_ptr + first + HALF, (inv * (dn2 - n2 * mean)).to(out_ptr.dtype.element_ty), mask=live)
                 else:
                     u1, u2 = n1 * g1, n2 * g2
-                    y1, y2 = u1 * cos - u2 * sin, u2 * cos + u1 * sin
-                tl.store(out_ptr + first, y1.to(out_ptr.dtype.element_ty), mask=live)
-                tl.store(out_ptr + first + HALF, y2.to(out_ptr.dtype.element_ty), mask=live)
+                    tl.store(part_ptr + part, (u1 * cos - u2 * sin).to(part_ptr.dtype.element_ty), mask=live)
+                    tl.store(part_ptr + part + HALF, (u2 * cos + u1 * sin).to(part_ptr.dtype.element_ty), mask=live)
         if BACKWARD:
             if head < H + HKV:  # this program's row of the partial gain gradients: q's at 0, k's at D
                 row = dg_ptr + (tl.program_id(0) * N + head) * 2 * D + tl.where(is_q, 0, D)
@@ -675,42 +689,52 @@ if AVAILABLE:
         """Token tiles of the grid's first axis (its second is the heads)."""
         return triton.cdiv(qkv.numel() // (qkv.shape[-2] * qkv.shape[-1]), rows * QK_BLOCKS)
 
-    def _qk_norm_rope_launch(qkv, dy, out, cos, sin, q_gain, k_gain, dg, n_heads: int, eps: float, backward: bool):
+    def _qk_norm_rope_launch(qkv, parts, out, cos, sin, q_gain, k_gain, dg, n_heads: int, eps: float, backward: bool):
+        """parts: (q, k, v), forward the outputs, backward their gradients; each (B, T, heads, D), D contiguous."""
         B, T, n, D = qkv.shape
+        strides = [s for t in parts for s in t.stride()[:3]]
         _qk_norm_rope_kernel[lambda meta: (_qk_norm_rope_tiles(qkv, meta["ROWS"]), n)](
-            qkv, dy, out, cos, sin, q_gain, k_gain, dg, B * T, T, eps, H=n_heads, HKV=(n - n_heads) // 2, D=D,
-            BLOCKS=QK_BLOCKS, BACKWARD=backward)
-        return out
+            qkv, *parts, out, cos, sin, q_gain, k_gain, dg, B * T, T, eps, *strides, H=n_heads, HKV=(n - n_heads) // 2,
+            D=D, BLOCKS=QK_BLOCKS, BACKWARD=backward)
+
+    def _qk_norm_rope_split(qkv, n_heads: int):
+        B, T, n, D = qkv.shape
+        return [qkv.new_empty(B, T, heads, D) for heads in (n_heads, (n - n_heads) // 2, (n - n_heads) // 2)]
 
     @torch.library.custom_op("onegpu::qk_norm_rope", mutates_args=())
     def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_gain: torch.Tensor,
-                     k_gain: torch.Tensor, n_heads: int, eps: float) -> torch.Tensor:
+                     k_gain: torch.Tensor, n_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """QK-norm and RoPE on the QKV projection's output qkv (B, T, H + 2 Hkv, D), contiguous, H = n_heads:
         each q head times rsqrt(mean(q^2) + eps) * q_gain, each k head the same with k_gain, both rotated by
-        cos, sin (T, D) (model.rope_tables' layout), v as it is. Returns the same shape and dtype."""
-        out = torch.empty_like(qkv)
-        return _qk_norm_rope_launch(qkv, qkv, out, cos, sin, q_gain, k_gain, out, n_heads, eps, backward=False)
+        cos, sin (T, D) (model.rope_tables' layout), v as it is. Returns q (B, T, H, D), k and v (B, T, Hkv,
+        D), apart: their gradients then come back apart too, and the backward reads each where it lies, with
+        no copy of the three into one tensor before it (4.0 ms a step at 88m on an H200, docs/LOG.md)."""
+        q, k, v = _qk_norm_rope_split(qkv, n_heads)
+        _qk_norm_rope_launch(qkv, (q, k, v), q, cos, sin, q_gain, k_gain, q, n_heads, eps, backward=False)
+        return q, k, v
 
     @qk_norm_rope.register_fake
     def _(qkv, cos, sin, q_gain, k_gain, n_heads, eps):
-        return torch.empty_like(qkv)
+        return tuple(_qk_norm_rope_split(qkv, n_heads))
 
     @torch.library.custom_op("onegpu::qk_norm_rope_backward", mutates_args=())
-    def qk_norm_rope_backward(grad: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                              q_gain: torch.Tensor, k_gain: torch.Tensor, n_heads: int,
-                              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The gradients of qk_norm_rope with respect to qkv, q_gain and k_gain, given grad (its output's)."""
+    def qk_norm_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, qkv: torch.Tensor,
+                              cos: torch.Tensor, sin: torch.Tensor, q_gain: torch.Tensor, k_gain: torch.Tensor,
+                              n_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gradients of qk_norm_rope with respect to qkv, q_gain and k_gain, given those of its outputs
+        (any strides along the first three dimensions)."""
         # One row a program (a token tile of one head) at the fewest rows a tile. A tile of more rows fills
         # fewer, and v's programs none, and the rest must read zero: here, and after the autotuner's trial
         # runs of each tile (its reset_to_zero).
         partial = qkv.new_zeros(_qk_norm_rope_tiles(qkv, min(rows for rows, _ in QK_TILES)) * qkv.shape[-2], 2,
                                 qkv.shape[-1], dtype=torch.float32)
-        dqkv = _qk_norm_rope_launch(qkv, grad.contiguous(), torch.empty_like(qkv), cos, sin, q_gain, k_gain, partial,
-                                    n_heads, eps, backward=True)
+        grads = [g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv)]
+        dqkv = torch.empty_like(qkv)
+        _qk_norm_rope_launch(qkv, grads, dqkv, cos, sin, q_gain, k_gain, partial, n_heads, eps, backward=True)
         return dqkv, partial[:, 0].sum(0).to(q_gain.dtype), partial[:, 1].sum(0).to(k_gain.dtype)
 
     @qk_norm_rope_backward.register_fake
-    def _(grad, qkv, cos, sin, q_gain, k_gain, n_heads, eps):
+    def _(dq, dk, dv, qkv, cos, sin, q_gain, k_gain, n_heads, eps):
         return torch.empty_like(qkv), torch.empty_like(q_gain), torch.empty_like(k_gain)
 
     def _qk_norm_rope_save(ctx, inputs, output):
@@ -718,9 +742,9 @@ if AVAILABLE:
         ctx.save_for_backward(qkv, cos, sin, q_gain, k_gain)
         ctx.n_heads, ctx.eps = n_heads, eps
 
-    def _qk_norm_rope_grad(ctx, grad):
+    def _qk_norm_rope_grad(ctx, dq, dk, dv):
         qkv, cos, sin, q_gain, k_gain = ctx.saved_tensors
-        dqkv, dq_gain, dk_gain = qk_norm_rope_backward(grad, qkv, cos, sin, q_gain, k_gain, ctx.n_heads, ctx.eps)
+        dqkv, dq_gain, dk_gain = qk_norm_rope_backward(dq, dk, dv, qkv, cos, sin, q_gain, k_gain, ctx.n_heads, ctx.eps)
         return dqkv, None, None, dq_gain, dk_gain, None, None
 
     qk_norm_rope.register_autograd(_qk_norm_rope_grad, setup_context=_qk_norm_rope_save)

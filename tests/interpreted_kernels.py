@@ -389,7 +389,8 @@ def qk_norm_rope_check():
     forward and the gradients of qkv and both gains, float16, for full and half-truncated RoPE, at 10
     tokens (fewer than a program's 16 x QK_BLOCKS = 128 in the interpreter) and at 135 (two token tiles of
     each head, the second partly masked; the partial gain gradients of all q and all k programs are
-    summed); then the model takes it in training with fused_qk_norm_rope."""
+    summed), and with the outputs' gradients in attention's layout; then the model takes it in training with
+    fused_qk_norm_rope."""
     g = torch.Generator().manual_seed(6)
     H, Hkv, D = 4, 2, 16
     for truncate, B, T in ((False, 2, 5), (True, 3, 45)):
@@ -402,7 +403,7 @@ def qk_norm_rope_check():
             qkv = qkv0.clone().float().requires_grad_() if not fused else qkv0.clone().requires_grad_()
             gains = [x.clone().requires_grad_() for x in gains0]
             if fused:
-                out = K.qk_norm_rope(qkv, cos, sin, gains[0], gains[1], H, 1e-5)
+                out = torch.cat(K.qk_norm_rope(qkv, cos, sin, gains[0], gains[1], H, 1e-5), 2)  # its gradients: views
             else:  # in float32, the reference
                 q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
                 q, k = M.rms_norm(q, 1e-5) * gains[0], M.rms_norm(k, 1e-5) * gains[1]
@@ -412,6 +413,12 @@ def qk_norm_rope_check():
         for got, want in zip(*results):
             assert (got - want).abs().max() < 4e-3 * want.abs().max(), (truncate, (got - want).abs().max())
         assert results[0][0].dtype == torch.float32 and torch.equal(results[0][0][:, :, H + Hkv:], qkv0[:, :, H + Hkv:].float())
+        # The backward reads each gradient where it lies: as attention leaves dq, dk and dv, (B, heads, T, D)
+        # in memory, the same as contiguous
+        grads = dout.split([H, Hkv, Hkv], dim=2)
+        apart = [K.qk_norm_rope_backward(*(f(x) for x in grads), qkv0, cos, sin, gains0[0], gains0[1], H, 1e-5)
+                 for f in (torch.Tensor.contiguous, lambda x: x.transpose(1, 2).contiguous().transpose(1, 2))]
+        assert all(torch.equal(x, y) for x, y in zip(*apart))
     cfg = M.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True)
     losses = []
     with counted(K, "qk_norm_rope") as calls:
