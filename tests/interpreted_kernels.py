@@ -471,3 +471,29 @@ def decode_mlp_check():
     again = decoded(fused, idx, step)
     assert sum("decode_mlp" in target for target in traced) == 2, traced
     assert (again - logits[1]).abs().max() < 1e-3
+
+
+def compiled_custom_ops_check():
+    """The training fast paths that are custom ops (the FP8 head with the loss and its gradient from one
+    launch, QK-norm + RoPE returning q, k and v apart), in a model compiled by Inductor for the CPU against
+    the same model eager: their fake implementations and autograd registrations are what compiling
+    exercises, which the eager checks above do not. With an incoming gradient of 1/4, as under gradient
+    accumulation."""
+    cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True,
+                        value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8_head=True, loss_kernel=True,
+                        fused_qk_norm_rope=True)
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = M.Llama(cfg).train()
+        if compiled:
+            loss = torch.compile(model)(idx, idx)
+        else:  # counted eager only: a counting wrapper's side effect inside an autograd.Function stops Dynamo
+            with counted(K, "qk_norm_rope") as qk, counted(K, "cross_entropy_and_gradient") as ce:
+                loss = model(idx, idx)
+            assert qk and ce, (qk, ce)  # both fast paths ran
+        (loss / 4).backward()
+        runs.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for got, want in zip(*runs):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-8

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
 CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "gram_check", "swiglu_check", "fp8_head_loss_check",
           "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
+SLOW_CHECKS = ("compiled_custom_ops_check",)  # each in a process of its own, in the slow tier
 RUNNING = []  # the process that runs CHECKS, once started
 
 
@@ -31,9 +32,8 @@ def start_interpreter_checks():
     fixture of their own (19 s in two processes at once on a 2-core machine, 2026-12-02)."""
     if RUNNING:
         return
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    RUNNING.append(subprocess.Popen([sys.executable, "-c", checks_code(CHECKS)], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    RUNNING.append(subprocess.Popen([sys.executable, "-c", checks_code(CHECKS)], env=interpreter_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,11 @@ def interpreted():
     return results
 
 
+def interpreter_env() -> dict:
+    """The environment of a process that runs checks: Triton's interpreter on, the repository importable."""
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+
+
 def checks_code(checks: tuple[str, ...]) -> str:
     """A program that runs `checks` and prints {check: "" or its traceback} as JSON."""
     return ("import json, traceback\nimport interpreted_kernels as I\nout = {}\n"
@@ -61,7 +66,7 @@ def checks_code(checks: tuple[str, ...]) -> str:
 def test_every_interpreted_check_runs():
     import re
     source = (ROOT / "tests" / "interpreted_kernels.py").read_text()
-    assert set(re.findall(r"^def (\w+_check)\(", source, re.M)) == set(CHECKS)
+    assert set(re.findall(r"^def (\w+_check)\(", source, re.M)) == set(CHECKS) | set(SLOW_CHECKS)
 
 
 def run_under_interpreter(results: dict, check: str):
@@ -227,6 +232,17 @@ def build_for_hopper(name: str, constexprs: dict, pointers: dict) -> list[int]:
                                   target=GPUTarget("cuda", 90, 32), options=options)
         shared.append(compiled.metadata.shared)
     return shared
+
+
+@pytest.mark.slow
+@needs_triton
+def test_the_custom_op_fast_paths_compile_as_they_run_eager():
+    """tests/interpreted_kernels.py's compiled_custom_ops_check, in an interpreter process of its own (an
+    Inductor compile for the CPU: the slow tier's, not the suite's)."""
+    done = subprocess.run([sys.executable, "-c", checks_code(SLOW_CHECKS)], env=interpreter_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run_under_interpreter(json.loads(done.stdout.strip().splitlines()[-1]), "compiled_custom_ops_check")
 
 
 @pytest.mark.slow
