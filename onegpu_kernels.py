@@ -67,8 +67,8 @@ RELU2_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3),
                (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
 # qk_norm_rope's candidate (tokens a tile, warps), autotuned once per shape; the interpreter takes the
 # first. Compiled for sm_90 (Triton 3.9, the launch's specialization, 88m's heads of 128), 16 tokens at 4
-# warps take 72 registers forward and 96 backward, 32 at 8 take 78 and 118, 64 at 16 take 74 and 119, none
-# spilling. QK_BLOCKS tiles a program: its backward writes one partial gain gradient a program, 2 x 128
+# warps take 56 registers forward and 96 backward, 32 at 8 take 64 and 100, 64 at 16 take 64 and 100,
+# none spilling. QK_BLOCKS tiles a program: its backward writes one partial gain gradient a program, 2 x 128
 # float32 per QK_BLOCKS tiles of one head (18.9 MB at 16 tokens for 88m's micro-batch of 16 x 8,192
 # tokens of 18 heads, against the 604 MB of qkv it reads).
 QK_TILES, QK_BLOCKS = ((16, 4), (32, 8), (64, 16)), 8
@@ -493,6 +493,10 @@ if AVAILABLE:
     def _(logits, targets, cap):
         return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
 
+    def _logit_gradients(logits, fp8_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for the logits' gradient, and for its e5m2 copy where fp8_scale is set (else empty)."""
+        return torch.empty_like(logits), logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2)
+
     @torch.library.custom_op("onegpu::cross_entropy_backward", mutates_args=())
     def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
                                cap: float, fp8_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -501,8 +505,7 @@ if AVAILABLE:
         same pass (the FP8 head's input gradient reads it; model.FP8HeadCrossEntropy). Without, the
         second tensor is empty."""
         n, vocab = logits.shape
-        dz = torch.empty_like(logits)
-        dz8 = torch.empty((n, vocab) if fp8_scale else (0,), device=logits.device, dtype=torch.float8_e5m2)
+        dz, dz8 = _logit_gradients(logits, fp8_scale)
         # Without the FP8 copy its pointer is dz's, never written: no FP8 type reaches a GPU without it.
         _cross_entropy_backward_kernel[(n,)](logits, targets, lse, grad.float().contiguous(), dz,
                                              dz8 if fp8_scale else dz, vocab, float(cap),
@@ -512,7 +515,7 @@ if AVAILABLE:
 
     @cross_entropy_backward.register_fake
     def _(logits, targets, lse, grad, cap, fp8_scale=0.0):
-        return torch.empty_like(logits), logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2)
+        return _logit_gradients(logits, fp8_scale)
 
     @torch.library.custom_op("onegpu::cross_entropy_and_gradient", mutates_args=())
     def cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, cap: float,
@@ -520,8 +523,7 @@ if AVAILABLE:
         """cross_entropy's per-row loss and, from the same launch, cross_entropy_backward's two gradients
         of the mean loss (each row's incoming gradient 1 / N). Returns (loss (N,), dz, dz8)."""
         n, vocab = logits.shape
-        loss, dz = logits.new_empty(n, dtype=torch.float32), torch.empty_like(logits)
-        dz8 = torch.empty((n, vocab) if fp8_scale else (0,), device=logits.device, dtype=torch.float8_e5m2)
+        loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale)
         _cross_entropy_and_gradient_kernel[(n,)](logits, targets, loss, dz, dz8 if fp8_scale else dz, vocab,
                                                  float(cap), 1.0 / n, float(fp8_scale),
                                                  torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK, CAPPED=cap > 0,
@@ -530,8 +532,7 @@ if AVAILABLE:
 
     @cross_entropy_and_gradient.register_fake
     def _(logits, targets, cap, fp8_scale=0.0):
-        return (logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits),
-                logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2))
+        return logits.new_empty(logits.shape[0], dtype=torch.float32), *_logit_gradients(logits, fp8_scale)
 
     def _cross_entropy_save(ctx, inputs, output):
         logits, targets, cap = inputs
@@ -654,7 +655,10 @@ if AVAILABLE:
             first = (tok * N + head)[:, None] * D + c[None, :]
             part = ((tok // T) * s_b + t * s_t + index * s_h)[:, None] + c[None, :]
             if is_v:  # copied through, forward and backward
-                src, src_at, dst, dst_at = (part_ptr, part, out_ptr, first) if BACKWARD else (x_ptr, first, part_ptr, part)
+                if BACKWARD:
+                    src, src_at, dst, dst_at = part_ptr, part, out_ptr, first
+                else:
+                    src, src_at, dst, dst_at = x_ptr, first, part_ptr, part
                 tl.store(dst + dst_at, tl.load(src + src_at, mask=live), mask=live)
                 tl.store(dst + dst_at + HALF, tl.load(src + src_at + HALF, mask=live), mask=live)
             else:
@@ -690,7 +694,8 @@ if AVAILABLE:
         return triton.cdiv(qkv.numel() // (qkv.shape[-2] * qkv.shape[-1]), rows * QK_BLOCKS)
 
     def _qk_norm_rope_launch(qkv, parts, out, cos, sin, q_gain, k_gain, dg, n_heads: int, eps: float, backward: bool):
-        """parts: (q, k, v), forward the outputs, backward their gradients; each (B, T, heads, D), D contiguous."""
+        """parts: (q, k, v), forward the outputs, backward their gradients; each (B, T, heads, D), D contiguous.
+        out and dg are the backward's (qkv's gradient, the partial gain gradients); the forward passes q."""
         B, T, n, D = qkv.shape
         strides = [s for t in parts for s in t.stride()[:3]]
         _qk_norm_rope_kernel[lambda meta: (_qk_norm_rope_tiles(qkv, meta["ROWS"]), n)](
