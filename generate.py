@@ -124,7 +124,7 @@ class GraphDecoder:
 
     def __init__(self, model: M.Llama, mode: str | None = None):
         self.model, self.mode = model, mode
-        self.steps = {}  # compile mode -> decode_one compiled with it
+        self.steps = {}  # (compile mode, dependent launches, fn) -> fn compiled so
         # Each batch size is one more compiled graph of decode_one, shared by every decoder in the
         # process; Dynamo's default limit (8) would stop a program that decodes many batch sizes.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -133,9 +133,11 @@ class GraphDecoder:
     def step(self, batch: int, fn=decode_one):
         """fn (decode_one or greedy_step) compiled with this decoder's mode for `batch` sequences."""
         mode = self.mode or ("max-autotune-no-cudagraphs" if batch == 1 else "default")
-        if (mode, fn) not in self.steps:
-            self.steps[mode, fn] = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
-        return self.steps[mode, fn]
+        pdl = self.model.dependent_launches  # set by setup_cache, which capture_all and generate call first
+        if (mode, pdl, fn) not in self.steps:
+            self.steps[mode, pdl, fn] = torch.compile(fn, options=compile_options(mode, pdl), fullgraph=True,
+                                                      dynamic=False)
+        return self.steps[mode, pdl, fn]
 
     def graph(self, token, pos, fn=decode_one):
         """The graph of fn for this batch and cache, captured on first use, with token and pos
@@ -194,6 +196,14 @@ class GraphDecoder:
             a.cache.k.copy_(k)
             a.cache.v.copy_(v)
         return graph, token_in, pos_in, logits
+
+
+def compile_options(mode: str, pdl: bool) -> dict:
+    """Inductor's settings for a decode step compiled in `mode`; with pdl (model.decode_pdl, on a card
+    that has it), its generated kernels launch while the kernel before them runs and wait inside for
+    what they read (Inductor's triton.enable_pdl; its matmul templates and cuBLAS's kernels launch as
+    before). torch.compile takes a mode or options, not both: these are the mode's own options."""
+    return torch._inductor.list_mode_options(mode) | ({"triton.enable_pdl": True} if pdl else {})
 
 
 def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str | None = None):

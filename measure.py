@@ -548,20 +548,19 @@ def cpu_skip(rung: Rung) -> str | None:
 # --- The generation study (bench.py --generate) ------------------------------------------------------------------------------
 
 # CUDA-graph decoders compared: (label, Inductor mode, generation fast paths on: model.GENERATION_FAST_PATHS).
-# max-autotune without the fast paths, which measured slower than the fused decode at both batches on
-# 2026-11-30 and 2026-12-02 (docs/PERFORMANCE.md, generation), is left out, as is max-autotune with the
-# decode matmuls (no faster than Inductor's default with them, 2026-12-02): a row costs a minute of autotuning.
-FUSED = ("fused_decode",)
+# Rows measured before and dropped (docs/PERFORMANCE.md, generation, has their figures): max-autotune without the
+# fast paths (slower than the fused decode at both batches, 2026-11-30 and 2026-12-02), the decode matmuls (no
+# faster than Inductor's default, 2026-12-02, and below the decode MLP since), the fused decode without its split
+# and without the decode MLP (below both with them, 2026-12-03). A max-autotune row costs a minute of autotuning.
+PRESET_DECODE = ("fused_decode", "split_decode", "decode_mlp")  # the record presets' switches (configs/recipes)
 DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", ()),
-                   ("CUDA graph, Inductor default, fused decode", "default", FUSED),
-                   ("CUDA graph, max-autotune, fused decode", "max-autotune-no-cudagraphs", FUSED),
-                   ("CUDA graph, Inductor default, split fused decode", "default", (*FUSED, "split_decode")),
-                   ("CUDA graph, Inductor default, split fused decode + decode MLP", "default",
-                    (*FUSED, "split_decode", "decode_mlp")),
+                   ("CUDA graph, Inductor default, split fused decode + decode MLP", "default", PRESET_DECODE),
                    ("CUDA graph, max-autotune, split fused decode + decode MLP", "max-autotune-no-cudagraphs",
-                    (*FUSED, "split_decode", "decode_mlp")),
-                   ("CUDA graph, Inductor default, fused decode + decode matmuls", "default",
-                    (*FUSED, "decode_matmuls"))]
+                    PRESET_DECODE),
+                   ("CUDA graph, Inductor default, split fused decode + decode MLP + dependent launches", "default",
+                    (*PRESET_DECODE, "decode_pdl")),
+                   ("CUDA graph, max-autotune, split fused decode + decode MLP + dependent launches",
+                    "max-autotune-no-cudagraphs", (*PRESET_DECODE, "decode_pdl"))]
 
 
 def decode_variant(cfg: M.ModelConfig, switches: tuple) -> M.ModelConfig:

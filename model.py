@@ -17,7 +17,8 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
 `fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE, the training loss and a decoded
 token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
-programs, `decode_matmuls` hands it the matmuls of a decode step and `decode_mlp` its ReLU² MLP.
+programs, `decode_matmuls` hands it the matmuls of a decode step and `decode_mlp` its ReLU² MLP, and
+`decode_pdl` launches a decode step's kernels as programmatic dependents of the kernel before each.
 
 Of the project, this file imports only onegpu_kernels.py, where those Triton kernels live.
 """
@@ -54,7 +55,8 @@ TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fu
                        "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
                        "fp8": "fp8 matmuls"}
 GENERATION_FAST_PATHS = {"fused_decode": "fused decode", "split_decode": "split decode",
-                         "decode_matmuls": "decode matmuls", "decode_mlp": "decode MLP"}
+                         "decode_matmuls": "decode matmuls", "decode_mlp": "decode MLP",
+                         "decode_pdl": "dependent launches"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -100,6 +102,7 @@ class ModelConfig:
     split_decode: bool = False  # with fused_decode, each head's cached positions over many programs (CUDA)
     decode_matmuls: bool = False  # generation's matmuls of at most 16 tokens as Triton's small_matmul (CUDA)
     decode_mlp: bool = False  # generation's ReLU² MLP of at most 16 tokens as one Triton kernel (CUDA)
+    decode_pdl: bool = False  # generation's kernels launched while the one before them runs (Hopper and newer)
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
     fused_relu2: bool = False  # ReLU²'s square and its derivative in its matmuls' epilogues (CUDA, training)
@@ -734,6 +737,7 @@ class Attention(nn.Module):
         # and can learn to switch itself off per token ("sparse attention gate", modded-nanogpt).
         self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
         self.cache = None  # a KVCache while generating (Llama.setup_cache)
+        self.pdl = False  # the fused decode's kernel launched as a dependent (decode_pdl): set by Llama.setup_cache
 
     def split_heads(self, qkv, ve=None):
         """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd): q and k normed with qk_norm, v
@@ -787,6 +791,8 @@ class Attention(nn.Module):
                 parts.update(gate_x=x, gate_w=self.gate.weight)
             if self.split_decode:
                 parts.update(counts=self.cache.counts)
+            if self.pdl:
+                parts.update(pdl=True)
             y = K.decode_step(qkv, cos[0], sin[0], self.cache.k, self.cache.v, pos,
                               self.scale or self.head_dim ** -0.5, window=self.window, **parts)  # (B, 1, H, hd)
             return self.wo(y.reshape(B, T, -1))
@@ -839,6 +845,7 @@ class ReLU2(nn.Module):
         super().__init__()
         self.fused = cfg.fused_relu2 and fast_path_applies("fused_relu2", cfg)  # not with fp8
         self.decode = False  # decode_mlp where its kernel runs: set by Llama.setup_cache
+        self.pdl = False  # its kernel launched as a dependent (decode_pdl): set by Llama.setup_cache
         self.w1 = Linear(cfg.d_model, cfg.ffn_hidden, cfg.fp8)
         self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
 
@@ -847,7 +854,7 @@ class ReLU2(nn.Module):
             return fused_relu2_mlp(x, self.w1.weight, self.w2.weight)
         if self.decode and not torch.is_grad_enabled() and K.decode_mlp_supported(x, self.w1.weight, self.w2.weight):
             # (P, B, T, d) float32 partial sums, one per 32 hidden units: their sum is the MLP's output
-            return K.decode_mlp(x, self.w1.weight, self.w2.weight).sum(0).to(x.dtype)
+            return K.decode_mlp(x, self.w1.weight, self.w2.weight, self.pdl).sum(0).to(x.dtype)
         if self.w1.small and not self.w1.fp8:  # decoding with decode_matmuls: the square in the matmul's epilogue
             return self.w2(linear(x, self.w1.weight, small=True, relu2=True))
         return self.w2(F.relu(self.w1(x)).square())
@@ -1032,6 +1039,7 @@ class Llama(nn.Module):
         self.activation_checkpointing = False  # recompute every block in backward (train.py sets these)
         self.recompute_mlp = False  # recompute only each block's norm + MLP: most of the memory, less of the work
         self.small_matmuls = False  # decode_matmuls switched on for this device by setup_cache
+        self.dependent_launches = False  # decode_pdl switched on for this device by setup_cache
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -1078,11 +1086,14 @@ class Llama(nn.Module):
         # decode_matmuls where its kernel runs, asked here, once, outside compiled code (as KVCache.fusable)
         self.small_matmuls = self.cfg.decode_matmuls and K.device_supported(device)
         decode_mlp = self.cfg.decode_mlp and fast_path_applies("decode_mlp", self.cfg) and K.device_supported(device)
+        self.dependent_launches = self.cfg.decode_pdl and K.dependent_launch(device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.small = self.small_matmuls
             elif isinstance(module, ReLU2):
-                module.decode = decode_mlp
+                module.decode, module.pdl = decode_mlp, self.dependent_launches
+            elif isinstance(module, Attention):
+                module.pdl = self.dependent_launches
         for attn in self.attentions():
             cache = attn.cache
             if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:

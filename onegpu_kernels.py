@@ -94,7 +94,35 @@ DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 2
                     (512, 512, 8, 2), (1024, 1024, 8, 1))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched while the kernel before them still runs (CUDA's
+    programmatic dependent launch, model.decode_pdl): an NVIDIA GPU of compute capability 9.0 (Hopper) or
+    newer. Not in Triton's interpreter, which runs no device code. Called outside compiled code
+    (model.Llama.setup_cache)."""
+    return AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _launch(pdl: bool) -> dict:
+    """A launch's options: with pdl, launched as a programmatic dependent of the kernel before it."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 if AVAILABLE:
+
+    # Programmatic dependent launch (Hopper). A decode step is some 60 small kernels back to back, and each
+    # one's launch and ramp-up used to wait for the one before it to end: replaying the 88m default's batch-1
+    # step took 242 us, 38 us more than with Inductor's own kernels launched this way (204 us; one H200,
+    # docs/LOG.md, 2026-12-04). A kernel launched so may start while the one before it runs, so it must
+    # wait (griddepcontrol.wait) before its first load or store; the kernel after it may then launch.
+    @triton.jit
+    def _after_the_kernel_before(PDL: tl.constexpr):
+        """With PDL (the launch's launch_pdl), wait until the kernel before this one has finished and its
+        writes are visible, before this program loads or stores anything; then let the next kernel launch
+        (its own wait holds it until this one is done)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _decode_step_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, out_ptr, pos_ptr, qg_ptr, kg_ptr, scale, eps,
@@ -102,7 +130,7 @@ if AVAILABLE:
                             s_c_s, s_o_b, s_o_h, s_ve_b, s_gx_b, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
                             V_MIX: tl.constexpr, GATE: tl.constexpr, GC: tl.constexpr, GC_PAD: tl.constexpr,
-                            SPLITS: tl.constexpr):
+                            SPLITS: tl.constexpr, PDL: tl.constexpr):
         """SPLITS programs per (sequence, kv head): with QK_NORM, RMSNorm with the gains at qg_ptr and kg_ptr
         on its G query heads and its new key; RoPE on them; the new value times vm_ptr[0] (V_MIX 1), plus
         vm_ptr[1] times its value embedding at ve_ptr (V_MIX 2); the new key and value written to the cache
@@ -115,7 +143,8 @@ if AVAILABLE:
         positions, the first also the new token (and the cache write), and writes its (m, l, acc) to
         part_ptr (B, HKV, SPLITS, G, D + 2) in float32; the program that counts itself last at count_ptr
         (B, HKV) int32, zeros, combines them: acc_s scaled by exp(m_s - max m), summed, over the l_s summed
-        the same way. It sets its count back to zero for the next call."""
+        the same way. It sets its count back to zero for the next call. PDL: see _after_the_kernel_before."""
+        _after_the_kernel_before(PDL)
         b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         pos = tl.load(pos_ptr)
         g, d = tl.arange(0, G_PAD), tl.arange(0, D)
@@ -240,7 +269,7 @@ if AVAILABLE:
                     k_gain: Optional[torch.Tensor] = None, eps: float = 0.0, window: int = 0,
                     v_mix: Optional[torch.Tensor] = None, ve: Optional[torch.Tensor] = None,
                     gate_x: Optional[torch.Tensor] = None, gate_w: Optional[torch.Tensor] = None,
-                    counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    counts: Optional[torch.Tensor] = None, pdl: bool = False) -> torch.Tensor:
         """One new token's attention, fused: QK-norm (given its gains q_gain and k_gain, (hd,) each,
         and eps), RoPE on q and k, the value mixed (v_mix: (a,) or (a, b): a v, or a v + b ve with ve
         (B, 1, Hkv * hd) the layer's value embedding), k and v written into the caches at pos,
@@ -252,19 +281,20 @@ if AVAILABLE:
         the CUDA graph captures its launch; what it folds in would otherwise be kernels of their own
         around it (the gate's one-row matmul was one, docs/LOG.md, 2026-12-02). With counts ((B, Hkv)
         int32 zeros, left zero: model.KVCache's), each head's cached positions are split over
-        decode_splits(B, Hkv) programs (model.split_decode)."""
+        decode_splits(B, Hkv) programs (model.split_decode). pdl: launched behind the kernel before it
+        (dependent_launch; model.decode_pdl)."""
         # Every argument by position: torch 2.11's custom ops bump a mutated argument's version by its
         # index among the arguments passed, so counts given by keyword, or left to its default, raised
         # IndexError there (torch 2.13 fills the defaults in first).
         return _decode_step(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain, k_gain, eps, window, v_mix, ve,
-                            gate_x, gate_w, counts)
+                            gate_x, gate_w, counts, pdl)
 
     @torch.library.custom_op("onegpu::decode_step", mutates_args=("k_cache", "v_cache", "counts"))
     def _decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: torch.Tensor, scale: float, q_gain: Optional[torch.Tensor],
                      k_gain: Optional[torch.Tensor], eps: float, window: int, v_mix: Optional[torch.Tensor],
                      ve: Optional[torch.Tensor], gate_x: Optional[torch.Tensor], gate_w: Optional[torch.Tensor],
-                     counts: Optional[torch.Tensor]) -> torch.Tensor:
+                     counts: Optional[torch.Tensor], pdl: bool) -> torch.Tensor:
         """decode_step's work, as one opaque op for torch.compile."""
         B, _, n, D = qkv.shape
         Hkv = k_cache.shape[1]
@@ -284,13 +314,13 @@ if AVAILABLE:
             out.stride(0), out.stride(2), ve_rows.stride(0), gate_rows.stride(0),
             H=H, HKV=Hkv, G=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), D=D,
             BLOCK=BLOCK_KEYS if splits == 1 else SPLIT_BLOCK_KEYS, QK_NORM=norm, V_MIX=mix, GATE=gated,
-            GC=channels, GC_PAD=max(16, triton.next_power_of_2(channels)), SPLITS=splits,
-            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+            GC=channels, GC_PAD=max(16, triton.next_power_of_2(channels)), SPLITS=splits, PDL=pdl,
+            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **_launch(pdl))
         return out
 
     @_decode_step.register_fake
     def _(qkv, cos, sin, k_cache, v_cache, pos, scale, q_gain, k_gain, eps, window, v_mix, ve, gate_x, gate_w,
-          counts):  # shapes for tracing
+          counts, pdl):  # shapes for tracing
         B, _, n, D = qkv.shape
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 
@@ -870,12 +900,13 @@ if AVAILABLE:
                      key=["M", "D", "HID", "BLOCK_H"])
     @triton.jit
     def _decode_mlp_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, M, D, HID, s_xm, s_w1, s_w2, ROWS: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                           BLOCK_H: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
         """part[p] = relu(x @ w1[h]^T)^2 @ w2[:, h]^T for the hidden units h of program p (BLOCK_H of them):
         x (M, D) with M <= ROWS, w1 (HID, D) and w2 (D, HID) as nn.Linear keeps them, part (P, M, D) float32.
         The square is rounded to x's dtype, as the plain path's activation is. Each program reads its
         columns of w2 as D pieces of BLOCK_H elements; a (HID, D) copy, where they are one block, measured
-        slower (docs/LOG.md, 2026-12-03)."""
+        slower (docs/LOG.md, 2026-12-03). PDL: see _after_the_kernel_before."""
+        _after_the_kernel_before(PDL)
         p = tl.program_id(0)
         h = p * BLOCK_H + tl.arange(0, BLOCK_H)
         m = tl.arange(0, ROWS)
@@ -889,20 +920,21 @@ if AVAILABLE:
                      mask=(m[:, None] < M) & (d[None, :] < D))
 
     @torch.library.custom_op("onegpu::decode_mlp", mutates_args=())
-    def decode_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def decode_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """The ReLU² MLP's partial sums for at most SMALL_MATMUL_ROWS rows: x (..., D), w1 (HID, D), w2
         (D, HID); returns (P, ..., D) float32, P = HID / DECODE_MLP_HIDDEN, whose sum over its first dimension
-        is relu(x w1^T)^2 w2^T. A custom op: the compiled decode step calls it as one opaque step."""
+        is relu(x w1^T)^2 w2^T. A custom op: the compiled decode step calls it as one opaque step. pdl: launched
+        behind the kernel before it (dependent_launch; model.decode_pdl)."""
         rows = x.reshape(-1, x.shape[-1])
         (M, D), HID = rows.shape, w1.shape[0]
         P = triton.cdiv(HID, DECODE_MLP_HIDDEN)
         part = rows.new_empty(P, *x.shape[:-1], D, dtype=torch.float32)
         _decode_mlp_kernel[(P,)](rows, w1, w2, part, M, D, HID, rows.stride(0), w1.stride(0), w2.stride(0),
-                                 ROWS=SMALL_MATMUL_ROWS, BLOCK_H=DECODE_MLP_HIDDEN)
+                                 ROWS=SMALL_MATMUL_ROWS, BLOCK_H=DECODE_MLP_HIDDEN, PDL=pdl, **_launch(pdl))
         return part
 
     @decode_mlp.register_fake
-    def _(x, w1, w2):
+    def _(x, w1, w2, pdl=False):
         return x.new_empty(triton.cdiv(w1.shape[0], DECODE_MLP_HIDDEN), *x.shape, dtype=torch.float32)
 
 

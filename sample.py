@@ -10,8 +10,9 @@ the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs
 --no-cache re-reads the whole sequence every token (the slow reference both are tested against).
 On GPUs of compute capability 8.0 and newer each new token's RoPE, cache write and attention run
 as one Triton kernel (onegpu_kernels.py), split over many programs with split_decode, and with
-decode_matmuls its matmuls, with decode_mlp its ReLU² MLP, as kernels of their own; --no-fused-decode
-runs the plain PyTorch paths instead.
+decode_matmuls its matmuls, with decode_mlp its ReLU² MLP, as kernels of their own; on Hopper (9.0) with
+decode_pdl each kernel launches while the one before it runs; --no-fused-decode runs the plain PyTorch
+paths, launched plainly, instead.
 bfloat16 weights on CUDA, float32 on CPU. Speed goes to stderr: warm-up (compilation), time to
 first token, prefill and decode tokens per second.
 """
@@ -97,9 +98,9 @@ def main(argv=None):
     p.add_argument("--no-cache", action="store_true", help="re-read the whole sequence each token (slow reference)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (no CUDA graph)")
     p.add_argument("--no-fused-decode", action="store_true",
-                   help="CUDA: plain PyTorch attention and matmuls for each new token, not the Triton kernels "
-                        "(onegpu_kernels.py: decode_step, and small_matmul or decode_mlp where the model has "
-                        "decode_matmuls or decode_mlp)")
+                   help="CUDA: plain PyTorch attention and matmuls for each new token, launched plainly, not the "
+                        "Triton kernels (onegpu_kernels.py: decode_step, and small_matmul or decode_mlp where the "
+                        "model has decode_matmuls or decode_mlp) nor dependent launches (decode_pdl)")
     for name, label in M.GENERATION_FAST_PATHS.items():  # generation's own switches: the weights stay the same
         if name != "fused_decode":  # its off switch is --no-fused-decode, which turns all of them off
             p.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,

@@ -152,14 +152,17 @@ RECORD_ATTENTION = {"mlp": "relu2", "qk_norm": True, "attn_window": 16, "short_w
 
 @pytest.mark.parametrize("recipe, fast", [({}, {}), ({"mlp": "relu2", "qk_norm": True}, {}), (RECORD_ATTENTION, {}),
                                           (RECORD_ATTENTION, {"decode_matmuls": True}),
-                                          (RECORD_ATTENTION, {"split_decode": True, "decode_mlp": True})],
-                         ids=["article", "muon", "record", "record-decode-matmuls", "record-split-decode-mlp"])
+                                          (RECORD_ATTENTION, {"split_decode": True, "decode_mlp": True}),
+                                          (RECORD_ATTENTION, {"split_decode": True, "decode_mlp": True, "decode_pdl": True})],
+                         ids=["article", "muon", "record", "record-decode-matmuls", "record-split-decode-mlp",
+                              "record-split-decode-mlp-pdl"])
 def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, fast):
     """Teacher-forced: the same tokens go through the plain model, the fused model eagerly and the
     fused model's CUDA graph; their logits agree at every position (bf16 rounding apart). The Muon
     recipe norms q and k before the kernel applies RoPE; the record's slides its windows, mixes its values
     and gates its heads, its weights all off their initial values; then with the other generation fast
-    paths: its decode matmuls; its positions split over many programs and its MLP as one kernel."""
+    paths: its decode matmuls; its positions split over many programs and its MLP as one kernel; and those
+    with every kernel launched as a dependent of the one before it (decode_pdl, on Hopper)."""
     torch.manual_seed(0)
     plain = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=False)).cuda().eval().to(torch.bfloat16)
     fused = M.Llama(M.ModelConfig(**CFG, **recipe, fused_decode=True, **fast)).cuda().eval()
@@ -179,6 +182,41 @@ def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, fast):
                                      for t in range(10, 40)]))
     assert rel(runs[1], runs[0]) < 2e-2 and rel(runs[2], runs[0]) < 2e-2
     assert fused.small_matmuls == fast.get("decode_matmuls", False)
+
+
+def test_dependent_launches_give_the_same_greedy_tokens():
+    """decode_pdl on an H100 or H200: the two decode kernels launched as programmatic dependents write what
+    they write launched plainly, bit for bit, and the record model's CUDA-graph decoder, whose Inductor
+    kernels then launch so too, gives the plain launches' 60 greedy tokens at batches 1 and 8."""
+    if not K.dependent_launch(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or newer")
+    g = torch.Generator("cuda").manual_seed(9)
+    w1 = torch.randn(3072, 768, device="cuda", dtype=torch.bfloat16, generator=g) * 768 ** -0.5
+    w2 = torch.randn(768, 3072, device="cuda", dtype=torch.bfloat16, generator=g) * 3072 ** -0.5
+    x = torch.randn(8, 1, 768, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert torch.equal(K.decode_mlp(x, w1, w2, True), K.decode_mlp(x, w1, w2))
+    qkv = torch.randn(2, 1, 20, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    cos, sin = (t[300].to("cuda", torch.bfloat16) for t in M.rope_tables(64, 512, 10000.0))
+    outs = []
+    for pdl in (False, True):
+        caches = [torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1))
+                  for _ in range(2)]
+        counts = torch.zeros(2, 4, device="cuda", dtype=torch.int32)
+        outs.append((K.decode_step(qkv, cos, sin, *caches, torch.tensor([300], device="cuda"), 0.125, counts=counts,
+                                   pdl=pdl), *caches))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    torch.manual_seed(0)
+    fast = {"split_decode": True, "decode_mlp": True}
+    models = [M.Llama(M.ModelConfig(**CFG, **RECORD_ATTENTION, fused_decode=True, **fast, decode_pdl=pdl)).cuda().eval()
+              for pdl in (False, True)]
+    with torch.no_grad():
+        for p in models[0].parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    models[1].load_state_dict(models[0].state_dict())
+    for batch in (1, 8):
+        tokens = [G.generate_batch(m.to(torch.bfloat16), [5, 6, 7], batch, 60, 0.0, 0, 1.0, None,
+                                   decode=G.decoder(m, torch.device("cuda"), mode="default"))[0] for m in models]
+        assert models[1].dependent_launches and tokens[0] == tokens[1], batch
 
 
 def test_the_small_matmul_matches_f_linear_in_bf16():

@@ -157,6 +157,10 @@ AGREEMENT = {
                        "test_gpu.py::test_the_small_matmul_matches_f_linear_in_bf16"],
     "decode_mlp": ["test_kernels.py::test_the_decode_mlp_matches_the_plain_mlp_and_decodes_as_the_plain_model",
                    "test_gpu.py::test_the_decode_mlp_matches_the_plain_mlp_in_bf16"],
+    "decode_pdl": ["test_kernels.py::test_dependent_launches_wait_for_the_kernel_before_ahead_of_every_memory_access",
+                   "test_sample_export.py::test_dependent_launches_reach_every_decode_kernel_only_where_the_card_has_them",
+                   "test_gpu.py::test_fused_decode_matches_the_plain_step_eager_and_captured",
+                   "test_gpu.py::test_dependent_launches_give_the_same_greedy_tokens"],
     "muon_kernel": ["test_kernels.py::test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step",
                     "test_gpu.py::test_muons_symmetric_gram_kernel_matches_the_batched_matmuls_in_bf16"],
 }

@@ -180,14 +180,14 @@ FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta", "row_g
 HOPPER_SHARED = 232_448  # bytes of shared memory one block may use on an H100 or H200
 BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_decode_step_kernel", dict(H=12, HKV=4, G=3, G_PAD=16, D=64, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=0,
-                                 GATE=False, GC=1, GC_PAD=16, SPLITS=1), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
+                                 GATE=False, GC=1, GC_PAD=16, SPLITS=1, PDL=False), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
     ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=128, QK_NORM=False, V_MIX=1, GATE=False,
-                                 GC=1, GC_PAD=16, SPLITS=1), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
+                                 GC=1, GC_PAD=16, SPLITS=1, PDL=False), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
     # the record's attention: gainless QK-norm (ones), a value table, the gate; then its positions split
     ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=2,
-                                 GATE=True, GC=12, GC_PAD=16, SPLITS=1), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
+                                 GATE=True, GC=12, GC_PAD=16, SPLITS=1, PDL=False), {"pos_ptr": "*i64", "count_ptr": "*i64"}),
     ("_decode_step_kernel", dict(H=6, HKV=6, G=1, G_PAD=16, D=128, BLOCK=K.SPLIT_BLOCK_KEYS, QK_NORM=True, V_MIX=2,
-                                 GATE=True, GC=12, GC_PAD=16, SPLITS=K.MAX_DECODE_SPLITS),
+                                 GATE=True, GC=12, GC_PAD=16, SPLITS=K.MAX_DECODE_SPLITS, PDL=False),
      {"pos_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32"}),
     ("_swiglu_forward_kernel", dict(BLOCK=1024), {}),
     ("_swiglu_backward_kernel", dict(BLOCK=1024), {}),
@@ -207,14 +207,21 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_qk_norm_rope_kernel", dict(H=12, HKV=4, D=64, BLOCKS=K.QK_BLOCKS, BACKWARD=True),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
     ("_small_matmul_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, RELU2=True), {}),
-    ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN), {"part_ptr": "*fp32"}),
+    ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN, PDL=False), {"part_ptr": "*fp32"}),
     ("_gram_kernel", dict(ADD=False), {}),
     ("_gram_kernel", dict(ADD=True), {}),
 ]
 
 
-def build_for_hopper(name: str, constexprs: dict, pointers: dict) -> list[int]:
-    """Compile kernels.<name> for sm_90 with each launch configuration it may take; their shared memory."""
+# The kernels that a decode step launches as programmatic dependents (model.decode_pdl), with PDL on: the 88m
+# default's split decode, and its MLP.
+DEPENDENT_BUILDS = [(name, {**constexprs, "PDL": True}, pointers) for name, constexprs, pointers in BUILDS
+                    if name == "_decode_mlp_kernel" or constexprs.get("SPLITS", 1) > 1]
+
+
+def build_for_hopper(name: str, constexprs: dict, pointers: dict, ptx: bool = False) -> list:
+    """Compile kernels.<name> for sm_90 with each launch configuration it may take; their shared memory
+    (ptx: their PTX)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -228,9 +235,11 @@ def build_for_hopper(name: str, constexprs: dict, pointers: dict) -> list[int]:
         signature = {a: "constexpr" if a in consts else pointers.get(a, "*bf16") if a.endswith("_ptr")
                      else "fp32" if a in FLOATS else "i32" for a in fn.arg_names}
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages} if config else {}
+        if consts.get("PDL"):
+            options["launch_pdl"] = True
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=options)
-        shared.append(compiled.metadata.shared)
+        shared.append(compiled.asm["ptx"] if ptx else compiled.metadata.shared)
     return shared
 
 
@@ -250,6 +259,25 @@ def test_the_custom_op_fast_paths_compile_as_they_run_eager():
 @pytest.mark.parametrize("name, constexprs, pointers", BUILDS, ids=[f"{b[0]}-{i}" for i, b in enumerate(BUILDS)])
 def test_every_triton_kernel_compiles_for_hopper_without_a_gpu(name, constexprs, pointers):
     assert all(0 <= s <= HOPPER_SHARED for s in build_for_hopper(name, constexprs, pointers))
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("name, constexprs, pointers", DEPENDENT_BUILDS, ids=[b[0] for b in DEPENDENT_BUILDS])
+def test_dependent_launches_wait_for_the_kernel_before_ahead_of_every_memory_access(name, constexprs, pointers):
+    """A kernel launched as a programmatic dependent may run beside the kernel before it: its PTX must wait
+    (griddepcontrol.wait) before its first global load or store, and then let the next kernel launch. The
+    same kernel without PDL neither waits nor lets go."""
+    def first(ptx, *instructions):  # the first line of one of these instructions, predicated ("@%p3 ld...") or not
+        lines = [line.split()[1 if line.lstrip().startswith("@") else 0] for line in ptx.splitlines() if line.split()]
+        return min((i for i, op in enumerate(lines) if op.startswith(instructions)), default=None)
+    for ptx in build_for_hopper(name, constexprs, pointers, ptx=True):
+        wait = first(ptx, "griddepcontrol.wait")
+        access = first(ptx, "ld.global", "st.global", "atom.global", "cp.async", "cp.reduce", "red.global")
+        assert wait is not None and access is not None and wait < access
+        assert wait < first(ptx, "griddepcontrol.launch_dependents")
+    for ptx in build_for_hopper(name, {**constexprs, "PDL": False}, pointers, ptx=True)[:1]:
+        assert "griddepcontrol" not in ptx
 
 
 def test_the_hopper_builds_cover_every_kernel():

@@ -86,6 +86,27 @@ def test_the_graph_decoders_greedy_loop_feeds_itself(loaded, monkeypatch):
     assert ME.decode_graph(decode, 1, 5) is graph and pos.item() == len(ids) + 14
 
 
+def test_dependent_launches_reach_every_decode_kernel_only_where_the_card_has_them(loaded, monkeypatch):
+    """decode_pdl: setup_cache hands the card's answer (onegpu_kernels.dependent_launch) to each attention and
+    MLP, and the graph decoder compiles its step with the mode's own options plus Inductor's PDL, once per
+    mode and setting. The launches themselves are the GPU tests' (test_gpu.py) and the Hopper builds'."""
+    cfg = dataclasses.replace(loaded[3].cfg, mlp="relu2", decode_pdl=True)
+    model = M.Llama(cfg).eval()
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw["options"]) or fn)
+    for card, expected in ((False, False), (True, True)):
+        monkeypatch.setattr(M.K, "dependent_launch", lambda device: card)
+        model.setup_cache(1)
+        modules = [m for m in model.modules() if isinstance(m, (M.Attention, M.ReLU2))]
+        assert model.dependent_launches is expected and all(m.pdl is expected for m in modules)
+        G.GraphDecoder(model, "max-autotune-no-cudagraphs").step(1)
+    assert compiled == [{"max_autotune": True, "coordinate_descent_tuning": True},
+                        {"max_autotune": True, "coordinate_descent_tuning": True, "triton.enable_pdl": True}]
+    model = M.Llama(dataclasses.replace(cfg, decode_pdl=False)).eval()
+    model.setup_cache(1)  # the card has them (above), the switch is off
+    assert not model.dependent_launches and G.compile_options("default", False) == {}
+
+
 def test_batch_of_n_equals_n_single_runs(loaded):
     ckpt, tok, _, model = loaded
     ids = tok.encode("the").ids
@@ -167,8 +188,9 @@ def test_sample_command_runs(run_dir, capsys):
 
 
 def test_no_fused_decode_turns_off_every_decode_path(run_dir, monkeypatch, capsys):
-    """--no-fused-decode loads the checkpoint with the fused decode step, its split, the decode matmuls and
-    the decode MLP off, so a GPU decodes with plain PyTorch (on a CPU all are plain already)."""
+    """--no-fused-decode loads the checkpoint with the fused decode step, its split, the decode matmuls, the
+    decode MLP and the dependent launches off, so a GPU decodes with plain PyTorch, launched plainly (on a
+    CPU all are plain already)."""
     loads = []
     load = S.CK.load
     monkeypatch.setattr(S.CK, "load", lambda *a, **k: loads.append(k) or load(*a, **k))
@@ -176,7 +198,7 @@ def test_no_fused_decode_turns_off_every_decode_path(run_dir, monkeypatch, capsy
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3"])
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--split-decode", "--no-decode-mlp"])
     off = {"model__fused_decode": False, "model__split_decode": False, "model__decode_matmuls": False,
-           "model__decode_mlp": False}
+           "model__decode_mlp": False, "model__decode_pdl": False}
     # each of generation's other switches on its own, the rest as the checkpoint has them
     assert loads == [off, {}, {"model__split_decode": True, "model__decode_mlp": False}]
     assert capsys.readouterr().err.count("[KV cache, cpu, batch 1: first token after") == 3  # all generated
