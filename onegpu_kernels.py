@@ -840,10 +840,9 @@ if AVAILABLE:
     # bandwidth only when spread over many programs (SMALL_MATMUL_TILES' comment).
     @triton.jit
     def _rows_by_weight_rows(x_ptr, w_ptr, m, n, M, N, K, s_xm, s_wn, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-        """x[m] @ w[n]^T (ROWS, BLOCK_N) in float32, for x (M, K) and w (N, K) as nn.Linear keeps it: the
-        rows m past M are zeros (tl.dot needs 16 rows at least), as are the columns n past N."""
-        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+                             BLOCK_K: tl.constexpr, acc):
+        """acc + x[m] @ w[n]^T (ROWS, BLOCK_N) in float32, for x (M, K) and w (N, K) as nn.Linear keeps it:
+        the rows m past M are zeros (tl.dot needs 16 rows at least), as are the columns n past N."""
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
@@ -862,7 +861,8 @@ if AVAILABLE:
         it: one program per BLOCK_N output columns, reading those rows of w once; accumulation in float32."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, ROWS)
-        acc = _rows_by_weight_rows(x_ptr, w_ptr, m, n, M, N, K, s_xm, s_wn, ROWS, BLOCK_N, BLOCK_K)
+        acc = _rows_by_weight_rows(x_ptr, w_ptr, m, n, M, N, K, s_xm, s_wn, ROWS, BLOCK_N, BLOCK_K,
+                                   tl.zeros((ROWS, BLOCK_N), tl.float32))
         if RELU2:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
@@ -905,12 +905,20 @@ if AVAILABLE:
         x (M, D) with M <= ROWS, w1 (HID, D) and w2 (D, HID) as nn.Linear keeps them, part (P, M, D) float32.
         The square is rounded to x's dtype, as the plain path's activation is. Each program reads its
         columns of w2 as D pieces of BLOCK_H elements; a (HID, D) copy, where they are one block, measured
-        slower (docs/LOG.md, 2026-12-03). PDL: see _after_the_kernel_before."""
-        _after_the_kernel_before(PDL)
+        slower (docs/LOG.md, 2026-12-03). PDL: see _after_the_kernel_before; launched so, a program loads its
+        first block of w1, which no kernel writes, before it waits, while the kernel before it still runs."""
         p = tl.program_id(0)
         h = p * BLOCK_H + tl.arange(0, BLOCK_H)
         m = tl.arange(0, ROWS)
-        acc = tl.maximum(_rows_by_weight_rows(x_ptr, w1_ptr, m, h, M, HID, D, s_xm, s_w1, ROWS, BLOCK_H, BLOCK_K), 0.0)
+        k = tl.arange(0, BLOCK_K)
+        w1_first = tl.load(w1_ptr + h[:, None].to(tl.int64) * s_w1 + k[None, :],
+                           mask=(h[:, None] < HID) & (k[None, :] < D), other=0.0)  # (BLOCK_H, BLOCK_K)
+        _after_the_kernel_before(PDL)
+        x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < D), other=0.0)
+        acc = tl.dot(x, tl.trans(w1_first))  # then the rest of x @ w1[h]^T, from the second block on
+        acc = _rows_by_weight_rows(x_ptr + BLOCK_K, w1_ptr + BLOCK_K, m, h, M, HID, D - BLOCK_K, s_xm, s_w1, ROWS,
+                                   BLOCK_H, BLOCK_K, acc)
+        acc = tl.maximum(acc, 0.0)
         a = (acc * acc).to(x_ptr.dtype.element_ty)  # (ROWS, BLOCK_H)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
