@@ -473,7 +473,8 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     preset's shape (micro_batch sequences of its context, its heads, bf16): cuDNN's dense causal attention,
     then FlexAttention causal, and with documents masked apart (lengths drawn from 500 to 5,500 tokens)
     at the long and short windows the preset's schedule starts and ends with (train.window_at), then at the
-    long window with each of FLEX_CANDIDATES' kernel options in place of Inductor's own. FLOPs count the
+    long window with each of FLEX_CANDIDATES' kernel options in place of Inductor's own; then FlashAttention-2's
+    varlen kernels at each window (varlen_cases). FLOPs count the
     (query, key) pairs each computes: 4 hd a pair forward (two matmuls), 2.5 times that backward
     (FlashAttention-2's count), so a masked-out block adds no FLOPs and a kernel that computes it anyway
     shows a lower rate. kernel_ms: the device time of the call's kernels alone (torch.profiler)."""
@@ -501,8 +502,16 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     # fall back to the eager, unfused attention and time that
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(cases))
     rows, scale = [], mcfg.attn_scale or None
+    # FlashAttention-2's variable-length kernels with a window (torch.nn.attention.varlen, in torch 2.11):
+    # the documents as its sequences, q, k and v as (tokens, heads, hd), as the QKV projection
+    # leaves them. Not what the model runs (docs/LOG.md, 2026-12-04): a row to compare with.
+    varlen = varlen_cases(q, k, v, doc, windows, scale)
+    cases += [(name, None, doc, w) for name, w in varlen]
     for name, how, ids, window in cases:
-        run = ME.backward_from_scratch(lambda: M.attention(q, k, v, scale=scale, **how).sum(), (q, k, v))
+        if how is None:
+            run = varlen[name, window]
+        else:
+            run = ME.backward_from_scratch(lambda: M.attention(q, k, v, scale=scale, **how).sum(), (q, k, v))
         try:
             seconds = ME.median_seconds(run, device, repeats=20, warmup=5)
         except Exception as e:  # cuDNN refuses some shapes, an option may not build here: say so, go on
@@ -515,6 +524,30 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
         rows.append({"rung": name, "ms": round(1000 * seconds, 3), "tflops": round(flops / seconds / 1e12, 1),
                      "kernel_ms": round(1000 * kernel_s, 3), "kernel_tflops": round(flops / kernel_s / 1e12, 1)})
     return rows
+
+
+def varlen_cases(q, k, v, doc, windows, scale) -> dict:
+    """attention_rate_study's FlashAttention-2 varlen rows: {(name, window): a timed forward and backward}
+    over copies of q, k, v (B, heads, T, hd) laid out (B x T, heads, hd), the documents of doc (B, T) as
+    its sequences; none where this torch has no varlen_attn."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return {}
+    B, T = doc.shape
+    flat = doc.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::T] = True  # every sequence of the batch starts a document
+    bounds = torch.cat([starts.nonzero().squeeze(1), torch.tensor([B * T], device=doc.device)]).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    q, k, v = (t.detach().transpose(1, 2).reshape(B * T, t.shape[1], t.shape[3]).contiguous().requires_grad_()
+               for t in (q, k, v))
+    def run(window):
+        return ME.backward_from_scratch(lambda: varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale,
+                                                            window_size=(window - 1 if window else -1, 0)).sum(),
+                                        (q, k, v))
+    return {(f"FlashAttention-2 varlen, documents, window {w or T}", w): run(w) for w in windows}
 
 
 def loader_study(preset: str, micro_batch: int) -> list[dict]:

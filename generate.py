@@ -202,7 +202,9 @@ def compile_options(mode: str, pdl: bool) -> dict:
     """Inductor's settings for a decode step compiled in `mode`; with pdl (model.decode_pdl, on a card
     that has it), its generated kernels launch while the kernel before them runs and wait inside for
     what they read (Inductor's triton.enable_pdl; its matmul templates and cuBLAS's kernels launch as
-    before). torch.compile takes a mode or options, not both: these are the mode's own options."""
+    before; a torch without the setting leaves them all plain). torch.compile takes a mode or
+    options, not both: these are the mode's own options."""
+    pdl = pdl and hasattr(torch._inductor.config.triton, "enable_pdl")
     return torch._inductor.list_mode_options(mode) | ({"triton.enable_pdl": True} if pdl else {})
 
 

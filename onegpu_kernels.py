@@ -98,9 +98,10 @@ CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` can be launched while the kernel before them still runs (CUDA's
     programmatic dependent launch, model.decode_pdl): an NVIDIA GPU of compute capability 9.0 (Hopper) or
-    newer. Not in Triton's interpreter, which runs no device code. Called outside compiled code
-    (model.Llama.setup_cache)."""
-    return AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    newer, with a Triton that has its wait (tl.extra.cuda.gdc_wait). Not in Triton's interpreter, which
+    runs no device code. Called outside compiled code (model.Llama.setup_cache)."""
+    return (AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
 def _launch(pdl: bool) -> dict:

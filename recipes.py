@@ -160,11 +160,11 @@ RECORD_CHAIN = (
     ("+ no attention in one middle layer (126m: layer 7)", _attention_free_layer),
     # Three changes to the step's time alone (the FP8 head rounds the head's matmul coarser, the others
     # compute the same numbers): one rung, so the ladder's 150-s runs go to changes in what is learned.
-    # Generation's split decode and decode MLP ride along: training never runs them, and the rung then
-    # is the preset whole.
+    # Generation's split decode, decode MLP and dependent launches ride along: training never runs them, and
+    # the rung then is the preset whole.
     ("+ FP8 head, loss kernel, pinned copies (speed alone)", {"model__fp8_head": True, "model__loss_kernel": True,
                                                               "train__pin": True, "model__split_decode": True,
-                                                              "model__decode_mlp": True}),
+                                                              "model__decode_mlp": True, "model__decode_pdl": True}),
     # modded's: it clips nothing, steps its up-projection (stored wide, 768 x 3,072) at Muon's lr where
     # the tall-matrix scale doubles ours, and scales attention logits by 0.12, not 1/sqrt(128)
     ("+ no clipping, no tall-matrix scale, attention scale 0.12", {"train__grad_clip": 0.0,

@@ -469,3 +469,19 @@ def test_attended_pairs_count_what_the_document_and_window_mask_lets_through():
     for window in (0, 1, 17, 64, 300):
         assert B.attended_pairs(doc, window) == int(M.doc_mask(doc, window, 300).sum()), window
     assert B.attended_pairs(torch.zeros(1, 8, dtype=torch.int32), 0) == 36  # dense causal: T (T + 1) / 2
+
+
+def test_the_varlen_attention_rows_take_each_document_as_a_sequence(monkeypatch):
+    """--attention-rate's FlashAttention-2 rows: every document, and every row of the batch, starts a
+    sequence; the longest one bounds the kernel's grid; window w reads w keys (the query's own and w - 1
+    before it, FA2's left window), 0 all of them."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size:
+                        calls.append((cu_q.tolist(), cu_k is cu_q, max_q, window_size, q.shape)) or q.float())
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]], dtype=torch.int32)  # documents within each row
+    q = torch.randn(2, 3, 6, 4)  # (B, heads, T, hd)
+    runs = B.varlen_cases(q, q, q, doc, [3, 0], None)
+    for run in runs.values():
+        run()
+    assert calls == [([0, 2, 5, 6, 10, 12], True, 4, (2, 0), (12, 3, 4)), ([0, 2, 5, 6, 10, 12], True, 4, (-1, 0), (12, 3, 4))]

@@ -598,7 +598,7 @@ RECORD_FLAGS = ("--no-tie-embeddings --embed-norm --logit-softcap 15 --lr 0.008 
                 "--rope-truncate --attn-gate --batch-tokens 393216 --context 8192 --doc-mask --attn-window 1792 "
                 "--window-start 128 --micro-batch 4 --short-windows --n-layers 12 --n-heads 6 --n-kv-heads 6 "
                 "--skip-attn-layer 7 --fp8-head --pin --attn-scale 0.12 --no-muon-tall-scale "
-                "--grad-clip 0 --loss-kernel --no-norm-gains --split-decode --decode-mlp")
+                "--grad-clip 0 --loss-kernel --no-norm-gains --split-decode --decode-mlp --decode-pdl")
 
 
 def test_the_126m_default_is_the_measured_record_recipe():
