@@ -144,17 +144,29 @@ if AVAILABLE:
         positions, the first also the new token (and the cache write), and writes its (m, l, acc) to
         part_ptr (B, HKV, SPLITS, G, D + 2) in float32; the program that counts itself last at count_ptr
         (B, HKV) int32, zeros, combines them: acc_s scaled by exp(m_s - max m), summed, over the l_s summed
-        the same way. It sets its count back to zero for the next call. PDL: see _after_the_kernel_before."""
-        _after_the_kernel_before(PDL)
+        the same way. It sets its count back to zero for the next call. PDL: see _after_the_kernel_before;
+        launched so, a program reads the position and its first block of cached keys and values before it
+        waits: the kernel before it (the QKV projection) writes neither, and every kernel before that one has
+        finished once this one starts (each lets its dependent launch only after its own wait)."""
         b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         pos = tl.load(pos_ptr)
         g, d = tl.arange(0, G_PAD), tl.arange(0, D)
+        cache = b * s_c_b + h * s_c_h
+        first = tl.where(window > 0, tl.maximum(pos + 1 - window, 0), 0)  # the window's oldest key
+        lo, hi = first, pos
+        if SPLITS > 1:  # this program's run of the cached positions, whole blocks of keys each
+            run = tl.cdiv(tl.cdiv(pos - first, SPLITS), BLOCK) * BLOCK
+            lo = first + split * run
+            hi = tl.minimum(lo + run, pos)
+        s = lo + tl.arange(0, BLOCK)  # the run's first block of keys
+        k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
+        v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
+        _after_the_kernel_before(PDL)
         rows = g[:, None] < G  # G_PAD >= 16 rows for tl.dot; the padding rows are zeros
         q, k_new, v_new = _decode_token(qkv_ptr + b * s_qkv_b, cos_ptr, sin_ptr, qg_ptr, kg_ptr, eps, vm_ptr,
                                         ve_ptr + b * s_ve_b + h * D, h, g, d, rows, s_qkv_h, H, HKV, G, D, QK_NORM,
                                         V_MIX)
         k_new, v_new = k_new.to(kc_ptr.dtype.element_ty), v_new.to(vc_ptr.dtype.element_ty)
-        cache = b * s_c_b + h * s_c_h
         own = split == 0  # the program that holds the new token: it writes it and counts it
         write = d + split * D < D  # all of d in split 0, none elsewhere
         tl.store(kc_ptr + cache + pos * s_c_s + d, k_new, mask=write)
@@ -165,25 +177,13 @@ if AVAILABLE:
         m = tl.where(own, m, -1e30)
         l = tl.where(own, tl.full([G_PAD], 1.0, tl.float32), 0.0)
         acc = tl.where(own, tl.zeros([G_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :], 0.0)
-        first = tl.where(window > 0, tl.maximum(pos + 1 - window, 0), 0)  # the window's oldest key
-        lo, hi = first, pos
-        if SPLITS > 1:  # this program's run of the cached positions, whole blocks of keys each
-            run = tl.cdiv(tl.cdiv(pos - first, SPLITS), BLOCK) * BLOCK
-            lo = first + split * run
-            hi = tl.minimum(lo + run, pos)
-        for start in range(lo, hi, BLOCK):  # the earlier positions, from the cache
+        if lo < hi:  # the earlier positions, from the cache: the first block loaded above, then the rest
+            m, l, acc = _attend_keys(q, k, v, s < hi, m, l, acc, scale)
+        for start in range(lo + BLOCK, hi, BLOCK):
             s = start + tl.arange(0, BLOCK)
-            valid = s < hi
-            k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BLOCK), float32 accumulation
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
+            v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
+            m, l, acc = _attend_keys(q, k, v, s < hi, m, l, acc, scale)
         out = b * s_o_b + (h * G + g)[:, None] * s_o_h + d[None, :]
         gate = gw_ptr + (h * G + g)[:, None] * GC  # this program's heads' rows of the gate
         if SPLITS > 1:
@@ -192,6 +192,17 @@ if AVAILABLE:
                             GC, GC_PAD)
         else:
             _decode_finish(acc / l[:, None], rows, out_ptr + out, gx_ptr + b * s_gx_b, gate, GATE, GC, GC_PAD)
+
+    @triton.jit
+    def _attend_keys(q, k, v, valid, m, l, acc, scale):
+        """One block of cached keys and values (BLOCK, D) into the online softmax of q (G_PAD, D): the running
+        max m and sum l (G_PAD,) and accumulator acc (G_PAD, D), in float32; valid (BLOCK,): the keys to use."""
+        scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BLOCK), float32 accumulation
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
     @triton.jit
     def _decode_token(token, cos_ptr, sin_ptr, qg_ptr, kg_ptr, eps, vm_ptr, ve_row, h, g, d, rows, s_qkv_h,

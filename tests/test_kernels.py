@@ -266,17 +266,21 @@ def test_every_triton_kernel_compiles_for_hopper_without_a_gpu(name, constexprs,
 @pytest.mark.parametrize("name, constexprs, pointers", DEPENDENT_BUILDS, ids=[b[0] for b in DEPENDENT_BUILDS])
 def test_dependent_launches_wait_for_the_kernel_before_ahead_of_every_memory_access(name, constexprs, pointers):
     """A kernel launched as a programmatic dependent may run beside the kernel before it: its PTX must wait
-    (griddepcontrol.wait) before its first global store or atomic, and before its first load (the decode
-    step), or its second (the MLP loads its first block of weights, which no kernel writes, before it waits),
-    and then let the next kernel launch. The same kernel without PDL neither waits nor lets go."""
+    (griddepcontrol.wait) before its first global store or atomic, and load ahead of the wait only what the
+    kernel before it does not write (the decode step its position and first block of cached keys and
+    values, the MLP its first block of w1), and then let the next kernel launch. The same kernel without
+    PDL neither waits nor lets go."""
     def lines(ptx, *instructions):  # the lines of these instructions, predicated ("@%p3 ld...") or not
         ops = [line.split()[1 if line.lstrip().startswith("@") else 0] for line in ptx.splitlines() if line.split()]
         return [i for i, op in enumerate(ops) if op.startswith(instructions)]
     kernel = getattr(K, name)
-    # loads a thread may issue ahead of the wait: the MLP's (BLOCK_H, BLOCK_K) block of w1 spread over its threads,
-    # one element a load at most (this build has no divisibility to vectorize with); x's block would add more
-    ahead = [constexprs["BLOCK_H"] * c.kwargs["BLOCK_K"] // (32 * c.num_warps) for c in kernel.configs] \
-        if name == "_decode_mlp_kernel" else [0]
+    # loads a thread may issue ahead of the wait, one element a load at most (this build has no divisibility to
+    # vectorize with): the MLP's (BLOCK_H, BLOCK_K) block of w1 over its threads; the decode step's position and
+    # its (BLOCK, D) blocks of keys and values. The new token's row of qkv would add more.
+    if name == "_decode_mlp_kernel":
+        ahead = [constexprs["BLOCK_H"] * c.kwargs["BLOCK_K"] // (32 * c.num_warps) for c in kernel.configs]
+    else:
+        ahead = [1 + 2 * constexprs["BLOCK"] * constexprs["D"] // (32 * K.DECODE_WARPS)]
     for ptx, loads_ahead in zip(build_for_hopper(name, constexprs, pointers, ptx=True), ahead, strict=True):
         wait, = lines(ptx, "griddepcontrol.wait")
         writes = lines(ptx, "st.global", "atom.global", "red.global", "cp.reduce")
