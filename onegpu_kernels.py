@@ -115,12 +115,15 @@ if AVAILABLE:
     # one's launch and ramp-up used to wait for the one before it to end: replaying the 88m default's batch-1
     # step took 242 us, 38 us more than with Inductor's own kernels launched this way (204 us; one H200,
     # docs/LOG.md, 2026-12-04). A kernel launched so may start while the one before it runs, so it must
-    # wait (griddepcontrol.wait) before its first load or store; the kernel after it may then launch.
+    # wait (griddepcontrol.wait) before it stores anything or loads what that kernel writes; the kernel after
+    # it may then launch. What the kernel before does not write (weights, the KV cache's earlier positions)
+    # it may load first, while that kernel finishes: every kernel before that one has already finished,
+    # since each lets the next launch only after its own wait (Inductor's kernels too; cuBLAS's launch plainly).
     @triton.jit
     def _after_the_kernel_before(PDL: tl.constexpr):
         """With PDL (the launch's launch_pdl), wait until the kernel before this one has finished and its
-        writes are visible, before this program loads or stores anything; then let the next kernel launch
-        (its own wait holds it until this one is done)."""
+        writes are visible, before this program stores anything or loads what that kernel writes; then let
+        the next kernel launch (its own wait holds it until this one is done)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
