@@ -15,7 +15,7 @@ Every fast path here has the plain PyTorch code beside it and a switch in ModelC
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
 `fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
-`fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE, the training loss and a decoded
+`fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE's backward, the training loss and a decoded
 token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
 programs, `decode_matmuls` hands it the matmuls of a decode step and `decode_mlp` its ReLU² MLP, and
 `decode_pdl` launches a decode step's kernels as programmatic dependents of the kernel before each.
@@ -106,7 +106,7 @@ class ModelConfig:
     bf16_residual: bool = False  # with --bf16, the residual stream in bf16 too, not float32 (training)
     fused_swiglu: bool = False  # SwiGLU forward and backward as one Triton kernel each (CUDA, training)
     fused_relu2: bool = False  # ReLU²'s square and its derivative in its matmuls' epilogues (CUDA, training)
-    fused_qk_norm_rope: bool = False  # QK-norm and RoPE in one Triton kernel each way (CUDA, training)
+    fused_qk_norm_rope: bool = False  # QK-norm and RoPE's backward as one Triton kernel (CUDA, training)
     loss_kernel: bool = False  # the (soft-capped) cross-entropy as one Triton kernel each way (CUDA, training)
 
     def __post_init__(self):
@@ -709,6 +709,35 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+class QKNormRope(torch.autograd.Function):
+    """fused_qk_norm_rope: QK-norm and RoPE on qkv (B, T, H + 2 Hkv, hd), the QKV projection's output, with
+    the gains q_gain and k_gain (hd,), H = n_heads, and the tables cos, sin (T, hd). Forward, the plain lines
+    (Attention.split_heads' norms, then apply_rope), which Inductor fuses into one kernel: 0.95 ms a layer at
+    88m on an H200, where a forward kernel of ours took 1.28. Backward, one Triton kernel
+    (onegpu_kernels.qk_norm_rope_backward, which recomputes the norm from qkv): 0.71 ms against Inductor's
+    0.90 (`python bench.py --parts --preset 88m --micro-batch 16`, docs/LOG.md 2026-12-04). Returns q (B, T,
+    H, hd), k and v (B, T, Hkv, hd) apart, v a copy of qkv's rows, so that their gradients come back apart,
+    where attention leaves them, and the kernel writes qkv's whole gradient without a copy of the three
+    into one first."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, q_gain, k_gain, n_heads: int, eps: float):
+        ctx.save_for_backward(qkv, cos, sin, q_gain, k_gain)
+        ctx.n_heads, ctx.eps = n_heads, eps
+        kv_heads = (qkv.shape[2] - n_heads) // 2
+        q, k, v = qkv.split([n_heads, kv_heads, kv_heads], dim=2)
+        q = apply_rope(rms_norm(q, eps) * q_gain, cos, sin).type_as(qkv)
+        k = apply_rope(rms_norm(k, eps) * k_gain, cos, sin).type_as(qkv)
+        return q, k, v.clone()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        qkv, cos, sin, q_gain, k_gain = ctx.saved_tensors
+        dqkv, dq_gain, dk_gain = K.qk_norm_rope_backward(dq, dk, dv, qkv, cos, sin, q_gain, k_gain, ctx.n_heads,
+                                                         ctx.eps)
+        return dqkv, None, None, dq_gain, dk_gain, None, None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -758,10 +787,10 @@ class Attention(nn.Module):
         """(B, T, H + 2 Hkv, hd) -> q, k, v (B, T, heads, hd): split_heads, then RoPE on q and k (cos, sin:
         (T, hd))."""
         if training and self.fused_qk and torch.is_grad_enabled() and K.qk_norm_rope_supported(qkv, cos):
-            # Training: QK-norm and RoPE in one Triton kernel each way (onegpu_kernels.qk_norm_rope), tested
-            # against the two lines below, which evaluation and decoding run.
-            q, k, v = K.qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads,
-                                     self.q_norm.eps)
+            # Training: the same lines forward, QK-norm and RoPE's backward as one Triton kernel (QKNormRope),
+            # tested against the lines below, which evaluation and decoding run.
+            q, k, v = QKNormRope.apply(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.n_heads,
+                                       self.q_norm.eps)
             return q, k, self.mixed_values(v, ve)
         q, k, v = self.split_heads(qkv, ve)
         return apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v), v

@@ -9,7 +9,7 @@ small_matmul: the decode step's matmuls of one to sixteen rows, spread over many
 decode_mlp: the ReLU² MLP of a decode step (both matmuls and the square) as one kernel of partial sums.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
 backward can also write the gradient's FP8 copy for the FP8 head (model.FP8HeadCrossEntropy).
-qk_norm_rope: QK-norm and RoPE on the QKV projection's output, forward and backward, one pass each.
+qk_norm_rope_backward: QK-norm and RoPE's backward on the QKV projection's output, one pass.
 gram: alpha x x^T + beta add, each symmetric tile once: two of the three products in Muon's
 Newton-Schulz step (optim.orthogonalize with train.muon_kernel).
 
@@ -65,10 +65,10 @@ SWIGLU_BLOCK = 1024  # hidden units per program in swiglu: half a row at the pre
 # and Ampere. The interpreter takes the first alone.
 RELU2_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
-# qk_norm_rope's candidate (tokens a tile, warps), autotuned once per shape; the interpreter takes the
-# first. Compiled for sm_90 (Triton 3.9, the launch's specialization, 88m's heads of 128), 16 tokens at 4
-# warps take 56 registers forward and 96 backward, 32 at 8 take 64 and 100, 64 at 16 take 64 and 100,
-# none spilling. QK_BLOCKS tiles a program: its backward writes one partial gain gradient a program, 2 x 128
+# qk_norm_rope_backward's candidate (tokens a tile, warps), autotuned once per shape; the interpreter takes
+# the first. Compiled for sm_90 (Triton 3.9, the launch's specialization, 88m's heads of 128), 16 tokens at
+# 4 warps take 96 registers, 32 at 8 and 64 at 16 take 100, none spilling. QK_BLOCKS tiles a program: it
+# writes one partial gain gradient a program, 2 x 128
 # float32 per QK_BLOCKS tiles of one head (18.9 MB at 16 tokens for 88m's micro-batch of 16 x 8,192
 # tokens of 18 heads, against the 604 MB of qkv it reads).
 QK_TILES, QK_BLOCKS = ((16, 4), (32, 8), (64, 16)), 8
@@ -648,45 +648,45 @@ if AVAILABLE:
         return a.new_empty(a.shape[0], b.shape[1])
 
 
-    # QK-norm and RoPE between the QKV projection and attention. Compiled, they took one kernel forward
-    # (3.7 ms per two micro-batches of 49,152 tokens of the record preset on an H200) and three backward
-    # (3.1 + 3.6 + 0.9 ms; docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/,
-    # profile-real-data), where reading and writing q and k once needs about 1.4 ms forward and 2 backward at
-    # 4.8 TB/s. qkv (B, T, H + 2 Hkv, D) is taken as rows of D, each (token, head) row normed on its own. A
-    # program takes one head and QK_BLOCKS tiles of ROWS consecutive tokens (QK_TILES), so that a tile is all
-    # q, all k or all v: its gain is one (D,) vector, and its gain gradient a sum down the tile's rows that
-    # each lane keeps for itself and adds up once, after the last tile. Each row is loaded as its two
-    # contiguous halves, the halves that rotate-half RoPE pairs. The outputs are q, k and v apart (v's rows
-    # copied through), so that their gradients come back apart and the backward reads each where attention
-    # and the value mix left it: given one gradient of the whole qkv-shaped output, as the version before
-    # was, Inductor copied dq, dk and dv into it first, 4.0 ms a step at 88m on an H200. The backward writes
-    # qkv's whole gradient. All in float32, rounded once; the backward recomputes the norm from qkv.
-    # (Two versions before this one lost to Inductor: one token's heads a tile with the partner half
-    # gathered, 33 ms a step at 88m on an H200 against Inductor's 15.8; then tiles of any rows, whose
+    # QK-norm and RoPE between the QKV projection and attention, backward (model.QKNormRope: the forward is
+    # the plain lines, which Inductor fuses into one kernel that ran 0.95 ms a layer at 88m on an H200, where a
+    # forward kernel of ours took 1.28; docs/LOG.md 2026-12-04). Compiled, the backward took three kernels
+    # (3.1 + 3.6 + 0.9 ms per two micro-batches of 49,152 tokens of the record preset on an H200;
+    # docs/results/2026-12-01_attention-free-layer-fp8-head-pinned-126m-python_h200/, profile-real-data), where
+    # reading and writing q and k once needs about 2 ms at 4.8 TB/s. This one took 0.71 ms a layer at 88m
+    # against Inductor's 0.90. qkv (B, T, H + 2 Hkv, D) is taken as rows of D, each (token, head) row normed on
+    # its own. A program takes one head and QK_BLOCKS tiles of ROWS consecutive tokens (QK_TILES), so that a
+    # tile is all q, all k or all v: its gain is one (D,) vector, and its gain gradient a sum down the tile's
+    # rows that each lane keeps for itself and adds up once, after the last tile. Each row is loaded as its
+    # two contiguous halves, the halves that rotate-half RoPE pairs. The gradients of q, k and v come in apart,
+    # each read where attention and the value mix left it (given one gradient of a qkv-shaped output, as an
+    # earlier version was, Inductor copied them into it first, 4.0 ms a step at 88m on an H200), and qkv's
+    # whole gradient goes out, v's rows copied through. All in float32, rounded once; the norm is recomputed
+    # from qkv. (Two versions before this one lost to Inductor: one token's heads a tile with the partner
+    # half gathered, 33 ms a step at 88m on an H200 against Inductor's 15.8; then tiles of any rows, whose
     # backward summed the gain products down each tile across the warps, two barriers a sum, four sums a
-    # tile, at up to 194 registers a thread in the sm_90 build: twice Inductor's time backward, docs/LOG.md
-    # 2026-12-04.)
+    # tile, at up to 194 registers a thread in the sm_90 build: twice Inductor's time, docs/LOG.md 2026-12-04.)
     @triton.autotune([triton.Config({"ROWS": rows}, num_warps=w) for rows, w in (QK_TILES[:1] if INTERPRET else QK_TILES)],
-                     key=["BT", "T", "H", "HKV", "D", "BACKWARD"], reset_to_zero=["dg_ptr"])  # see the backward's op
+                     key=["BT", "T", "H", "HKV", "D"], reset_to_zero=["dg_ptr"])  # see qk_norm_rope_backward
     @triton.jit
-    def _qk_norm_rope_kernel(x_ptr, q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr, dg_ptr, BT, T, eps,
-                             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, H: tl.constexpr,
-                             HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
-                             BACKWARD: tl.constexpr):
-        """Forward: qkv at x_ptr (BT tokens of H + 2 HKV rows of D, contiguous) to q, k and v at q_ptr, k_ptr,
-        v_ptr, each (B, T, heads, D) at its strides (s_*b, s_*t, s_*h; D contiguous). Backward: their
-        gradients at q_ptr, k_ptr, v_ptr to qkv's at out_ptr, and the partial gain gradients at dg_ptr."""
+    def _qk_norm_rope_backward_kernel(x_ptr, dq_ptr, dk_ptr, dv_ptr, out_ptr, cos_ptr, sin_ptr, qg_ptr, kg_ptr,
+                                      dg_ptr, BT, T, eps, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                                      H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                                      BLOCKS: tl.constexpr):
+        """The gradients of q, k and v at dq_ptr, dk_ptr, dv_ptr, each (B, T, heads, D) at its strides (s_*b,
+        s_*t, s_*h; D contiguous), to qkv's at out_ptr (BT tokens of H + 2 HKV rows of D, contiguous, as qkv
+        at x_ptr), and the partial gain gradients at dg_ptr."""
         HALF: tl.constexpr = D // 2
         N: tl.constexpr = H + 2 * HKV  # heads a token
         head = tl.program_id(1)
         is_q, is_v = head < H, head >= H + HKV
-        # This head's tensor among q, k and v, its index there and its strides
+        # This head's gradient among q's, k's and v's, its index there and its strides
         if is_q:
-            part_ptr, index, s_b, s_t, s_h = q_ptr, head, s_qb, s_qt, s_qh
+            grad_ptr, index, s_b, s_t, s_h = dq_ptr, head, s_qb, s_qt, s_qh
         elif is_v:
-            part_ptr, index, s_b, s_t, s_h = v_ptr, head - H - HKV, s_vb, s_vt, s_vh
+            grad_ptr, index, s_b, s_t, s_h = dv_ptr, head - H - HKV, s_vb, s_vt, s_vh
         else:
-            part_ptr, index, s_b, s_t, s_h = k_ptr, head - H, s_kb, s_kt, s_kh
+            grad_ptr, index, s_b, s_t, s_h = dk_ptr, head - H, s_kb, s_kt, s_kh
         c = tl.arange(0, HALF)
         # (1, D/2) the gain's halves, this head's: q's or k's
         g1 = tl.where(is_q, tl.load(qg_ptr + c), tl.load(kg_ptr + c)).to(tl.float32)[None, :]
@@ -696,16 +696,12 @@ if AVAILABLE:
             tok = (tl.program_id(0).to(tl.int64) * BLOCKS + b) * ROWS + tl.arange(0, ROWS)  # (ROWS,) tokens
             live = (tok < BT)[:, None]
             t = tok % T
-            # (ROWS, D/2) offsets of each row's first half: in qkv, and in this head's tensor
+            # (ROWS, D/2) offsets of each row's first half: in qkv, and in this head's gradient
             first = (tok * N + head)[:, None] * D + c[None, :]
             part = ((tok // T) * s_b + t * s_t + index * s_h)[:, None] + c[None, :]
-            if is_v:  # copied through, forward and backward
-                if BACKWARD:
-                    src, src_at, dst, dst_at = part_ptr, part, out_ptr, first
-                else:
-                    src, src_at, dst, dst_at = x_ptr, first, part_ptr, part
-                tl.store(dst + dst_at, tl.load(src + src_at, mask=live), mask=live)
-                tl.store(dst + dst_at + HALF, tl.load(src + src_at + HALF, mask=live), mask=live)
+            if is_v:  # copied through
+                tl.store(out_ptr + first, tl.load(grad_ptr + part, mask=live), mask=live)
+                tl.store(out_ptr + first + HALF, tl.load(grad_ptr + part + HALF, mask=live), mask=live)
             else:
                 # rope_tables repeats its angles in both halves, so the first half's cos and sin serve both.
                 cos = tl.load(cos_ptr + t[:, None] * D + c[None, :], mask=live, other=0.0).to(tl.float32)
@@ -714,65 +710,34 @@ if AVAILABLE:
                 x2 = tl.load(x_ptr + first + HALF, mask=live, other=0.0).to(tl.float32)
                 inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
                 n1, n2 = x1 * inv, x2 * inv
-                if BACKWARD:  # y1 = u1 cos - u2 sin, y2 = u2 cos + u1 sin, u = n g  =>  du1 = dy1 cos + dy2 sin, ...
-                    dy1 = tl.load(part_ptr + part, mask=live, other=0.0).to(tl.float32)
-                    dy2 = tl.load(part_ptr + part + HALF, mask=live, other=0.0).to(tl.float32)
-                    du1, du2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
-                    dg1 += du1 * n1  # dead rows loaded zeros: they add nothing
-                    dg2 += du2 * n2
-                    dn1, dn2 = du1 * g1, du2 * g2
-                    mean = ((tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) / D)[:, None]
-                    tl.store(out_ptr + first, (inv * (dn1 - n1 * mean)).to(out_ptr.dtype.element_ty), mask=live)
-                    tl.store(out_ptr + first + HALF, (inv * (dn2 - n2 * mean)).to(out_ptr.dtype.element_ty), mask=live)
-                else:
-                    u1, u2 = n1 * g1, n2 * g2
-                    tl.store(part_ptr + part, (u1 * cos - u2 * sin).to(part_ptr.dtype.element_ty), mask=live)
-                    tl.store(part_ptr + part + HALF, (u2 * cos + u1 * sin).to(part_ptr.dtype.element_ty), mask=live)
-        if BACKWARD:
-            if head < H + HKV:  # this program's row of the partial gain gradients: q's at 0, k's at D
-                row = dg_ptr + (tl.program_id(0) * N + head) * 2 * D + tl.where(is_q, 0, D)
-                tl.store(row + c, tl.sum(dg1, axis=0))
-                tl.store(row + HALF + c, tl.sum(dg2, axis=0))
+                # y1 = u1 cos - u2 sin, y2 = u2 cos + u1 sin, u = n g  =>  du1 = dy1 cos + dy2 sin, ...
+                dy1 = tl.load(grad_ptr + part, mask=live, other=0.0).to(tl.float32)
+                dy2 = tl.load(grad_ptr + part + HALF, mask=live, other=0.0).to(tl.float32)
+                du1, du2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
+                dg1 += du1 * n1  # dead rows loaded zeros: they add nothing
+                dg2 += du2 * n2
+                dn1, dn2 = du1 * g1, du2 * g2
+                mean = ((tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) / D)[:, None]
+                tl.store(out_ptr + first, (inv * (dn1 - n1 * mean)).to(out_ptr.dtype.element_ty), mask=live)
+                tl.store(out_ptr + first + HALF, (inv * (dn2 - n2 * mean)).to(out_ptr.dtype.element_ty), mask=live)
+        if head < H + HKV:  # this program's row of the partial gain gradients: q's at 0, k's at D
+            row = dg_ptr + (tl.program_id(0) * N + head) * 2 * D + tl.where(is_q, 0, D)
+            tl.store(row + c, tl.sum(dg1, axis=0))
+            tl.store(row + HALF + c, tl.sum(dg2, axis=0))
 
     def _qk_norm_rope_tiles(qkv, rows: int) -> int:
         """Token tiles of the grid's first axis (its second is the heads)."""
         return triton.cdiv(qkv.numel() // (qkv.shape[-2] * qkv.shape[-1]), rows * QK_BLOCKS)
 
-    def _qk_norm_rope_launch(qkv, parts, out, cos, sin, q_gain, k_gain, dg, n_heads: int, eps: float, backward: bool):
-        """parts: (q, k, v), forward the outputs, backward their gradients; each (B, T, heads, D), D contiguous.
-        out and dg are the backward's (qkv's gradient, the partial gain gradients); the forward passes q."""
-        B, T, n, D = qkv.shape
-        strides = [s for t in parts for s in t.stride()[:3]]
-        _qk_norm_rope_kernel[lambda meta: (_qk_norm_rope_tiles(qkv, meta["ROWS"]), n)](
-            qkv, *parts, out, cos, sin, q_gain, k_gain, dg, B * T, T, eps, *strides, H=n_heads, HKV=(n - n_heads) // 2,
-            D=D, BLOCKS=QK_BLOCKS, BACKWARD=backward)
-
-    def _qk_norm_rope_split(qkv, n_heads: int):
-        B, T, n, D = qkv.shape
-        return [qkv.new_empty(B, T, heads, D) for heads in (n_heads, (n - n_heads) // 2, (n - n_heads) // 2)]
-
-    @torch.library.custom_op("onegpu::qk_norm_rope", mutates_args=())
-    def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_gain: torch.Tensor,
-                     k_gain: torch.Tensor, n_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """QK-norm and RoPE on the QKV projection's output qkv (B, T, H + 2 Hkv, D), contiguous, H = n_heads:
-        each q head times rsqrt(mean(q^2) + eps) * q_gain, each k head the same with k_gain, both rotated by
-        cos, sin (T, D) (model.rope_tables' layout), v as it is. Returns q (B, T, H, D), k and v (B, T, Hkv,
-        D), apart: their gradients then come back apart too, and the backward reads each where it lies, with
-        no copy of the three into one tensor before it (4.0 ms a step at 88m on an H200, docs/LOG.md)."""
-        q, k, v = _qk_norm_rope_split(qkv, n_heads)
-        _qk_norm_rope_launch(qkv, (q, k, v), q, cos, sin, q_gain, k_gain, q, n_heads, eps, backward=False)
-        return q, k, v
-
-    @qk_norm_rope.register_fake
-    def _(qkv, cos, sin, q_gain, k_gain, n_heads, eps):
-        return tuple(_qk_norm_rope_split(qkv, n_heads))
-
     @torch.library.custom_op("onegpu::qk_norm_rope_backward", mutates_args=())
     def qk_norm_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, qkv: torch.Tensor,
                               cos: torch.Tensor, sin: torch.Tensor, q_gain: torch.Tensor, k_gain: torch.Tensor,
                               n_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The gradients of qk_norm_rope with respect to qkv, q_gain and k_gain, given those of its outputs
-        (any strides along the first three dimensions)."""
+        """QK-norm and RoPE's backward (model.QKNormRope): given the gradients of q (B, T, H, D), k and v (B, T,
+        Hkv, D), any strides along their first three dimensions, those of qkv (B, T, H + 2 Hkv, D), contiguous,
+        H = n_heads, and of q_gain and k_gain (D,), where the forward took each q head times rsqrt(mean(q^2) +
+        eps) * q_gain, each k head the same with k_gain, both rotated by cos, sin (T, D) (model.rope_tables'
+        layout), and v as it is."""
         # One row a program (a token tile of one head) at the fewest rows a tile. A tile of more rows fills
         # fewer, and v's programs none, and the rest must read zero: here, and after the autotuner's trial
         # runs of each tile (its reset_to_zero).
@@ -780,24 +745,16 @@ if AVAILABLE:
                                 qkv.shape[-1], dtype=torch.float32)
         grads = [g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv)]
         dqkv = torch.empty_like(qkv)
-        _qk_norm_rope_launch(qkv, grads, dqkv, cos, sin, q_gain, k_gain, partial, n_heads, eps, backward=True)
+        B, T, n, D = qkv.shape
+        strides = [s for g in grads for s in g.stride()[:3]]
+        _qk_norm_rope_backward_kernel[lambda meta: (_qk_norm_rope_tiles(qkv, meta["ROWS"]), n)](
+            qkv, *grads, dqkv, cos, sin, q_gain, k_gain, partial, B * T, T, eps, *strides, H=n_heads,
+            HKV=(n - n_heads) // 2, D=D, BLOCKS=QK_BLOCKS)
         return dqkv, partial[:, 0].sum(0).to(q_gain.dtype), partial[:, 1].sum(0).to(k_gain.dtype)
 
     @qk_norm_rope_backward.register_fake
     def _(dq, dk, dv, qkv, cos, sin, q_gain, k_gain, n_heads, eps):
         return torch.empty_like(qkv), torch.empty_like(q_gain), torch.empty_like(k_gain)
-
-    def _qk_norm_rope_save(ctx, inputs, output):
-        qkv, cos, sin, q_gain, k_gain, n_heads, eps = inputs
-        ctx.save_for_backward(qkv, cos, sin, q_gain, k_gain)
-        ctx.n_heads, ctx.eps = n_heads, eps
-
-    def _qk_norm_rope_grad(ctx, dq, dk, dv):
-        qkv, cos, sin, q_gain, k_gain = ctx.saved_tensors
-        dqkv, dq_gain, dk_gain = qk_norm_rope_backward(dq, dk, dv, qkv, cos, sin, q_gain, k_gain, ctx.n_heads, ctx.eps)
-        return dqkv, None, None, dq_gain, dk_gain, None, None
-
-    qk_norm_rope.register_autograd(_qk_norm_rope_grad, setup_context=_qk_norm_rope_save)
 
     # Muon's Newton-Schulz step on a stack of wide matrices x (n, m, k), m <= k (optim.orthogonalize):
     #   G = x x^T (m x m x k),  B = b G + c G G (m x m x m),  x <- a x + B x (m x m x k).
@@ -1039,7 +996,7 @@ def cross_entropy_supported(logits: torch.Tensor) -> bool:
 
 
 def qk_norm_rope_supported(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether qk_norm_rope handles qkv (B, T, heads, D) with tables cos (T, D): where runs_on, both
+    """Whether qk_norm_rope_backward handles qkv (B, T, heads, D) with tables cos (T, D): where runs_on, both
     contiguous, a power-of-two head size of at least 16 (RoPE pairs its two halves)."""
     D = qkv.shape[-1]
     return (runs_on(qkv) and qkv.dim() == 4 and qkv.is_contiguous() and cos.is_contiguous()

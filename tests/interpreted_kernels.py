@@ -385,12 +385,12 @@ def gram_check():
 
 
 def qk_norm_rope_check():
-    """onegpu_kernels.qk_norm_rope against the plain lines (RMSNorm with q's and k's gains, then model.apply_rope),
-    forward and the gradients of qkv and both gains, float16, for full and half-truncated RoPE, at 10
-    tokens (fewer than a program's 16 x QK_BLOCKS = 128 in the interpreter) and at 135 (two token tiles of
-    each head, the second partly masked; the partial gain gradients of all q and all k programs are
-    summed), and with the outputs' gradients in attention's layout; then the model takes it in training with
-    fused_qk_norm_rope."""
+    """model.QKNormRope (the plain lines forward, onegpu_kernels.qk_norm_rope_backward) against the plain lines
+    (RMSNorm with q's and k's gains, then model.apply_rope) in float32: forward and the gradients of qkv and
+    both gains, float16, for full and half-truncated RoPE, at 10 tokens (fewer than a program's 16 x
+    QK_BLOCKS = 128 in the interpreter) and at 135 (two token tiles of each head, the second partly masked;
+    the partial gain gradients of all q and all k programs are summed), and with the outputs' gradients in
+    attention's layout; then the model takes it in training with fused_qk_norm_rope."""
     g = torch.Generator().manual_seed(6)
     H, Hkv, D = 4, 2, 16
     for truncate, B, T in ((False, 2, 5), (True, 3, 45)):
@@ -403,7 +403,7 @@ def qk_norm_rope_check():
             qkv = qkv0.clone().float().requires_grad_() if not fused else qkv0.clone().requires_grad_()
             gains = [x.clone().requires_grad_() for x in gains0]
             if fused:
-                out = torch.cat(K.qk_norm_rope(qkv, cos, sin, gains[0], gains[1], H, 1e-5), 2)  # its gradients: views
+                out = torch.cat(M.QKNormRope.apply(qkv, cos, sin, gains[0], gains[1], H, 1e-5), 2)  # its gradients: views
             else:  # in float32, the reference
                 q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
                 q, k = M.rms_norm(q, 1e-5) * gains[0], M.rms_norm(k, 1e-5) * gains[1]
@@ -421,12 +421,12 @@ def qk_norm_rope_check():
         assert all(torch.equal(x, y) for x, y in zip(*apart))
     cfg = M.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True)
     losses = []
-    with counted(K, "qk_norm_rope") as calls:
+    with counted(K, "qk_norm_rope_backward") as calls:
         for on in (True, False):
             torch.manual_seed(0)
             model = M.Llama(M.replace(cfg, fused_qk_norm_rope=on)).train()
             for gain in (model.blocks[0].attn.q_norm.weight, model.blocks[0].attn.k_norm.weight):
-                torch.nn.init.uniform_(gain, 0.5, 1.5)  # off one, so that norming twice would show
+                torch.nn.init.uniform_(gain, 0.5, 1.5)  # off one, so that a gain gradient left out would show
             idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
             loss = model(idx, idx)
             loss.backward()
@@ -475,7 +475,8 @@ def decode_mlp_check():
 
 def compiled_custom_ops_check():
     """The training fast paths that are custom ops (the FP8 head with the loss and its gradient from one
-    launch, QK-norm + RoPE returning q, k and v apart), in a model compiled by Inductor for the CPU against
+    launch, QK-norm + RoPE's backward taking the gradients of q, k and v apart), in a model compiled by
+    Inductor for the CPU against
     the same model eager: their fake implementations and autograd registrations are what compiling
     exercises, which the eager checks above do not. With an incoming gradient of 1/4, as under gradient
     accumulation."""
@@ -489,11 +490,12 @@ def compiled_custom_ops_check():
         model = M.Llama(cfg).train()
         if compiled:
             loss = torch.compile(model)(idx, idx)
+            (loss / 4).backward()
         else:  # counted eager only: a counting wrapper's side effect inside an autograd.Function stops Dynamo
-            with counted(K, "qk_norm_rope") as qk, counted(K, "cross_entropy_and_gradient") as ce:
+            with counted(K, "qk_norm_rope_backward") as qk, counted(K, "cross_entropy_and_gradient") as ce:
                 loss = model(idx, idx)
+                (loss / 4).backward()
             assert qk and ce, (qk, ce)  # both fast paths ran
-        (loss / 4).backward()
         runs.append([loss.detach()] + [p.grad for p in model.parameters()])
     for got, want in zip(*runs):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-8

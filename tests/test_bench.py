@@ -248,7 +248,7 @@ def test_one_table_names_kernels_for_the_profile_and_the_attention_check():
              "triton_red_fused__softmax_3": "elementwise/other", "multi_tensor_apply_kernel": "optimizer",
              "reduce_kernel<512, 1, ReduceOp<BFloat16, NormTwoOps<float>>>": "optimizer",
              "vectorized_elementwise_kernel<8, launch_clamp_scalar>": "optimizer",
-             "_qk_norm_rope_kernel": "elementwise/other",
+             "_qk_norm_rope_backward_kernel": "elementwise/other",
              "triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_t_view_24": "elementwise/other"}
     assert {n: ME.kernel_class(n) for n in names} == names
     backend = lambda n: next(b for b, sign in ME.ATTENTION_SIGNS if sign in n.lower())  # noqa: E731

@@ -265,8 +265,9 @@ def test_the_fused_relu2_mlp_matches_plain_in_bf16(compiled):
 @pytest.mark.parametrize("truncate", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_qk_norm_and_rope_match_plain_in_bf16(compiled, truncate):
-    """onegpu_kernels.qk_norm_rope in the model (fused_qk_norm_rope) against QK-norm and RoPE as plain lines, at
-    the record preset's head size 128 and without grouped kv heads, full and half-truncated RoPE."""
+    """model.QKNormRope in the model (fused_qk_norm_rope: onegpu_kernels.qk_norm_rope_backward) against QK-norm
+    and RoPE as plain lines, at the record preset's head size 128 and without grouped kv heads, full and
+    half-truncated RoPE."""
     base = dict(qk_norm=True, n_heads=2, n_kv_heads=2, rope_truncate=truncate)
     out = loss_and_grads(compiled, seed=8, base=base, fused_qk_norm_rope=True)
     assert_close(out, 2e-3, 2e-2)

@@ -139,7 +139,7 @@ AGREEMENT = {
                     "test_gpu.py::test_the_loss_kernel_matches_the_plain_loss_in_bf16"],
     "fused_relu2": ["test_kernels.py::test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward",
                     "test_gpu.py::test_the_fused_relu2_mlp_matches_plain_in_bf16"],
-    "fused_qk_norm_rope": ["test_kernels.py::test_qk_norm_and_rope_in_one_kernel_match_the_plain_lines_forward_and_backward",
+    "fused_qk_norm_rope": ["test_kernels.py::test_qk_norm_and_rope_with_the_backward_kernel_match_the_plain_lines",
                            "test_gpu.py::test_the_fused_qk_norm_and_rope_match_plain_in_bf16"],
     "fused_swiglu": ["test_kernels.py::test_fused_swiglu_matches_the_plain_path_forward_and_backward",
                      "test_gpu.py::test_fused_kernels_match_plain_in_bf16"],

@@ -168,7 +168,7 @@ def test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step(interprete
 
 
 @needs_triton
-def test_qk_norm_and_rope_in_one_kernel_match_the_plain_lines_forward_and_backward(interpreted):
+def test_qk_norm_and_rope_with_the_backward_kernel_match_the_plain_lines(interpreted):
     run_under_interpreter(interpreted, "qk_norm_rope_check")
 
 
@@ -202,9 +202,9 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True),
      {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
-    ("_qk_norm_rope_kernel", dict(H=6, HKV=6, D=128, BLOCKS=K.QK_BLOCKS, BACKWARD=False),
+    ("_qk_norm_rope_backward_kernel", dict(H=6, HKV=6, D=128, BLOCKS=K.QK_BLOCKS),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
-    ("_qk_norm_rope_kernel", dict(H=12, HKV=4, D=64, BLOCKS=K.QK_BLOCKS, BACKWARD=True),
+    ("_qk_norm_rope_backward_kernel", dict(H=12, HKV=4, D=64, BLOCKS=K.QK_BLOCKS),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
     ("_small_matmul_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, RELU2=True), {}),
     ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN, PDL=False), {"part_ptr": "*fp32"}),
