@@ -552,7 +552,8 @@ def cpu_skip(rung: Rung) -> str | None:
 # fast paths (slower than the fused decode at both batches, 2026-11-30 and 2026-12-02), the decode matmuls (no
 # faster than Inductor's default, 2026-12-02, and below the decode MLP since), the fused decode without its split
 # and without the decode MLP (below both with them, 2026-12-03). A max-autotune row costs a minute of autotuning.
-PRESET_DECODE = ("fused_decode", "split_decode", "decode_mlp")  # the record presets' switches (configs/recipes)
+# The record presets' generation switches (configs/recipes/record.toml) but decode_pdl, which the rows add or leave out
+PRESET_DECODE = ("fused_decode", "split_decode", "decode_mlp")
 DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", ()),
                    ("CUDA graph, Inductor default, split fused decode + decode MLP", "default", PRESET_DECODE),
                    ("CUDA graph, max-autotune, split fused decode + decode MLP", "max-autotune-no-cudagraphs",

@@ -162,8 +162,7 @@ if AVAILABLE:
             lo = first + split * run
             hi = tl.minimum(lo + run, pos)
         s = lo + tl.arange(0, BLOCK)  # the run's first block of keys
-        k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
-        v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
+        k, v = _cached_block(kc_ptr + cache, vc_ptr + cache, s, d, hi, s_c_s)
         _after_the_kernel_before(PDL)
         rows = g[:, None] < G  # G_PAD >= 16 rows for tl.dot; the padding rows are zeros
         q, k_new, v_new = _decode_token(qkv_ptr + b * s_qkv_b, cos_ptr, sin_ptr, qg_ptr, kg_ptr, eps, vm_ptr,
@@ -184,8 +183,7 @@ if AVAILABLE:
             m, l, acc = _attend_keys(q, k, v, s < hi, m, l, acc, scale)
         for start in range(lo + BLOCK, hi, BLOCK):
             s = start + tl.arange(0, BLOCK)
-            k = tl.load(kc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
-            v = tl.load(vc_ptr + cache + s[:, None] * s_c_s + d[None, :], mask=(s < hi)[:, None], other=0.0)
+            k, v = _cached_block(kc_ptr + cache, vc_ptr + cache, s, d, hi, s_c_s)
             m, l, acc = _attend_keys(q, k, v, s < hi, m, l, acc, scale)
         out = b * s_o_b + (h * G + g)[:, None] * s_o_h + d[None, :]
         gate = gw_ptr + (h * G + g)[:, None] * GC  # this program's heads' rows of the gate
@@ -195,6 +193,12 @@ if AVAILABLE:
                             GC, GC_PAD)
         else:
             _decode_finish(acc / l[:, None], rows, out_ptr + out, gx_ptr + b * s_gx_b, gate, GATE, GC, GC_PAD)
+
+    @triton.jit
+    def _cached_block(k_head, v_head, s, d, hi, s_c_s):
+        """The cached keys and values (BLOCK, D) of one head at positions s, zeros from hi on."""
+        at, valid = s[:, None] * s_c_s + d[None, :], (s < hi)[:, None]
+        return tl.load(k_head + at, mask=valid, other=0.0), tl.load(v_head + at, mask=valid, other=0.0)
 
     @triton.jit
     def _attend_keys(q, k, v, valid, m, l, acc, scale):
