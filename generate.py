@@ -42,14 +42,17 @@ def decode_one(model: M.Llama, token, pos, window: int | None = None):
     return model(token, pos=pos, window=window)[:, -1]
 
 
-def greedy_step(model: M.Llama, token, pos, window: int | None = None):
+def greedy_step(model: M.Llama, token, pos, window: int | None = None, recent=None):
     """One greedy step done on the device, in place: the most likely token after token (B, 1) at
-    position pos (1,) written into token, and pos advanced by one. Replayed as one CUDA graph
-    (GraphDecoder.greedy), a token leaves the host only the copy it yields, where the pick, the copies
+    position pos (1,) written into token, and pos advanced by one. recent (K, B, 1), where given, moves
+    up one row and takes the token last: after K steps it holds their K tokens, oldest first. Replayed
+    as a CUDA graph (GraphDecoder.greedy), a token leaves the host nothing to do, where the pick, the copies
     into the graph's inputs and the position's increment took 19 of a batch-1 token's 250 us outside
     the graph on an H200 (docs/PERFORMANCE.md, generation)."""
     token.copy_(sample_next(decode_one(model, token, pos, window), temperature=0))
     pos.add_(1)
+    if recent is not None:
+        recent.copy_(torch.cat([recent[1:], token[None]]))
 
 
 def greedy(model: M.Llama, token, pos, n: int, length: int):
@@ -104,6 +107,14 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
             idx = torch.cat([idx, token], dim=1)
 
 
+# Greedy tokens one CUDA graph replays: that many greedy_steps captured back to back. With one a replay, a
+# batch-1 token of the 88m default took 201.8 us where its replay took 199.5 on an H200 (the copy of each
+# token out of the graph, and the launch between replays), and the first kernel of each replay could not
+# start under the last of the one before, as dependent launches let it inside a graph
+# (docs/results/2026-12-04_gpu-tests-generate-early-loads-88m_h200/).
+TOKENS_PER_REPLAY = 8
+
+
 class GraphDecoder:
     """The decode step as a CUDA graph: decode_one compiled by Inductor (fused kernels), captured
     once per batch size and replayed for every token. A replay is one launch from Python for the
@@ -115,20 +126,21 @@ class GraphDecoder:
     masked past the current length. Graphs per window of positions were measured and dropped: the
     step is bound by its ~80 small kernels, not by the bytes they read (docs/LOG.md, "Decode
     windows"). Inputs are copied into the graph's fixed buffers; the logits it returns are
-    overwritten by the next replay. Greedy decoding replays a graph of greedy_step instead, which
-    feeds itself: its token and position buffers are its outputs too.
+    overwritten by the next replay. Greedy decoding replays a graph of tokens_per_replay greedy_steps
+    instead, which feeds itself: its token and position buffers are its outputs too, and the tokens of
+    a replay come out together (a graph of one step replays the last few of a generation).
 
     mode is Inductor's compile mode; None picks by batch size what measured fastest on an H200
     (docs/PERFORMANCE.md, generation): max-autotune at batch 1, where Inductor's own kernels for the
     one-row matmuls can fuse the norms and the activation in, and the default mode above it, where cuBLAS wins."""
 
-    def __init__(self, model: M.Llama, mode: str | None = None):
-        self.model, self.mode = model, mode
+    def __init__(self, model: M.Llama, mode: str | None = None, tokens_per_replay: int = TOKENS_PER_REPLAY):
+        self.model, self.mode, self.tokens_per_replay = model, mode, tokens_per_replay
         self.steps = {}  # (compile mode, dependent launches, fn) -> fn compiled so
         # Each batch size is one more compiled graph of decode_one, shared by every decoder in the
         # process; Dynamo's default limit (8) would stop a program that decodes many batch sizes.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.graphs = {}  # (batch, cache address, step) -> (graph, token, pos, logits or None)
+        self.graphs = {}  # (batch, cache address, fn, steps) -> (graph, token, pos, logits or recent tokens)
 
     def step(self, batch: int, fn=decode_one):
         """fn (decode_one or greedy_step) compiled with this decoder's mode for `batch` sequences."""
@@ -139,12 +151,12 @@ class GraphDecoder:
                                                       dynamic=False)
         return self.steps[mode, pdl, fn]
 
-    def graph(self, token, pos, fn=decode_one):
-        """The graph of fn for this batch and cache, captured on first use, with token and pos
-        copied into its input buffers: (graph, token, pos, logits or None)."""
-        key = (token.shape[0], self.model.attentions()[0].cache.k.data_ptr(), fn)
+    def graph(self, token, pos, fn=decode_one, steps: int = 1):
+        """The graph of `steps` calls of fn for this batch and cache, captured on first use, with token and
+        pos copied into its input buffers: (graph, token, pos, logits or greedy_step's recent tokens)."""
+        key = (token.shape[0], self.model.attentions()[0].cache.k.data_ptr(), fn, steps)
         if key not in self.graphs:
-            self.graphs[key] = self.capture(token, pos, fn)
+            self.graphs[key] = self.capture(token, pos, fn, steps)
         _, token_in, pos_in, _ = self.graphs[key]
         token_in.copy_(token)
         pos_in.copy_(pos)
@@ -160,26 +172,35 @@ class GraphDecoder:
 
     @torch.no_grad()
     def greedy(self, model, token, pos, n: int, length: int):
-        """As generate.greedy (length unused: the graph reads the whole cache), one replay a token."""
-        graph, token_in, _, _ = self.graph(token, pos, greedy_step)
-        for _ in range(n):
-            graph.replay()
-            yield token_in.clone()  # the next replay overwrites token_in
+        """As generate.greedy (length unused: the graph reads the whole cache): tokens_per_replay tokens a
+        replay while that many are left, then one a replay."""
+        for steps in dict.fromkeys((self.tokens_per_replay, 1)):
+            if n < steps:
+                continue
+            graph, token, pos, recent = self.graph(token, pos, greedy_step, steps)
+            for _ in range(n // steps):
+                graph.replay()
+                yield from recent[-steps:].clone()  # (steps, B, 1): the next replay overwrites recent
+            n %= steps
 
     def capture_all(self, batch: int, greedy: bool = False):
-        """Compile and capture now (warm-up), not during a timed generation, the graph for `batch`:
-        decode_one's, or greedy_step's for greedy decoding."""
+        """Compile and capture now (warm-up), not during a timed generation, the graphs for `batch`:
+        decode_one's, or for greedy decoding greedy_step's of tokens_per_replay steps and of one."""
         self.model.setup_cache(batch)
         device = self.model.embed.weight.device
+        token, pos = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
         with torch.no_grad():
-            self.graph(torch.zeros(batch, 1, dtype=torch.long, device=device),
-                       torch.zeros(1, dtype=torch.long, device=device), greedy_step if greedy else decode_one)
+            for steps in dict.fromkeys((self.tokens_per_replay, 1)) if greedy else (1,):
+                self.graph(token, pos, greedy_step if greedy else decode_one, steps)
 
-    def capture(self, token, pos, fn):
+    def capture(self, token, pos, fn, steps: int):
         token_in, pos_in = token.clone(), pos.clone()
+        # greedy_step's recent tokens: always tokens_per_replay rows, so that every graph of a batch replays
+        # one compiled step (a shape of its own would compile it again)
+        extra = (token.new_zeros(self.tokens_per_replay, *token.shape),) if fn is greedy_step else ()
         step = self.step(token.shape[0], fn)
         window = self.model.cfg.context
-        # The cache is written at pos_in during warm-up and capture: keep its contents as they were.
+        # The cache is written from pos_in on during warm-up and capture: keep its contents as they were.
         saved = [(a.cache.k.clone(), a.cache.v.clone()) for a in self.model.attentions()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -187,15 +208,16 @@ class GraphDecoder:
             for _ in range(3):
                 token_in.copy_(token)  # greedy_step advances pos_in: each warm-up writes the same position
                 pos_in.copy_(pos)
-                step(self.model, token_in, pos_in, window)
+                step(self.model, token_in, pos_in, window, *extra)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = step(self.model, token_in, pos_in, window)
+            for _ in range(steps):
+                logits = step(self.model, token_in, pos_in, window, *extra)
         for a, (k, v) in zip(self.model.attentions(), saved):
             a.cache.k.copy_(k)
             a.cache.v.copy_(v)
-        return graph, token_in, pos_in, logits
+        return graph, token_in, pos_in, extra[0] if extra else logits
 
 
 def compile_options(mode: str, pdl: bool) -> dict:
@@ -208,11 +230,12 @@ def compile_options(mode: str, pdl: bool) -> dict:
     return torch._inductor.list_mode_options(mode) | ({"triton.enable_pdl": True} if pdl else {})
 
 
-def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str | None = None):
+def decoder(model: M.Llama, device: torch.device, fast: bool = True, mode: str | None = None,
+            tokens_per_replay: int = TOKENS_PER_REPLAY):
     """The decode step generate() uses: a GraphDecoder on CUDA (mode: Inductor's compile mode,
     None for the fastest measured at each batch size), the plain decode_one (this file) elsewhere or
     with fast=False (the reference the fast path is tested against)."""
-    return GraphDecoder(model, mode) if fast and device.type == "cuda" else decode_one
+    return GraphDecoder(model, mode, tokens_per_replay) if fast and device.type == "cuda" else decode_one
 
 
 class Timer:

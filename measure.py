@@ -379,20 +379,21 @@ def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, d
 
 
 def decode_graph(decode: G.GraphDecoder, batch: int, replays: int):
-    """The graph greedy decoding replays at `batch` (greedy_step's, captured by a generation), its
-    position moved back by `replays` (not below 0): each replay advances it by one, so the replays
-    to come end where the generation left it, inside the cache."""
-    graph, _, pos, _ = next(c for (b, _, fn), c in decode.graphs.items() if b == batch and fn is G.greedy_step)
-    pos.sub_(replays).clamp_(min=0)
-    return graph
+    """The graph greedy decoding replays at `batch` (greedy_step's of the most tokens a replay, captured by a
+    generation) and its tokens a replay, its position moved back by as many as `replays` replays advance
+    it (not below 0), so that the replays to come end where the generation left it, inside the cache."""
+    steps, (graph, _, pos, _) = max(((s, c) for (b, _, fn, s), c in decode.graphs.items()
+                                     if b == batch and fn is G.greedy_step), key=lambda sc: sc[0])
+    pos.sub_(replays * steps).clamp_(min=0)
+    return graph, steps
 
 
 def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
-    """GPU time of one decode step: the batch's graph replayed n times back to back. Beside the
-    step time of a real generation (step_us) it shows how much of each token is the GPU's work
-    and how much the host's loop around it."""
-    graph = decode_graph(decode, batch, n)
-    return gpu_seconds(graph.replay, n) * 1e6 / n
+    """GPU time of one decode step: the batch's graph replayed n times back to back, over the tokens
+    they decode. Beside the step time of a real generation (step_us) it shows how much of each token is
+    the GPU's work and how much the host's loop around it."""
+    graph, steps = decode_graph(decode, batch, n)
+    return gpu_seconds(graph.replay, n) * 1e6 / (n * steps)
 
 
 def step_kernels(stats: dict[str, tuple[int, float]], steps: int, top: int = 8) -> dict:
@@ -407,10 +408,10 @@ def step_kernels(stats: dict[str, tuple[int, float]], steps: int, top: int = 8) 
 
 def decode_kernels(decode: G.GraphDecoder, batch: int, n: int = 50) -> dict:
     """step_kernels of the batch's decode graph, replayed n times under torch.profiler (after one
-    replay outside it). The profiler sees each kernel of a replayed graph as its own launch."""
-    graph = decode_graph(decode, batch, n + 1)
+    replay outside it), a token's share. The profiler sees each kernel of a replayed graph as its own launch."""
+    graph, steps = decode_graph(decode, batch, n + 1)
     graph.replay()
-    return step_kernels(kernel_stats(lambda: [graph.replay() for _ in range(n)], torch.device("cuda")), n)
+    return step_kernels(kernel_stats(lambda: [graph.replay() for _ in range(n)], torch.device("cuda")), n * steps)
 
 
 def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batches, ours: dict) -> list[dict]:
@@ -547,21 +548,23 @@ def cpu_skip(rung: Rung) -> str | None:
 
 # --- The generation study (bench.py --generate) ------------------------------------------------------------------------------
 
-# CUDA-graph decoders compared: (label, Inductor mode, generation fast paths on: model.GENERATION_FAST_PATHS).
-# Rows measured before and dropped (docs/PERFORMANCE.md, generation, has their figures): max-autotune without the
-# fast paths (slower than the fused decode at both batches, 2026-11-30 and 2026-12-02), the decode matmuls (no
-# faster than Inductor's default, 2026-12-02, and below the decode MLP since), the fused decode without its split
-# and without the decode MLP (below both with them, 2026-12-03). A max-autotune row costs a minute of autotuning.
-# The record presets' generation switches (configs/recipes/record.toml) but decode_pdl, which the rows add or leave out
-PRESET_DECODE = ("fused_decode", "split_decode", "decode_mlp")
-DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", ()),
-                   ("CUDA graph, Inductor default, split fused decode + decode MLP", "default", PRESET_DECODE),
-                   ("CUDA graph, max-autotune, split fused decode + decode MLP", "max-autotune-no-cudagraphs",
-                    PRESET_DECODE),
-                   ("CUDA graph, Inductor default, split fused decode + decode MLP + dependent launches", "default",
-                    (*PRESET_DECODE, "decode_pdl")),
-                   ("CUDA graph, max-autotune, split fused decode + decode MLP + dependent launches",
-                    "max-autotune-no-cudagraphs", (*PRESET_DECODE, "decode_pdl"))]
+# CUDA-graph decoders compared: (label, Inductor mode, generation fast paths on: model.GENERATION_FAST_PATHS, greedy
+# tokens a graph replays: generate.GraphDecoder). Rows measured before and dropped (docs/PERFORMANCE.md, generation,
+# has their figures): max-autotune without the fast paths (slower than the fused decode at both batches, 2026-11-30
+# and 2026-12-02), the decode matmuls (no faster than Inductor's default, 2026-12-02, and below the decode MLP
+# since), the fused decode without its split and without the decode MLP (below both with them, 2026-12-03), the
+# presets' switches without dependent launches (below them at both modes and batches, twice on 2026-12-04). A
+# max-autotune row costs a minute of autotuning.
+PRESET_DECODE = ("fused_decode", "split_decode", "decode_mlp", "decode_pdl")  # configs/recipes/record.toml's
+DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", (), G.TOKENS_PER_REPLAY),
+                   ("CUDA graph, Inductor default, the presets' switches, one token a replay", "default",
+                    PRESET_DECODE, 1),
+                   ("CUDA graph, max-autotune, the presets' switches, one token a replay", "max-autotune-no-cudagraphs",
+                    PRESET_DECODE, 1),
+                   (f"CUDA graph, Inductor default, the presets' switches, {G.TOKENS_PER_REPLAY} tokens a replay",
+                    "default", PRESET_DECODE, G.TOKENS_PER_REPLAY),
+                   (f"CUDA graph, max-autotune, the presets' switches, {G.TOKENS_PER_REPLAY} tokens a replay",
+                    "max-autotune-no-cudagraphs", PRESET_DECODE, G.TOKENS_PER_REPLAY)]
 
 
 def decode_variant(cfg: M.ModelConfig, switches: tuple) -> M.ModelConfig:
@@ -582,18 +585,18 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     dtype = torch.bfloat16 if cuda else torch.float32
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    variants = [("eager", None, ())] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
+    variants = [("eager", None, (), 1)] + ([v for v in DECODE_VARIANTS if K.AVAILABLE or not v[2]] if cuda else [])
     nets = {(): model}
-    for _, _, switches in variants:  # the same weights with Triton's decode paths switched on
+    for _, _, switches, _ in variants:  # the same weights with Triton's decode paths switched on
         if switches not in nets:
             nets[switches] = M.Llama(decode_variant(cfg, switches)).to(device, dtype).eval()
             nets[switches].load_state_dict(model.state_dict())
     rows, ours = [], {}
     for batch in batches:
-        for label, mode, switches in variants:
+        for label, mode, switches, tokens_per_replay in variants:
             net = nets[switches]
-            row, tokens = decode_speed(net, prompt, batch, new_tokens, G.decoder(net, device, mode is not None,
-                                                                                    mode or "default"))
+            decode = G.decoder(net, device, mode is not None, mode or "default", tokens_per_replay)
+            row, tokens = decode_speed(net, prompt, batch, new_tokens, decode)
             rows.append({"rung": f"onegpu {label} batch {batch}", **row})
             ours.setdefault(batch, tokens)  # the plain (eager) path's tokens: every other decoder is compared with them
             if label != "eager":

@@ -211,7 +211,7 @@ def test_budget_command_prints_table(capsys):
 
 def test_each_decode_variant_turns_on_its_own_fast_paths_and_no_other():
     cfg = B.C.preset("88m").model  # a preset that turns fused_decode on: a variant without it must turn it off
-    for _, _, switches in ME.DECODE_VARIANTS:
+    for _, _, switches, _ in ME.DECODE_VARIANTS:
         variant = ME.decode_variant(cfg, switches)
         assert {n for n in M.GENERATION_FAST_PATHS if getattr(variant, n)} == set(switches)
         assert dataclasses.replace(variant, **{n: getattr(cfg, n) for n in M.GENERATION_FAST_PATHS}) == cfg

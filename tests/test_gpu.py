@@ -83,7 +83,8 @@ def test_the_decode_profile_sees_each_kernel_of_the_replayed_graph():
     torch.manual_seed(0)
     model = M.Llama(M.ModelConfig(**CFG, fused_decode=True)).cuda().to(torch.bfloat16).eval()  # as bench runs it
     decode = G.decoder(model, torch.device("cuda"), mode="default")
-    G.generate_batch(model, list(range(1, 20)), 1, 8, 0.0, 0, 1.0, None, decode=decode)  # captures batch 1's graph
+    # captures batch 1's graphs: of TOKENS_PER_REPLAY steps (2 replays) and of one (3), the profile's the first
+    G.generate_batch(model, list(range(1, 20)), 1, 2 * G.TOKENS_PER_REPLAY + 4, 0.0, 0, 1.0, None, decode=decode)
     step = ME.decode_kernels(decode, 1, n=10)
     assert step["kernels"] >= CFG["n_layers"] + 1  # a fused decode kernel a layer, and the head
     assert 0 < step["busy_us"] <= 1.2 * ME.replay_us(decode, 1, n=50)

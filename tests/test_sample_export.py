@@ -60,30 +60,37 @@ def test_greedy_step_compiled_as_the_graph_decoder_compiles_it_gives_the_same_to
 
 def test_the_graph_decoders_greedy_loop_feeds_itself(loaded, monkeypatch):
     """GraphDecoder.greedy's bookkeeping on a CPU, its capture replaced by a stand-in whose replay runs
-    the step on the captured buffers, as the CUDA graph does: the eager tokens, one graph (greedy_step's)
-    for the batch, and the profile moving the graph's position back before it replays. Random weights and an
-    untied head, whose greedy tokens vary (a token yielded twice from one buffer would show)."""
+    the step `steps` times on the captured buffers, as the CUDA graph does: the eager tokens, with 8 tokens a
+    replay and the last 3 of 19 one a replay, and with one a replay; two graphs (greedy_step's of 8 steps and
+    of one) for the batch, and the profile moving the larger one's position back before it replays. Random
+    weights and an untied head, whose greedy tokens vary (a token yielded twice or out of order would show)."""
     torch.manual_seed(0)
     model = M.Llama(dataclasses.replace(loaded[3].cfg, tie_embeddings=False, zero_init=False)).eval()
     ids = [1, 2, 3, 4, 5]
 
     class Graph:
-        def __init__(self, fn, token, pos):
-            self.fn, self.token, self.pos = fn, token, pos
+        def __init__(self, fn, token, pos, steps, recent):
+            self.fn, self.token, self.pos, self.steps, self.recent = fn, token, pos, steps, recent
 
         def replay(self):
-            self.fn(model, self.token, self.pos, model.cfg.context)
+            for _ in range(self.steps):
+                self.fn(model, self.token, self.pos, model.cfg.context, self.recent)
 
-    def capture(decoder, token, pos, fn):
+    def capture(decoder, token, pos, fn, steps):
         token_in, pos_in = token.clone(), pos.clone()
-        return Graph(fn, token_in, pos_in), token_in, pos_in, None
+        recent = token.new_zeros(decoder.tokens_per_replay, *token.shape)
+        return Graph(fn, token_in, pos_in, steps, recent), token_in, pos_in, recent
     monkeypatch.setattr(G.GraphDecoder, "capture", capture)
+    assert greedy(model, [9, 8, 7], 20, decode=G.GraphDecoder(model, tokens_per_replay=1)) == greedy(model, [9, 8, 7], 20)
     decode = G.GraphDecoder(model)
+    assert decode.tokens_per_replay == 8
     assert greedy(model, [9, 8, 7], 20, decode=decode) == greedy(model, [9, 8, 7], 20)
-    assert greedy(model, ids, 20, decode=decode) == greedy(model, ids, 20)  # the same graph, new inputs
-    (key, (graph, _, pos, _)), = decode.graphs.items()
-    assert key[0] == 1 and key[2] is G.greedy_step and pos.item() == len(ids) + 19
-    assert ME.decode_graph(decode, 1, 5) is graph and pos.item() == len(ids) + 14
+    assert greedy(model, ids, 20, decode=decode) == greedy(model, ids, 20)  # the same graphs, new inputs
+    graphs = {key[3]: (key, graph) for key, graph in decode.graphs.items()}
+    assert sorted(graphs) == [1, 8] and all(key[0] == 1 and key[2] is G.greedy_step for key, _ in graphs.values())
+    (graph8, _, pos8, _), (_, _, pos1, _) = graphs[8][1], graphs[1][1]
+    assert pos8.item() == len(ids) + 16 and pos1.item() == len(ids) + 19  # 2 replays of 8 after the first token, 3 of 1
+    assert ME.decode_graph(decode, 1, 1) == (graph8, 8) and pos8.item() == len(ids) + 8
 
 
 def test_dependent_launches_reach_every_decode_kernel_only_where_the_card_has_them(loaded, monkeypatch):
