@@ -389,11 +389,13 @@ def decode_graph(decode: G.GraphDecoder, batch: int, replays: int):
 
 
 def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
-    """GPU time of one decode step: the batch's graph replayed n times back to back, over the tokens
-    they decode. Beside the step time of a real generation (step_us) it shows how much of each token is
-    the GPU's work and how much the host's loop around it."""
-    graph, steps = decode_graph(decode, batch, n)
-    return gpu_seconds(graph.replay, n) * 1e6 / (n * steps)
+    """GPU time of one decode step: the batch's graph replayed back to back for about n tokens (positions
+    the generation wrote, not past them: a step reads its whole window), over the tokens decoded. Beside the
+    step time of a real generation (step_us) it shows how much of each token is the GPU's work and how much
+    the host's loop around it."""
+    replays = max(1, n // decode_graph(decode, batch, 0)[1])
+    graph, steps = decode_graph(decode, batch, replays)
+    return gpu_seconds(graph.replay, replays) * 1e6 / (replays * steps)
 
 
 def step_kernels(stats: dict[str, tuple[int, float]], steps: int, top: int = 8) -> dict:
@@ -407,11 +409,14 @@ def step_kernels(stats: dict[str, tuple[int, float]], steps: int, top: int = 8) 
 
 
 def decode_kernels(decode: G.GraphDecoder, batch: int, n: int = 50) -> dict:
-    """step_kernels of the batch's decode graph, replayed n times under torch.profiler (after one
-    replay outside it), a token's share. The profiler sees each kernel of a replayed graph as its own launch."""
-    graph, steps = decode_graph(decode, batch, n + 1)
+    """step_kernels of the batch's decode graph, replayed for about n tokens under torch.profiler (after
+    one replay outside it), a token's share. The profiler sees each kernel of a replayed graph as its own
+    launch."""
+    replays = max(1, n // decode_graph(decode, batch, 0)[1])
+    graph, steps = decode_graph(decode, batch, replays + 1)
     graph.replay()
-    return step_kernels(kernel_stats(lambda: [graph.replay() for _ in range(n)], torch.device("cuda")), n * steps)
+    return step_kernels(kernel_stats(lambda: [graph.replay() for _ in range(replays)], torch.device("cuda")),
+                        replays * steps)
 
 
 def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batches, ours: dict) -> list[dict]:

@@ -526,7 +526,8 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # instead, as modded-nanogpt's FP8 head does with its fixed grad_s: the gradient of a mean
 # cross-entropy over n tokens with respect to one logit, (softmax - one-hot) / n (a soft-cap's slope
 # is at most 1), lies within 1/n. Its x and w are small enough to scale from their maxima as above.
-# The head runs its forward and input gradient in FP8 and its weight gradient in the output dtype.
+# fp8_linear's head runs its forward and input gradient in FP8 and its weight gradient in the output dtype;
+# the head with the loss kernel (FP8HeadCrossEntropy) runs its weight gradient in FP8 too (FP8_HEAD_WEIGHT_GRAD).
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -603,40 +604,53 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+# The FP8 head's weight gradient, (vocab, d) = dz.T @ x over the tokens, in FP8 too (as modded-nanogpt's head):
+# the loss kernel then writes the logits' gradient once, in e5m2 (1 byte a logit, where its bf16 copy took 2), and
+# the matmul takes it transposed (torch._scaled_mm wants the tokens contiguous in both operands), a copy of 1 byte a
+# logit. False: the gradient in bf16 as well, and a bf16 matmul (docs/PERFORMANCE.md, "Training speed").
+FP8_HEAD_WEIGHT_GRAD = True
+
+
 class FP8HeadCrossEntropy(torch.autograd.Function):
     """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then
     onegpu_kernels.cross_entropy_and_gradient, which writes the logits' gradient in the forward, in the same
-    launch as the loss, twice: in the logits' dtype for the weight gradient, and in e5m2, scaled by the
-    bound 1/n, for the input gradient. The backward is two matmuls, whose products it scales by the
-    incoming gradient (a scalar: the step's 1 / accumulation), where a loss kernel of its own would have
-    read the logits again. The model runs it where fp8_head and loss_kernel are both on."""
+    launch as the loss: in e5m2, scaled by the bound 1/n, for the input gradient and, with fp8_weight_grad, the
+    weight gradient; without, also in the logits' dtype for a weight gradient in that dtype. The backward is
+    two matmuls, whose products it scales by the incoming gradient (a scalar: the step's 1 / accumulation),
+    where a loss kernel of its own would have read the logits again. The model runs it where fp8_head and
+    loss_kernel are both on."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, out_dtype):
-        logits, _, _, w8, sw = fp8_matmul(x, weight, out_dtype)  # x: (N, d); weight: (vocab, d)
+    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad):
+        logits, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype)  # x: (N, d); weight: (vocab, d)
         # Each logit's gradient of the mean loss lies within 1 / n, so e5m2 holds it scaled by top * n,
         # never read for its maximum (as FP8Matmul's head).
         n, top = targets.numel(), torch.finfo(E5M2).max
-        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n)
-        ctx.save_for_backward(x.to(out_dtype), w8, sw, dz, dz8)
-        ctx.scale, ctx.dtypes = top * n, (x.dtype, weight.dtype)
+        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n, fp8_only=fp8_weight_grad)
+        ctx.save_for_backward(x8 if fp8_weight_grad else x.to(out_dtype), sx, w8, sw, dz, dz8)
+        ctx.scale, ctx.dtypes, ctx.fp8_weight_grad = top * n, (x.dtype, weight.dtype), fp8_weight_grad
         return loss.mean()
 
     @staticmethod
     def backward(ctx, grad):
-        x16, w8, sw, dz, dz8 = ctx.saved_tensors
-        grad_x = torch._scaled_mm(dz8, col_major(w8), scale_a=grad.float() / ctx.scale, scale_b=sw,
-                                  out_dtype=ctx.dtypes[0])
-        return grad_x, (dz.t() @ x16).to(ctx.dtypes[1]) * grad, None, None, None
+        x_saved, sx, w8, sw, dz, dz8 = ctx.saved_tensors
+        sg = grad.float() / ctx.scale  # dz8's inverse scale, times the incoming gradient
+        grad_x = torch._scaled_mm(dz8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=ctx.dtypes[0])
+        if ctx.fp8_weight_grad:  # dz8.T: (vocab, N) row-major; x8: (N, d) column-major
+            grad_w = torch._scaled_mm(dz8.t().contiguous(), col_major(x_saved), scale_a=sg, scale_b=sx,
+                                      out_dtype=ctx.dtypes[1])
+        else:
+            grad_w = (dz.t() @ x_saved).to(ctx.dtypes[1]) * grad
+        return grad_x, grad_w, None, None, None, None
 
 
-def fp8_head_cross_entropy(x, weight, targets, cap: float):
+def fp8_head_cross_entropy(x, weight, targets, cap: float, fp8_weight_grad: bool = FP8_HEAD_WEIGHT_GRAD):
     """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True), its gradient written in the
     forward (FP8HeadCrossEntropy): for training, where a backward follows. x: (N, d); weight: (vocab, d);
-    targets: (N,). Where K.runs_on(x)."""
+    targets: (N,). fp8_weight_grad: the weight gradient's matmul in FP8 too. Where K.runs_on(x)."""
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype)
+        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad)
 
 
 def linear(x, weight, small: bool = False, relu2: bool = False):

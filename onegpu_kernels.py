@@ -471,9 +471,10 @@ if AVAILABLE:
 
     @triton.jit
     def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, fp8_scale, fp8_max, BLOCK: tl.constexpr,
-                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr):
-        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype; with FP8 also
-        times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's blocks last to first."""
+                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr, DZ: tl.constexpr = True):
+        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype (DZ: else not
+        written); with FP8 also times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's
+        blocks last to first."""
         steps = tl.cdiv(vocab, BLOCK)
         for step in range(0, steps):
             if BACKWARDS:
@@ -483,7 +484,8 @@ if AVAILABLE:
             keep = cols < vocab
             y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
             d = (tl.exp(y - lse) - tl.where(cols == target, 1.0, 0.0)) * slope * g
-            tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
+            if DZ:
+                tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
             if FP8:
                 d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
                 tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
@@ -518,14 +520,14 @@ if AVAILABLE:
     @triton.jit
     def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
                                            fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
-                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr):
+                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr, DZ: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
         lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
         y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, CAPPED)
         tl.store(loss_ptr + row, lse - y_t)
         _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap,
-                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True)
+                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True, DZ)
 
     @torch.library.custom_op("onegpu::cross_entropy", mutates_args=())
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -542,9 +544,11 @@ if AVAILABLE:
     def _(logits, targets, cap):
         return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
 
-    def _logit_gradients(logits, fp8_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for the logits' gradient, and for its e5m2 copy where fp8_scale is set (else empty)."""
-        return torch.empty_like(logits), logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2)
+    def _logit_gradients(logits, fp8_scale: float, fp8_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for the logits' gradient (empty with fp8_only and fp8_scale), and for its e5m2 copy where
+        fp8_scale is set (else empty)."""
+        return (logits.new_empty((0,)) if fp8_only and fp8_scale else torch.empty_like(logits),
+                logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2))
 
     @torch.library.custom_op("onegpu::cross_entropy_backward", mutates_args=())
     def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
@@ -567,21 +571,23 @@ if AVAILABLE:
         return _logit_gradients(logits, fp8_scale)
 
     @torch.library.custom_op("onegpu::cross_entropy_and_gradient", mutates_args=())
-    def cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, cap: float,
-                                   fp8_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, cap: float, fp8_scale: float = 0.0,
+                                   fp8_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cross_entropy's per-row loss and, from the same launch, cross_entropy_backward's two gradients
-        of the mean loss (each row's incoming gradient 1 / N). Returns (loss (N,), dz, dz8)."""
+        of the mean loss (each row's incoming gradient 1 / N); fp8_only (with fp8_scale): the e5m2 one alone,
+        dz empty. Returns (loss (N,), dz, dz8)."""
         n, vocab = logits.shape
-        loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale)
+        loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale, fp8_only)
         _cross_entropy_and_gradient_kernel[(n,)](logits, targets, loss, dz, dz8 if fp8_scale else dz, vocab,
                                                  float(cap), 1.0 / n, float(fp8_scale),
                                                  torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK, CAPPED=cap > 0,
-                                                 FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0, num_warps=CE_WARPS)
+                                                 FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0,
+                                                 DZ=not (fp8_only and fp8_scale), num_warps=CE_WARPS)
         return loss, dz, dz8
 
     @cross_entropy_and_gradient.register_fake
-    def _(logits, targets, cap, fp8_scale=0.0):
-        return logits.new_empty(logits.shape[0], dtype=torch.float32), *_logit_gradients(logits, fp8_scale)
+    def _(logits, targets, cap, fp8_scale=0.0, fp8_only=False):
+        return logits.new_empty(logits.shape[0], dtype=torch.float32), *_logit_gradients(logits, fp8_scale, fp8_only)
 
     def _cross_entropy_save(ctx, inputs, output):
         logits, targets, cap = inputs

@@ -269,23 +269,28 @@ def cross_entropy_check():
 def fp8_head_loss_check():
     """model.fp8_head_cross_entropy (the FP8 head and the loss kernel as one function, whose backward
     writes the gradient's FP8 copy in the loss kernel) against the two apart, fp8_linear then the loss
-    kernel: the same loss and weight gradient, an input gradient within FP8's rounding of theirs; and
-    the kernel's FP8 copy within one e5m2 step (a quarter) of the gradient it scales."""
+    kernel: the same loss; the same weight gradient with the bf16 one, within FP8's rounding of it with
+    FP8's (its product alone a tenth as close: a weight gradient in bf16 there fails); an input gradient
+    within FP8's rounding of theirs; and the kernel's FP8 copy within one e5m2 step (a quarter) of the
+    gradient it scales."""
     g = torch.Generator().manual_seed(1)
     n, d, vocab, cap = 48, 64, 2500, 15.0
     x0, w0 = torch.randn(n, d, generator=g).half(), (torch.randn(vocab, d, generator=g) * 0.5).half()
     targets = torch.randint(0, vocab, (n,), generator=g)
     out = []
-    for fused in (True, False):
+    for fused, fp8_weight_grad in ((True, False), (True, True), (False, False)):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        loss = (M.fp8_head_cross_entropy(x, w, targets, cap) if fused else
+        loss = (M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad) if fused else
                 M.cross_entropy(M.fp8_linear(x, w, grad_bound=1.0 / n), targets, cap, kernel=True))
         (loss / 4).backward()  # as with four micro-batches: the fused backward scales its products by 1/4
         out.append((loss.detach(), x.grad, w.grad))
-    (l1, gx1, gw1), (l2, gx2, gw2) = out
-    assert torch.equal(l1, l2)
-    assert ((gw1.float() - gw2.float()).norm() / gw2.float().norm()) < 1e-3
-    assert ((gx1.float() - gx2.float()).norm() / gx2.float().norm()) < 0.05
+    (l1, gx1, gw1), (l8, gx8, gw8), (l2, gx2, gw2) = out
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    assert torch.equal(l1, l2) and torch.equal(l8, l2)
+    assert rel(gw1, gw2) < 1e-3 and 1e-3 < rel(gw8, gw2) < 0.05 and torch.equal(gx8, gx1)
+    assert rel(gx1, gx2) < 0.05
     logits = (x0.float() @ w0.float().t()).half()
     _, lse = K.cross_entropy(logits, targets, cap)
     scale = torch.finfo(torch.float8_e5m2).max * n
@@ -305,6 +310,8 @@ def fp8_head_loss_check():
     assert torch.equal(loss, K.cross_entropy(logits, targets, cap)[0])
     assert torch.equal(dz1, dz) and torch.equal(dz81.float(), dz8.float())
     assert K.cross_entropy_and_gradient(logits, targets, cap)[2].numel() == 0
+    only = K.cross_entropy_and_gradient(logits, targets, cap, scale, fp8_only=True)  # the e5m2 gradient alone
+    assert only[1].numel() == 0 and torch.equal(only[0], loss) and torch.equal(only[2].float(), dz8.float())
     # The model takes the one function where fp8_head and loss_kernel are both on: its loss and head gradient
     # as the FP8 head with the plain loss, within FP8's rounding (a wrong target or cap there fails).
     cfg = dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300, context=16, tie_embeddings=False,

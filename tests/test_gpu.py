@@ -291,10 +291,10 @@ def test_fp8_head_stays_close_to_bf16(compiled, loss_kernel):
     assert_close(out, 1e-2, 0.15)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compiled):
+@pytest.mark.parametrize("compiled,fp8_weight_grad", [(False, True), (True, True), (True, False)])
+def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compiled, fp8_weight_grad):
     """model.fp8_head_cross_entropy (its gradients written by the loss kernel in the forward) against the
-    bf16 head and the plain loss, with the soft-cap, eager and compiled."""
+    bf16 head and the plain loss, with the soft-cap, eager and compiled, its weight gradient in FP8 and in bf16."""
     g = torch.Generator("cuda").manual_seed(4)
     n, d, vocab = 2048, 256, 32768
     targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
@@ -306,7 +306,7 @@ def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compile
         def loss_fn(x, w):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if fused:
-                    return M.fp8_head_cross_entropy(x, w, targets, 15.0)
+                    return M.fp8_head_cross_entropy(x, w, targets, 15.0, fp8_weight_grad)
                 return M.cross_entropy(F.linear(x, w), targets, 15.0)
         loss = (torch.compile(loss_fn) if compiled else loss_fn)(x, w)
         (loss / 4).backward()  # as one of four micro-batches: the fused backward scales by the incoming 1/4

@@ -199,7 +199,7 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
      {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_cross_entropy_backward_kernel", dict(BLOCK=2048, CAPPED=False, FP8=False),
      {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
-    ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True),
+    ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=False),
      {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
     ("_qk_norm_rope_backward_kernel", dict(H=6, HKV=6, D=128, BLOCKS=K.QK_BLOCKS),
