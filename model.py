@@ -605,17 +605,17 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
 
 
 # The FP8 head's weight gradient, (vocab, d) = dz.T @ x over the tokens, in FP8 too (as modded-nanogpt's head):
-# torch._scaled_mm wants the tokens contiguous in both operands, so the loss kernel writes the logits' gradient in
-# e5m2 twice, as (N, vocab) for the input gradient and transposed for this one, and no bf16 copy. False: the
-# gradient in bf16 as well, and a bf16 matmul (docs/PERFORMANCE.md, "Training speed").
+# the loss kernel then writes the logits' gradient once, in e5m2 (1 byte a logit, where its bf16 copy took 2), and
+# the matmul takes it transposed (torch._scaled_mm wants the tokens contiguous in both operands), a copy of 1 byte a
+# logit. False: the gradient in bf16 as well, and a bf16 matmul (docs/PERFORMANCE.md, "Training speed").
 FP8_HEAD_WEIGHT_GRAD = True
 
 
 class FP8HeadCrossEntropy(torch.autograd.Function):
     """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then
     onegpu_kernels.cross_entropy_and_gradient, which writes the logits' gradient in the forward, in the same
-    launch as the loss: in e5m2, scaled by the bound 1/n, for the input gradient, and for the weight gradient
-    either in e5m2 transposed (fp8_weight_grad) or in the logits' dtype (a weight gradient in that dtype). The backward is
+    launch as the loss: in e5m2, scaled by the bound 1/n, for the input gradient and, with fp8_weight_grad, the
+    weight gradient; without, also in the logits' dtype for a weight gradient in that dtype. The backward is
     two matmuls, whose products it scales by the incoming gradient (a scalar: the step's 1 / accumulation),
     where a loss kernel of its own would have read the logits again. The model runs it where fp8_head and
     loss_kernel are both on."""
@@ -626,8 +626,7 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
         # Each logit's gradient of the mean loss lies within 1 / n, so e5m2 holds it scaled by top * n,
         # never read for its maximum (as FP8Matmul's head).
         n, top = targets.numel(), torch.finfo(E5M2).max
-        # dz: (N, vocab) in the logits' dtype, or with fp8_weight_grad (vocab, N) in e5m2
-        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n, transposed=fp8_weight_grad)
+        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n, fp8_only=fp8_weight_grad)
         ctx.save_for_backward(x8 if fp8_weight_grad else x.to(out_dtype), sx, w8, sw, dz, dz8)
         ctx.scale, ctx.dtypes, ctx.fp8_weight_grad = top * n, (x.dtype, weight.dtype), fp8_weight_grad
         return loss.mean()
@@ -637,8 +636,9 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
         x_saved, sx, w8, sw, dz, dz8 = ctx.saved_tensors
         sg = grad.float() / ctx.scale  # dz8's inverse scale, times the incoming gradient
         grad_x = torch._scaled_mm(dz8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=ctx.dtypes[0])
-        if ctx.fp8_weight_grad:  # dz: (vocab, N) row-major; x8: (N, d) column-major
-            grad_w = torch._scaled_mm(dz, col_major(x_saved), scale_a=sg, scale_b=sx, out_dtype=ctx.dtypes[1])
+        if ctx.fp8_weight_grad:  # dz8.T: (vocab, N) row-major; x8: (N, d) column-major
+            grad_w = torch._scaled_mm(dz8.t().contiguous(), col_major(x_saved), scale_a=sg, scale_b=sx,
+                                      out_dtype=ctx.dtypes[1])
         else:
             grad_w = (dz.t() @ x_saved).to(ctx.dtypes[1]) * grad
         return grad_x, grad_w, None, None, None, None

@@ -93,7 +93,6 @@ DECODE_MLP_HIDDEN = 32
 DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2), (256, 256, 4, 3),
                     (512, 512, 8, 2), (1024, 1024, 8, 1))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
-CE_TILE_ROWS, CE_TILE_BLOCK = 32, 256  # _cross_entropy_tiles_kernel's rows a program and logits a row a loop step
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -471,20 +470,11 @@ if AVAILABLE:
         return m + tl.log(total)
 
     @triton.jit
-    def _logit_gradient(y, slope, cols, target, lse, g):
-        """d loss / d z of softcap(z) = y at columns cols: (softmax(y) - onehot(target)) * dy/dz, times g. Rows'
-        values (target, lse, g) broadcast against a tile's columns."""
-        return (tl.exp(y - lse) - tl.where(cols == target, 1.0, 0.0)) * slope * g
-
-    @triton.jit
-    def _to_fp8(d, fp8_scale, fp8_max, dtype: tl.constexpr):
-        return tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max).to(dtype)
-
-    @triton.jit
     def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, fp8_scale, fp8_max, BLOCK: tl.constexpr,
-                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr):
-        """_logit_gradient of one row in dz's dtype; with FP8 also times fp8_scale, clamped to +-fp8_max, in dz8's
-        FP8 dtype. BACKWARDS: the row's blocks last to first."""
+                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr, DZ: tl.constexpr = True):
+        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype (DZ: else not
+        written); with FP8 also times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's
+        blocks last to first."""
         steps = tl.cdiv(vocab, BLOCK)
         for step in range(0, steps):
             if BACKWARDS:
@@ -493,10 +483,12 @@ if AVAILABLE:
                 cols = step * BLOCK + tl.arange(0, BLOCK)
             keep = cols < vocab
             y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
-            d = _logit_gradient(y, slope, cols, target, lse, g)
-            tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
+            d = (tl.exp(y - lse) - tl.where(cols == target, 1.0, 0.0)) * slope * g
+            if DZ:
+                tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
             if FP8:
-                tl.store(dz8_row + cols, _to_fp8(d, fp8_scale, fp8_max, dz8_row.dtype.element_ty), mask=keep)
+                d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
+                tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _cross_entropy_forward_kernel(z_ptr, t_ptr, loss_ptr, lse_ptr, vocab, cap, BLOCK: tl.constexpr,
@@ -528,64 +520,14 @@ if AVAILABLE:
     @triton.jit
     def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
                                            fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
-                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr):
+                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr, DZ: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
         lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
         y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, CAPPED)
         tl.store(loss_ptr + row, lse - y_t)
         _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap,
-                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True)
-
-    # The FP8 head's weight gradient, dz.T @ x over the tokens, wants dz in e5m2 with the tokens contiguous
-    # ((vocab, N), torch._scaled_mm's layout); its input gradient wants it as (N, vocab). This kernel writes both
-    # from tiles of ROWS rows, each program its rows' loss and gradient, so that a column of the tile stores
-    # ROWS contiguous bytes transposed (32: one whole 32-byte sector). The price: a program's rows (2 MB at
-    # 32 x 32,768) do not stay in the L2 cache between the logsumexp pass and the gradient pass, so each logit
-    # is read twice from memory, 6 bytes a logit in all, where the row kernel's 3 (its e5m2 copy alone) plus a
-    # transposing copy's 2 are 5 but take two launches (the copy took 7.9 ms of a 297.9 ms step at 88m on an
-    # H200, docs/PERFORMANCE.md).
-    @triton.jit
-    def _cross_entropy_tiles_kernel(z_ptr, t_ptr, loss_ptr, dz8_ptr, dz8t_ptr, n, vocab, cap, row_grad, fp8_scale,
-                                    fp8_max, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
-                                    FIXED_SHIFT: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        live = rows < n
-        z_rows = z_ptr + rows[:, None] * vocab  # (ROWS, 1)
-        # Each row's logsumexp, as _row_logsumexp: against the cap as a fixed shift, or a running max
-        if FIXED_SHIFT:
-            m = tl.zeros([ROWS], dtype=tl.float32) + cap
-        else:
-            m = tl.zeros([ROWS], dtype=tl.float32) - 1e30
-        sums = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        total = tl.zeros([ROWS], dtype=tl.float32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            keep = live[:, None] & (cols[None, :] < vocab)
-            y, _ = _capped(tl.load(z_rows + cols[None, :], mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
-            y = tl.where(keep, y, float("-inf"))
-            if FIXED_SHIFT:
-                sums += tl.exp(y - cap)
-            else:
-                new = tl.maximum(m, tl.max(y, 1))
-                total = total * tl.exp(m - new) + tl.sum(tl.exp(y - new[:, None]), 1)
-                m = new
-        if FIXED_SHIFT:
-            total = tl.sum(sums, 1)
-        lse = m + tl.log(tl.where(live, total, 1.0))
-        target = tl.load(t_ptr + rows, mask=live, other=0)
-        y_t, _ = _capped(tl.load(z_ptr + rows * vocab + target, mask=live, other=0.0).to(tl.float32), cap, CAPPED)
-        tl.store(loss_ptr + rows, lse - y_t, mask=live)
-        # The gradient, the blocks last to first (the last read, the likeliest still in the L2 cache)
-        steps = tl.cdiv(vocab, BLOCK)
-        for step in range(0, steps):
-            cols = (steps - 1 - step) * BLOCK + tl.arange(0, BLOCK)
-            keep = live[:, None] & (cols[None, :] < vocab)
-            y, slope = _capped(tl.load(z_rows + cols[None, :], mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
-            d8 = _to_fp8(_logit_gradient(y, slope, cols[None, :], target[:, None], lse[:, None], row_grad),
-                         fp8_scale, fp8_max, dz8_ptr.dtype.element_ty)
-            tl.store(dz8_ptr + rows[:, None] * vocab + cols[None, :], d8, mask=keep)
-            tl.store(dz8t_ptr + cols[None, :].to(tl.int64) * n + rows[:, None], d8, mask=keep)
+                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True, DZ)
 
     @torch.library.custom_op("onegpu::cross_entropy", mutates_args=())
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -602,11 +544,11 @@ if AVAILABLE:
     def _(logits, targets, cap):
         return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
 
-    def _logit_gradients(logits, fp8_scale: float, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for the logits' gradient (N, vocab), or with transposed for its e5m2 copy transposed (vocab, N);
-        and for its e5m2 copy (N, vocab) where fp8_scale is set (else empty)."""
-        first = logits.new_empty(logits.shape[::-1], dtype=torch.float8_e5m2) if transposed else torch.empty_like(logits)
-        return first, logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2)
+    def _logit_gradients(logits, fp8_scale: float, fp8_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for the logits' gradient (empty with fp8_only and fp8_scale), and for its e5m2 copy where
+        fp8_scale is set (else empty)."""
+        return (logits.new_empty((0,)) if fp8_only and fp8_scale else torch.empty_like(logits),
+                logits.new_empty(logits.shape if fp8_scale else (0,), dtype=torch.float8_e5m2))
 
     @torch.library.custom_op("onegpu::cross_entropy_backward", mutates_args=())
     def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
@@ -630,30 +572,22 @@ if AVAILABLE:
 
     @torch.library.custom_op("onegpu::cross_entropy_and_gradient", mutates_args=())
     def cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, cap: float, fp8_scale: float = 0.0,
-                                   transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                   fp8_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cross_entropy's per-row loss and, from the same launch, cross_entropy_backward's two gradients
-        of the mean loss (each row's incoming gradient 1 / N). Returns (loss (N,), dz, dz8). transposed (with
-        fp8_scale): dz is dz8 transposed, (vocab, N) in e5m2, in place of the gradient in the logits' dtype
-        (_cross_entropy_tiles_kernel)."""
+        of the mean loss (each row's incoming gradient 1 / N); fp8_only (with fp8_scale): the e5m2 one alone,
+        dz empty. Returns (loss (N,), dz, dz8)."""
         n, vocab = logits.shape
-        loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale, transposed)
-        shared = dict(CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40)
-        if transposed:
-            assert fp8_scale > 0, "the transposed gradient is the e5m2 one"
-            _cross_entropy_tiles_kernel[(triton.cdiv(n, CE_TILE_ROWS),)](
-                logits, targets, loss, dz8, dz, n, vocab, float(cap), 1.0 / n, float(fp8_scale),
-                torch.finfo(torch.float8_e5m2).max, ROWS=CE_TILE_ROWS, BLOCK=CE_TILE_BLOCK, num_warps=CE_WARPS,
-                **shared)
-            return loss, dz, dz8
+        loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale, fp8_only)
         _cross_entropy_and_gradient_kernel[(n,)](logits, targets, loss, dz, dz8 if fp8_scale else dz, vocab,
                                                  float(cap), 1.0 / n, float(fp8_scale),
-                                                 torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK,
-                                                 FP8=fp8_scale > 0, num_warps=CE_WARPS, **shared)
+                                                 torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK, CAPPED=cap > 0,
+                                                 FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0,
+                                                 DZ=not (fp8_only and fp8_scale), num_warps=CE_WARPS)
         return loss, dz, dz8
 
     @cross_entropy_and_gradient.register_fake
-    def _(logits, targets, cap, fp8_scale=0.0, transposed=False):
-        return logits.new_empty(logits.shape[0], dtype=torch.float32), *_logit_gradients(logits, fp8_scale, transposed)
+    def _(logits, targets, cap, fp8_scale=0.0, fp8_only=False):
+        return logits.new_empty(logits.shape[0], dtype=torch.float32), *_logit_gradients(logits, fp8_scale, fp8_only)
 
     def _cross_entropy_save(ctx, inputs, output):
         logits, targets, cap = inputs

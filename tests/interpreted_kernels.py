@@ -310,16 +310,8 @@ def fp8_head_loss_check():
     assert torch.equal(loss, K.cross_entropy(logits, targets, cap)[0])
     assert torch.equal(dz1, dz) and torch.equal(dz81.float(), dz8.float())
     assert K.cross_entropy_and_gradient(logits, targets, cap)[2].numel() == 0
-    # From tiles of rows (_cross_entropy_tiles_kernel; 48 rows: the second tile of 32 part empty): the same loss
-    # up to the sum's order, the same e5m2 gradient but where that order moves a value across a rounding
-    # boundary, and its transposed copy the same bytes
-    assert K.CE_TILE_ROWS < n < 2 * K.CE_TILE_ROWS and vocab % K.CE_TILE_BLOCK
-    for cap_t in (cap, 0.0, 50.0):  # the fixed shift, no cap, and a running max
-        loss_r, _, dz8_r = K.cross_entropy_and_gradient(logits, targets, cap_t, scale)
-        loss_t, dz8t, dz8_t = K.cross_entropy_and_gradient(logits, targets, cap_t, scale, transposed=True)
-        assert dz8t.shape == (vocab, n) and dz8t.dtype == torch.float8_e5m2
-        assert (loss_t - loss_r).abs().max() < 1e-5 and torch.equal(dz8t.t().float(), dz8_t.float())
-        assert (dz8_t.float() != dz8_r.float()).float().mean() < 1e-3, cap_t
+    only = K.cross_entropy_and_gradient(logits, targets, cap, scale, fp8_only=True)  # the e5m2 gradient alone
+    assert only[1].numel() == 0 and torch.equal(only[0], loss) and torch.equal(only[2].float(), dz8.float())
     # The model takes the one function where fp8_head and loss_kernel are both on: its loss and head gradient
     # as the FP8 head with the plain loss, within FP8's rounding (a wrong target or cap there fails).
     cfg = dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300, context=16, tie_embeddings=False,
