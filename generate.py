@@ -107,11 +107,11 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
             idx = torch.cat([idx, token], dim=1)
 
 
-# Greedy tokens one CUDA graph replays: that many greedy_steps captured back to back. With one a replay, a
-# batch-1 token of the 88m default took 201.8 us where its replay took 199.5 on an H200 (the copy of each
-# token out of the graph, and the launch between replays), and the first kernel of each replay could not
-# start under the last of the one before, as dependent launches let it inside a graph
-# (docs/results/2026-12-04_gpu-tests-generate-early-loads-88m_h200/).
+# Greedy tokens one CUDA graph replays: that many greedy_steps captured back to back, so the host launches one
+# replay and one copy out of the graph for 8 tokens, where it launched both for each. On an H200 with its
+# server CPU that measured the same as one a replay (the 88m default at batch 1, Inductor's default mode:
+# 240.4 against 239.7 us a token; `python bench.py --generate`, docs/PERFORMANCE.md, generation); it is the
+# host's work a token that it cuts, for hosts slower than that one.
 TOKENS_PER_REPLAY = 8
 
 
