@@ -1,9 +1,9 @@
 """Shared fixtures: a tiny corpus, tokenizer and shards built once per test session."""
 
 import dataclasses
+import socket
 
 import numpy as np
-
 import pytest
 
 import data as D
@@ -68,6 +68,15 @@ def tiny_run_config(data_cfg, model: M.ModelConfig | None = None, **train):
     import config as C
     return C.Config(model=model or tiny_model_cfg(), data=dataclasses.replace(data_cfg),
                     train=C.TrainConfig(**{**TINY_TRAIN, **train}))
+
+
+@pytest.fixture
+def free_port():
+    """A TCP port nothing holds now, for torchrun's rendezvous, where a fixed one may still be held by an
+    earlier run's."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
 
 
 @pytest.fixture

@@ -208,7 +208,7 @@ os._exit(0)
 '''
 
 
-def test_two_gloo_ranks_share_muons_iteration_and_equal_one_process(tmp_path):
+def test_two_gloo_ranks_share_muons_iteration_and_equal_one_process(tmp_path, free_port):
     """optim.Muon under a process group of two gloo ranks: each rank orthogonalises half of each
     shape's parts (rounded up; 6 parts of (8, 6) with the stacked one's first part, 3 of (6, 10))
     and all-gathers the rest; the parameters after two steps equal the one-process update."""
@@ -218,12 +218,8 @@ def test_two_gloo_ranks_share_muons_iteration_and_equal_one_process(tmp_path):
     from pathlib import Path
     script = tmp_path / "shared_muon.py"
     script.write_text(SHARED_MUON)
-    import socket
     here = Path(__file__).resolve().parent
-    with socket.socket() as free:  # a port nothing else holds (a fixed one may still linger from an earlier run)
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port}",
                            str(script), str(here.parent), str(here), str(tmp_path)], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -664,7 +664,7 @@ def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
 @pytest.mark.parametrize("recipe", [pytest.param(({}, {}), marks=pytest.mark.slow),
                                     pytest.param(TODAYS_RECIPE, marks=pytest.mark.slow), RECORD_RECIPE],
                          ids=["article", "muon", "record"])
-def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe):
+def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe, free_port):
     """torchrun with 2 CPU ranks, each half the micro-batches, matches 1 process (same global batch),
     with AdamW and with Muon (each rank orthogonalises the same all-reduced gradients)."""
     cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, **recipe[0]),
@@ -681,7 +681,7 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe):
     running = [subprocess.Popen([sys.executable, *launcher, str(ROOT / "train.py"), *common, "--name", name], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
                for launcher, name in (([], "one"), (["-m", "torch.distributed.run", "--nproc_per_node=2",
-                                                     "--master_port=29533"], "two"))]
+                                                     f"--master_port={free_port}"], "two"))]
     for process in running:
         out, err = process.communicate()
         assert process.returncode == 0, out[-3000:] + err[-3000:]
