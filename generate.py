@@ -136,6 +136,7 @@ class GraphDecoder:
 
     def __init__(self, model: M.Llama, mode: str | None = None, tokens_per_replay: int = TOKENS_PER_REPLAY):
         self.model, self.mode, self.tokens_per_replay = model, mode, tokens_per_replay
+        self.greedy_sizes = tuple(dict.fromkeys((tokens_per_replay, 1)))  # greedy graphs' steps, largest first
         self.steps = {}  # (compile mode, dependent launches, fn) -> fn compiled so
         # Each batch size is one more compiled graph of decode_one, shared by every decoder in the
         # process; Dynamo's default limit (8) would stop a program that decodes many batch sizes.
@@ -174,7 +175,7 @@ class GraphDecoder:
     def greedy(self, model, token, pos, n: int, length: int):
         """As generate.greedy (length unused: the graph reads the whole cache): tokens_per_replay tokens a
         replay while that many are left, then one a replay."""
-        for steps in dict.fromkeys((self.tokens_per_replay, 1)):
+        for steps in self.greedy_sizes:
             if n < steps:
                 continue
             graph, token, pos, recent = self.graph(token, pos, greedy_step, steps)
@@ -190,7 +191,7 @@ class GraphDecoder:
         device = self.model.embed.weight.device
         token, pos = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
         with torch.no_grad():
-            for steps in dict.fromkeys((self.tokens_per_replay, 1)) if greedy else (1,):
+            for steps in self.greedy_sizes if greedy else (1,):
                 self.graph(token, pos, greedy_step if greedy else decode_one, steps)
 
     def capture(self, token, pos, fn, steps: int):

@@ -378,12 +378,17 @@ def decode_speed(net: M.Llama, prompt: list[int], batch: int, new_tokens: int, d
     return row, tokens
 
 
+def greedy_graph(decode: G.GraphDecoder, batch: int):
+    """(tokens a replay, (graph, token, pos, recent tokens)) of the graph greedy decoding replays at `batch`:
+    greedy_step's of the most tokens a replay, captured by a generation."""
+    return max(((s, c) for (b, _, fn, s), c in decode.graphs.items() if b == batch and fn is G.greedy_step),
+               key=lambda sc: sc[0])
+
+
 def decode_graph(decode: G.GraphDecoder, batch: int, replays: int):
-    """The graph greedy decoding replays at `batch` (greedy_step's of the most tokens a replay, captured by a
-    generation) and its tokens a replay, its position moved back by as many as `replays` replays advance
-    it (not below 0), so that the replays to come end where the generation left it, inside the cache."""
-    steps, (graph, _, pos, _) = max(((s, c) for (b, _, fn, s), c in decode.graphs.items()
-                                     if b == batch and fn is G.greedy_step), key=lambda sc: sc[0])
+    """greedy_graph's graph and its tokens a replay, its position moved back by as many as `replays` replays
+    advance it (not below 0), so that the replays to come end where the generation left it, inside the cache."""
+    steps, (graph, _, pos, _) = greedy_graph(decode, batch)
     pos.sub_(replays * steps).clamp_(min=0)
     return graph, steps
 
@@ -393,7 +398,7 @@ def replay_us(decode: G.GraphDecoder, batch: int, n: int = 200) -> float:
     the generation wrote, not past them: a step reads its whole window), over the tokens decoded. Beside the
     step time of a real generation (step_us) it shows how much of each token is the GPU's work and how much
     the host's loop around it."""
-    replays = max(1, n // decode_graph(decode, batch, 0)[1])
+    replays = max(1, n // greedy_graph(decode, batch)[0])
     graph, steps = decode_graph(decode, batch, replays)
     return gpu_seconds(graph.replay, replays) * 1e6 / (replays * steps)
 
@@ -412,7 +417,7 @@ def decode_kernels(decode: G.GraphDecoder, batch: int, n: int = 50) -> dict:
     """step_kernels of the batch's decode graph, replayed for about n tokens under torch.profiler (after
     one replay outside it), a token's share. The profiler sees each kernel of a replayed graph as its own
     launch."""
-    replays = max(1, n // decode_graph(decode, batch, 0)[1])
+    replays = max(1, n // greedy_graph(decode, batch)[0])
     graph, steps = decode_graph(decode, batch, replays + 1)
     graph.replay()
     return step_kernels(kernel_stats(lambda: [graph.replay() for _ in range(replays)], torch.device("cuda")),
