@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -477,17 +478,21 @@ def test_a_run_sized_with_the_margin_ends_inside_its_seconds_when_steps_come_slo
     assert ends(TR.seconds_to_fill(157, spent)) <= 157
 
 
-def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train_config, tmp_path, capsys):
-    # 6 seconds: with the suite's other worker on the second core, 2 seconds sized a run of so few steps
-    # (its resizing step 4, not past the probe's 12) that there was nothing to check.
+def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train_config, tmp_path, capsys,
+                                                                           monkeypatch):
+    # A clock that moves 50 ms a reading, so a step takes 50 ms whatever else the machine runs: on the real
+    # clock, with the suite's other worker on the second core, the probe's steps came out slow enough (twice)
+    # that the run was sized too short to size itself again past the probe's 12 steps.
+    clock = itertools.count()
+    monkeypatch.setattr(TR.time, "perf_counter", lambda: 0.05 * next(clock))
     cfg = dataclasses.replace(train_config, train=dataclasses.replace(
-        train_config.train, steps=0, seconds=6.0, schedule="wsd", eval_every=1000, ckpt_every=1000))
+        train_config.train, steps=0, seconds=4.0, schedule="wsd", eval_every=1000, ckpt_every=1000))
     summary = TR.train(cfg, tmp_path / "run", **QUIET)
     out = capsys.readouterr().out
     first = int(out.split("so the run takes ")[1].split()[0])
     again = TR.resize_step(cfg.train, first)
     assert again > TR.PROBE_STEPS, "the run is too short to size itself again: give it more seconds"
-    assert f"train.seconds=6: at step {again}, steps take" in out
+    assert f"train.seconds=4: at step {again}, steps take" in out
     assert summary["steps"] == json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"]
 
 
