@@ -13,7 +13,7 @@ configs/ choose what the recipe ladder measured fastest (docs/PERFORMANCE.md, ti
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
-`fp8` runs the block matmuls in FP8, `bf16_residual` keeps the residual stream in bf16
+`fp8` runs the block matmuls in FP8 in training, `bf16_residual` keeps the residual stream in bf16
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
 `fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE's backward, the training loss and a decoded
 token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
@@ -96,7 +96,7 @@ class ModelConfig:
     # config that does not name it, and a checkpoint from before it existed, runs the plain path; the
     # presets in configs/ turn on the ones measured to pay (docs/PERFORMANCE.md, training speed).
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
-    fp8: bool = False  # block matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales)
+    fp8: bool = False  # block matmuls' forward and input gradients in FP8 (e4m3, a scale a row), in training
     fp8_head: bool = False  # the untied output head's training matmuls in FP8, its gradient at a fixed scale
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
     split_decode: bool = False  # with fused_decode, each head's cached positions over many programs (CUDA)
@@ -237,12 +237,12 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
     head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
     fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
-    sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP outside
-    FP8 block matmuls."""
+    sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP (FP8 block
+    matmuls run in training alone)."""
     if name == "split_decode":
         return cfg.fused_decode
     if name == "decode_mlp":
-        return cfg.mlp == "relu2" and not cfg.fp8
+        return cfg.mlp == "relu2"
     if name == "fused_swiglu":
         return cfg.mlp == "swiglu"
     if name == "fused_relu2":
@@ -514,22 +514,42 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 
 # --- FP8 matmuls --------------------------------------------------------------------------
 # Hopper's tensor cores multiply FP8 at twice the BF16 rate. Each operand is scaled so its largest
-# magnitude lands at the top of the FP8 range (one scale per tensor, from its current absolute
-# maximum), cast, multiplied with torch._scaled_mm, and the product unscaled. Activations and
-# weights use e4m3 (more mantissa), gradients e5m2 (more range), as in NVIDIA's Transformer
-# Engine recipe. Master weights, optimizer state and everything outside the block matmuls stay
-# as they were.
+# magnitude lands at the top of the FP8 range, cast, multiplied with torch._scaled_mm, and the product
+# unscaled. Master weights, optimizer state and everything outside these matmuls stay as they were.
+#
+# The block matmuls (fp8, training only) run two of their three products in FP8: the forward and the input
+# gradient, whose operands are both contiguous along the inner side as they lie (the weight's transpose is
+# a copy of a small matrix). The weight gradient multiplies over the tokens, which Hopper's FP8 matmul wants
+# contiguous in both operands: two transposed copies of (tokens, width) tensors, which cost about what FP8
+# saves there, so it stays in bf16. Every operand, gradients included, is e4m3 with one scale a row (a
+# token's, or a weight's output unit), so the kernel that writes a row can find its maximum and cast it in
+# the same pass; whole-tensor scales needed a reduction over the tensor first, and the block matmuls that
+# ran all three products so measured 3% slower than bf16 at 88m (docs/LOG.md, 2026-11-30).
 #
 # The output head (fp8_head) is the largest matmul of a small model, and its gradient the largest
-# tensor: (tokens, vocab), 2 GiB in bf16 for 32,768 tokens of a 32,768 vocabulary. Finding its
-# absolute maximum would read it once more, so the head scales it by a bound known in advance
-# instead, as modded-nanogpt's FP8 head does with its fixed grad_s: the gradient of a mean
-# cross-entropy over n tokens with respect to one logit, (softmax - one-hot) / n (a soft-cap's slope
-# is at most 1), lies within 1/n. Its x and w are small enough to scale from their maxima as above.
-# fp8_linear's head runs its forward and input gradient in FP8 and its weight gradient in the output dtype;
-# the head with the loss kernel (FP8HeadCrossEntropy) runs its weight gradient in FP8 too (FP8_HEAD_WEIGHT_GRAD).
+# tensor: (tokens, vocab), 2 GiB in bf16 for 32,768 tokens of a 32,768 vocabulary. It scales x and w
+# by their whole maxima (e4m3) and its gradient by a bound known in advance (e5m2), as modded-nanogpt's FP8
+# head does with its fixed grad_s: the gradient of a mean cross-entropy over n tokens with respect to one
+# logit, (softmax - one-hot) / n (a soft-cap's slope is at most 1), lies within 1/n, so it is never read
+# for its maximum. fp8_linear's head runs its forward and input gradient in FP8 and its weight gradient in
+# the output dtype; the head with the loss kernel (FP8HeadCrossEntropy) runs its weight gradient in FP8 too
+# (FP8_HEAD_WEIGHT_GRAD).
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def to_fp8_rows(t):
+    """(t (N, K) in e4m3, each row scaled so its largest magnitude is e4m3's largest value, the (N, 1)
+    float32 inverse scales). onegpu_kernels.relu2_fp8 and relu2_fp8_backward cast their rows so too."""
+    top = torch.finfo(E4M3).max
+    amax = t.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    return (t.float() * (top / amax)).clamp(-top, top).to(E4M3), amax / top
+
+
+def rows_matmul(a, b):
+    """a @ b.T for a (N, K) and b (O, K) given as to_fp8_rows casts (a8, sa), (b8, sb): (N, O) in bf16."""
+    (a8, sa), (b8, sb) = a, b
+    return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
 
 
 def to_fp8(t, dtype):
@@ -568,39 +588,55 @@ def fp8_matmul(x, weight, out_dtype):
 
 
 class FP8Matmul(torch.autograd.Function):
+    """The FP8 head's matmul (fp8_linear with a grad_bound): forward and input gradient in FP8, the
+    gradient scaled by grad_bound; the weight gradient in the output dtype."""
+
     @staticmethod
-    def forward(ctx, x, weight, out_dtype, grad_bound=None):
+    def forward(ctx, x, weight, out_dtype, grad_bound):
         y, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype)
-        # The head (a known grad_bound) keeps x in the output dtype for its weight gradient (see backward).
-        head = grad_bound is not None
-        ctx.save_for_backward(x.to(out_dtype) if head else x8, sx, w8, sw)
+        ctx.save_for_backward(x.to(out_dtype), sw, w8)
         ctx.dtypes, ctx.grad_bound = (x.dtype, weight.dtype), grad_bound
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        x_saved, sx, w8, sw = ctx.saved_tensors
+        x_saved, sw, w8 = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        # grad: (N, d_out), scaled by its maximum or by a bound the caller knows (the head's)
-        g8, sg = to_fp8(grad, E5M2) if ctx.grad_bound is None else to_fp8_within(grad, E5M2, ctx.grad_bound)
+        g8, sg = to_fp8_within(grad, E5M2, ctx.grad_bound)  # grad: (N, vocab)
         grad_x = torch._scaled_mm(g8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
-        if ctx.grad_bound is not None:
-            # The head's weight gradient multiplies over the tokens, and Hopper's FP8 matmul wants that
-            # axis contiguous in both operands: the (tokens, vocab) gradient transposed, a copy of the
-            # largest tensor, which Inductor fused into the loss kernel at three times its time (one H200,
-            # docs/LOG.md). In the output dtype the gradient is read as it lies.
-            return grad_x, (grad.t() @ x_saved).to(w_dtype), None, None
-        grad_w = torch._scaled_mm(g8.t().contiguous(), col_major(x_saved), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
-        return grad_x, grad_w, None, None
+        # The weight gradient multiplies over the tokens, and Hopper's FP8 matmul wants that axis contiguous
+        # in both operands: the (tokens, vocab) gradient transposed, a copy of the largest tensor, which
+        # Inductor fused into the loss kernel at three times its time (one H200, docs/LOG.md). In the output
+        # dtype the gradient is read as it lies.
+        return grad_x, (grad.t() @ x_saved).to(w_dtype), None, None
+
+
+class FP8Rows(torch.autograd.Function):
+    """x @ weight.T for the block matmuls (fp8): forward and input gradient in FP8 (to_fp8_rows), the weight
+    gradient in bf16. x: (N, d_in) bf16; weight: (d_out, d_in), the master weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return rows_matmul(to_fp8_rows(x), to_fp8_rows(weight))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        grad_x = rows_matmul(to_fp8_rows(grad), to_fp8_rows(weight.t().contiguous()))
+        return grad_x, (grad.t() @ x).to(weight.dtype)
 
 
 def fp8_linear(x, weight, grad_bound: float | None = None):
-    """F.linear(x, weight) with FP8 operands. x: (..., d_in); weight: (d_out, d_in). The output
-    has autocast's dtype inside autocast, x's dtype outside it. grad_bound: where the output's
-    gradient is known to lie within +-grad_bound (None: scaled by its maximum)."""
+    """F.linear(x, weight) with FP8 operands. x: (..., d_in); weight: (d_out, d_in). grad_bound: where the
+    output's gradient is known to lie within +-grad_bound (the head: FP8Matmul, the output in autocast's
+    dtype inside autocast, x's outside it); None: a block matmul (FP8Rows, the output in bf16)."""
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, dtype, grad_bound)
+        flat = x.reshape(-1, x.shape[-1])
+        y = FP8Rows.apply(flat.to(torch.bfloat16), weight) if grad_bound is None else \
+            FP8Matmul.apply(flat, weight, dtype, grad_bound)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -669,16 +705,19 @@ def linear(x, weight, small: bool = False, relu2: bool = False):
 
 
 class Linear(nn.Linear):
-    """A bias-free nn.Linear whose matmul runs in FP8 when fp8 is set (ModelConfig.fp8); the plain
-    F.linear is the reference it is tested against. Same parameters either way, so checkpoints
-    move freely between the two. small: see linear (set by Llama.setup_cache)."""
+    """A bias-free nn.Linear whose matmul runs in FP8 in training when fp8 is set (ModelConfig.fp8:
+    fp8_linear); the plain F.linear is the reference it is tested against, and what evaluation and
+    generation run. Same parameters either way, so checkpoints move freely between the two. small: see
+    linear (set by Llama.setup_cache)."""
 
     def __init__(self, d_in: int, d_out: int, fp8: bool = False):
         super().__init__(d_in, d_out, bias=False)
         self.fp8, self.small = fp8, False
 
     def forward(self, x):
-        return fp8_linear(x, self.weight) if self.fp8 else linear(x, self.weight, self.small)
+        if self.fp8 and torch.is_grad_enabled():
+            return fp8_linear(x, self.weight)
+        return linear(x, self.weight, self.small)
 
 
 @dataclass
@@ -884,7 +923,7 @@ class ReLU2(nn.Module):
     to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. Compiled, the square
     is one elementwise kernel after the up-projection; with fused_relu2 (training, CUDA, not with fp8)
     it runs in the up-projection's epilogue instead (FusedReLU2MLP), tested against the plain line below;
-    with decode_mlp (generation, CUDA) a decode step's MLP is one kernel (onegpu_kernels.decode_mlp)."""
+    with fp8 (training) the MLP is FP8ReLU2MLP, the activation cast to FP8 as it is computed; with decode_mlp (generation, CUDA) a decode step's MLP is one kernel (onegpu_kernels.decode_mlp)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -897,10 +936,12 @@ class ReLU2(nn.Module):
     def forward(self, x):
         if self.fused and torch.is_grad_enabled() and K.runs_on(x):
             return fused_relu2_mlp(x, self.w1.weight, self.w2.weight)
+        if self.w1.fp8 and torch.is_grad_enabled():
+            return fp8_relu2_mlp(x, self.w1.weight, self.w2.weight)
         if self.decode and not torch.is_grad_enabled() and K.decode_mlp_supported(x, self.w1.weight, self.w2.weight):
             # (P, B, T, d) float32 partial sums, one per 32 hidden units: their sum is the MLP's output
             return K.decode_mlp(x, self.w1.weight, self.w2.weight, self.pdl).sum(0).to(x.dtype)
-        if self.w1.small and not self.w1.fp8:  # decoding with decode_matmuls: the square in the matmul's epilogue
+        if self.w1.small:  # decoding with decode_matmuls: the square in the matmul's epilogue
             return self.w2(linear(x, self.w1.weight, small=True, relu2=True))
         return self.w2(F.relu(self.w1(x)).square())
 
@@ -935,6 +976,54 @@ def fused_relu2_mlp(x, w1, w2):
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         y = FusedReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w1, w2, dtype)
+    return y.view(*x.shape[:-1], w2.shape[0])
+
+
+def relu2_fp8(u):
+    """relu(u)^2 in u's dtype, then to_fp8_rows: (a8, inverse scales). u: (N, hidden). Where K.runs_on(u),
+    onegpu_kernels.relu2_fp8 (one pass), tested against these lines."""
+    if K.runs_on(u) and u.is_contiguous():
+        return K.relu2_fp8(u)
+    return to_fp8_rows(F.relu(u).square())
+
+
+def relu2_fp8_backward(dh, u):
+    """(relu(u)^2, du = dh 2 relu(u) in u's dtype, du's to_fp8_rows cast and inverse scales). Where K.runs_on(u),
+    onegpu_kernels.relu2_fp8_backward (one pass), tested against these lines."""
+    if K.runs_on(u) and u.is_contiguous() and dh.is_contiguous():
+        return K.relu2_fp8_backward(dh, u)
+    r = F.relu(u.float())
+    du = (dh.float() * 2 * r).to(u.dtype)
+    return r.square().to(u.dtype), du, *to_fp8_rows(du)
+
+
+class FP8ReLU2MLP(torch.autograd.Function):
+    """relu(x W1^T)^2 W2^T with fp8 (FP8Rows's matmuls): both matmuls' forward and input gradients in FP8, the
+    activation cast to e4m3 as it is computed and its derivative as it is computed (relu2_fp8 and its
+    backward), the weight gradients in bf16. It keeps x and the up-projection's output u, not the activation:
+    the backward's pass over u writes it again for the down-projection's weight gradient, so a (tokens,
+    hidden) tensor less stays in memory a layer. x: (N, d) bf16; w1: (hidden, d); w2: (d, hidden)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2):
+        u = rows_matmul(to_fp8_rows(x), to_fp8_rows(w1))  # (N, hidden)
+        ctx.save_for_backward(x, u, w1, w2)
+        return rows_matmul(relu2_fp8(u), to_fp8_rows(w2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, u, w1, w2 = ctx.saved_tensors
+        grad = grad.to(u.dtype)  # (N, d)
+        dh = rows_matmul(to_fp8_rows(grad), to_fp8_rows(w2.t().contiguous()))  # (N, hidden)
+        a, du, du8, s_du = relu2_fp8_backward(dh, u)
+        grad_x = rows_matmul((du8, s_du), to_fp8_rows(w1.t().contiguous()))
+        return grad_x, (du.t() @ x).to(w1.dtype), (grad.t() @ a).to(w2.dtype)
+
+
+def fp8_relu2_mlp(x, w1, w2):
+    """ReLU2's training forward through FP8ReLU2MLP, its output in bf16. x: (..., d)."""
+    with torch.autocast(x.device.type, enabled=False):
+        y = FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w1, w2)
     return y.view(*x.shape[:-1], w2.shape[0])
 
 

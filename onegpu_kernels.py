@@ -658,6 +658,85 @@ if AVAILABLE:
         return a.new_empty(a.shape[0], b.shape[1])
 
 
+    # The ReLU² MLP with its matmuls in FP8 (model.FP8ReLU2MLP): each matmul's row-major operand is cast to
+    # e4m3 with one scale a row, the row's largest magnitude mapped to e4m3's largest value, so the kernel that
+    # writes a row finds its maximum and casts it in one read. Compiled, Inductor split these rows of 3,072
+    # into a pass for the maximum and a pass for the cast, each reading the row from memory: the activation
+    # took 0.80 ms and its derivative 1.08 at 88m's 131,072 tokens on an H200, where the bf16 MLP's took 0.38
+    # and 0.55 (docs/LOG.md, 2026-12-04). One program a row, the whole row in registers.
+    @triton.jit
+    def _row_to_e4m3(v, keep, out_ptr, scale_ptr, row, cols, top):
+        """Store the row v (float32, zero where not keep) in e4m3 at out_ptr, scaled so its largest
+        magnitude is top, and the inverse scale at scale_ptr[row]."""
+        amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12)
+        v8 = tl.minimum(tl.maximum(v * (top / amax), -top), top)
+        tl.store(out_ptr + cols, v8.to(out_ptr.dtype.element_ty), mask=keep)
+        tl.store(scale_ptr + row, amax / top)
+
+    @triton.jit
+    def _relu2_fp8_kernel(u_ptr, a8_ptr, scale_ptr, hidden, top, BLOCK: tl.constexpr):
+        """a = relu(u)^2 for one row of u (N, hidden), rounded to u's dtype, then to e4m3 as _row_to_e4m3."""
+        row, cols = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK)
+        keep = cols < hidden
+        u = tl.load(u_ptr + row * hidden + cols, mask=keep, other=0.0).to(tl.float32)
+        r = tl.maximum(u, 0.0)
+        a = (r * r).to(u_ptr.dtype.element_ty).to(tl.float32)
+        _row_to_e4m3(a, keep, a8_ptr + row * hidden, scale_ptr, row, cols, top)
+
+    @triton.jit
+    def _relu2_fp8_backward_kernel(dh_ptr, u_ptr, a_ptr, du_ptr, du8_ptr, scale_ptr, hidden, top,
+                                   BLOCK: tl.constexpr):
+        """For one row: a = relu(u)^2 again (the down-projection's weight gradient reads it), du = dh 2 relu(u)
+        in u's dtype, and du in e4m3 as _row_to_e4m3."""
+        row, cols = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK)
+        keep = cols < hidden
+        at = row * hidden + cols
+        u = tl.load(u_ptr + at, mask=keep, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + at, mask=keep, other=0.0).to(tl.float32)
+        r = tl.maximum(u, 0.0)
+        tl.store(a_ptr + at, (r * r).to(a_ptr.dtype.element_ty), mask=keep)
+        du = (dh * 2.0 * r).to(du_ptr.dtype.element_ty)
+        tl.store(du_ptr + at, du, mask=keep)
+        _row_to_e4m3(du.to(tl.float32), keep, du8_ptr + row * hidden, scale_ptr, row, cols, top)
+
+    def _rows_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for t (N, hidden) in e4m3 and its (N, 1) float32 inverse scales."""
+        return (torch.empty(t.shape, device=t.device, dtype=torch.float8_e4m3fn),
+                torch.empty(t.shape[0], 1, device=t.device, dtype=torch.float32))
+
+    def _row_launch(t: torch.Tensor) -> dict:
+        """One program a row: the row rounded up to a power of two, a warp per 512 of it (at most 16)."""
+        block = triton.next_power_of_2(t.shape[1])
+        return dict(hidden=t.shape[1], top=torch.finfo(torch.float8_e4m3fn).max, BLOCK=block,
+                    num_warps=min(16, max(1, block // 512)))
+
+    @torch.library.custom_op("onegpu::relu2_fp8", mutates_args=())
+    def relu2_fp8(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """relu(u)^2 for the up-projection's output u (N, hidden), contiguous, in e4m3 with one scale a row:
+        (a8 (N, hidden), its inverse scales (N, 1) float32), as model.to_fp8_rows of the activation in u's dtype."""
+        a8, scale = _rows_fp8(u)
+        _relu2_fp8_kernel[(u.shape[0],)](u, a8, scale, **_row_launch(u))
+        return a8, scale
+
+    @relu2_fp8.register_fake
+    def _(u):
+        return _rows_fp8(u)
+
+    @torch.library.custom_op("onegpu::relu2_fp8_backward", mutates_args=())
+    def relu2_fp8_backward(dh: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+        """Given u (N, hidden) and the activation's gradient dh, both contiguous: (relu(u)^2, du, du in e4m3,
+        its (N, 1) inverse scales), du = dh 2 relu(u) in u's dtype."""
+        du8, scale = _rows_fp8(u)
+        a, du = torch.empty_like(u), torch.empty_like(u)
+        _relu2_fp8_backward_kernel[(u.shape[0],)](dh, u, a, du, du8, scale, **_row_launch(u))
+        return a, du, du8, scale
+
+    @relu2_fp8_backward.register_fake
+    def _(dh, u):
+        return torch.empty_like(u), torch.empty_like(u), *_rows_fp8(u)
+
+
     # QK-norm and RoPE between the QKV projection and attention, backward (model.QKNormRope: the forward is
     # the plain lines, which Inductor fuses into one kernel that ran 0.95 ms a layer at 88m on an H200, where a
     # forward kernel of ours took 1.28; docs/LOG.md 2026-12-04). Compiled, the backward took three kernels

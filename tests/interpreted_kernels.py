@@ -359,6 +359,34 @@ def relu2_check():
         assert ((fused_t.float() - plain_t.float()).norm() / plain_t.float().norm()) < 5e-3
 
 
+def relu2_fp8_check():
+    """The FP8 ReLU² MLP's two row kernels against the lines of model.relu2_fp8 and relu2_fp8_backward's plain
+    twins, float16, rows of 200 (not a power of two) and a row whose activation is all zero."""
+    g = torch.Generator().manual_seed(4)
+    u = torch.randn(150, 200, generator=g).half()
+    u[3] = -1.0  # relu(u)^2 = 0: its scale must stay finite
+    dh = torch.randn(150, 200, generator=g).half()
+
+    def same_fp8(got, want):  # the same e4m3 casts, as values and as inverse scales
+        (g8, gs), (w8, ws) = got, want
+        assert g8.dtype == w8.dtype == M.E4M3 and gs.shape == ws.shape == (150, 1)
+        assert torch.allclose(gs, ws, rtol=1e-6, atol=0) and torch.isfinite(gs).all()
+        # The interpreter's cast to e4m3 is not the GPU's: it may land one step off (20 for 22, 0 for the
+        # smallest subnormal, 2^-9), and halves a value whose rounding carries into the next power of two (31.35
+        # to 16, not 32). tests/test_gpu.py holds the GPU's casts to torch's.
+        got, want = g8.float(), w8.float()
+        step = (got - want).abs() <= torch.maximum(want.abs() / 8, torch.tensor(2.0 ** -9))
+        power = (want != 0) & (want.abs() == 2.0 ** torch.log2(want.abs().clamp(min=2.0 ** -9)).round())
+        assert (step | (power & (got == want / 2))).all() and (got != want).float().mean() < 0.05
+
+    same_fp8(K.relu2_fp8(u), M.to_fp8_rows(torch.relu(u).square()))
+    a, du, du8, s = K.relu2_fp8_backward(dh, u)
+    r = torch.relu(u.float())
+    want_du = (dh.float() * 2 * r).half()
+    assert torch.equal(a, r.square().half()) and torch.equal(du, want_du)
+    same_fp8((du8, s), M.to_fp8_rows(want_du))
+
+
 def gram_check():
     """onegpu_kernels.gram against float32 matmuls (x x^T, and b G + c G G), on sides the tiles do not divide and on
     a transposed view; then Muon's step with the kernel against Muon without, float16, and that it ran."""

@@ -245,10 +245,30 @@ def test_the_decode_mlp_matches_the_plain_mlp_in_bf16():
         assert rel(K.decode_mlp(x, w1, w2).sum(0), exact) < 1e-2, rows
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fp8_block_matmuls_stay_close_to_bf16(compiled):
-    out = loss_and_grads(compiled, seed=3, fp8=True)
+def test_fp8_block_matmuls_stay_close_to_bf16(compiled, mlp):
+    """FP8Rows in every block matmul, and FP8ReLU2MLP with its row kernels for the ReLU² MLP."""
+    out = loss_and_grads(compiled, seed=3, base=dict(mlp=mlp), fp8=True)
     assert_close(out, 1e-2, 0.15)
+
+
+def test_the_fp8_relu2_row_kernels_cast_as_torch_does():
+    """onegpu_kernels.relu2_fp8 and relu2_fp8_backward against model.to_fp8_rows of the same rows in bf16,
+    at 88m's hidden width: the same e4m3 bytes and scales (Triton's interpreter casts differently)."""
+    g = torch.Generator("cuda").manual_seed(11)
+    u = torch.randn(4096, 3072, device="cuda", generator=g).bfloat16()
+    u[7] = -1.0  # an all-zero activation row
+    dh = torch.randn(4096, 3072, device="cuda", generator=g).bfloat16()
+    a8, s = K.relu2_fp8(u)
+    want8, want_s = M.to_fp8_rows(torch.relu(u).square())
+    assert torch.equal(s, want_s) and torch.equal(a8.view(torch.uint8), want8.view(torch.uint8))
+    a, du, du8, s = K.relu2_fp8_backward(dh, u)
+    r = torch.relu(u.float())
+    want_du = (dh.float() * 2 * r).bfloat16()
+    assert torch.equal(a, r.square().bfloat16()) and torch.equal(du, want_du)
+    want8, want_s = M.to_fp8_rows(want_du)
+    assert torch.allclose(s, want_s, rtol=1e-6, atol=0) and (du8.view(torch.uint8) != want8.view(torch.uint8)).float().mean() < 1e-4
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -19,8 +19,8 @@ import model as M
 ROOT = Path(__file__).resolve().parent.parent
 
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
-CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "gram_check", "swiglu_check", "fp8_head_loss_check",
-          "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
+CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "relu2_fp8_check", "gram_check", "swiglu_check",
+          "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
 SLOW_CHECKS = ("compiled_custom_ops_check",)  # each in a process of its own, in the slow tier
 RUNNING = []  # the process that runs CHECKS, once started
 
@@ -163,6 +163,11 @@ def test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward(interpre
 
 
 @needs_triton
+def test_the_fp8_relu2_row_kernels_match_the_plain_lines(interpreted):
+    run_under_interpreter(interpreted, "relu2_fp8_check")
+
+
+@needs_triton
 def test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step(interpreted):
     run_under_interpreter(interpreted, "gram_check")
 
@@ -176,7 +181,7 @@ def test_qk_norm_and_rope_with_the_backward_kernel_match_the_plain_lines(interpr
 # triton wheel) assembles it for Hopper (sm_90), with no GPU present. A kernel that only the interpreter
 # accepts (it checks no types, no register or shared-memory budget) fails here. Pointers are bf16 but
 # where named; the autotuned kernels build every tile they may pick.
-FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta", "row_grad"}
+FLOATS = {"scale", "eps", "cap", "fp8_scale", "fp8_max", "alpha", "beta", "row_grad", "top"}
 HOPPER_SHARED = 232_448  # bytes of shared memory one block may use on an H100 or H200
 BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_decode_step_kernel", dict(H=12, HKV=4, G=3, G_PAD=16, D=64, BLOCK=K.BLOCK_KEYS, QK_NORM=True, V_MIX=0,
@@ -202,6 +207,8 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=False),
      {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
+    ("_relu2_fp8_kernel", dict(BLOCK=4096), {"a8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
+    ("_relu2_fp8_backward_kernel", dict(BLOCK=4096), {"du8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     ("_qk_norm_rope_backward_kernel", dict(H=6, HKV=6, D=128, BLOCKS=K.QK_BLOCKS),
      {"qg_ptr": "*fp32", "kg_ptr": "*fp32", "dg_ptr": "*fp32"}),
     ("_qk_norm_rope_backward_kernel", dict(H=12, HKV=4, D=64, BLOCKS=K.QK_BLOCKS),
