@@ -13,7 +13,7 @@ configs/ choose what the recipe ladder measured fastest (docs/PERFORMANCE.md, ti
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
-`fp8` runs the block matmuls in FP8 in training, `bf16_residual` keeps the residual stream in bf16
+`fp8` runs the MLP's matmuls in FP8 in training, `bf16_residual` keeps the residual stream in bf16
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
 `fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE's backward, the training loss and a decoded
 token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
@@ -96,7 +96,7 @@ class ModelConfig:
     # config that does not name it, and a checkpoint from before it existed, runs the plain path; the
     # presets in configs/ turn on the ones measured to pay (docs/PERFORMANCE.md, training speed).
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
-    fp8: bool = False  # block matmuls' forward and input gradients in FP8 (e4m3, a scale a row), in training
+    fp8: bool = False  # the MLP's matmuls' forward and input gradients in FP8 (e4m3, a scale a row), in training
     fp8_head: bool = False  # the untied output head's training matmuls in FP8, its gradient at a fixed scale
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
     split_decode: bool = False  # with fused_decode, each head's cached positions over many programs (CUDA)
@@ -517,9 +517,9 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # magnitude lands at the top of the FP8 range, cast, multiplied with torch._scaled_mm, and the product
 # unscaled. Master weights, optimizer state and everything outside these matmuls stay as they were.
 #
-# The block matmuls (fp8, training only) run two of their three products in FP8: the forward and the input
-# gradient, whose operands are both contiguous along the inner side as they lie (the weight's transpose is
-# a copy of a small matrix). The weight gradient multiplies over the tokens, which Hopper's FP8 matmul wants
+# The MLP's matmuls (fp8, training only; the attention's too with FP8_ATTENTION) run two of their three
+# products in FP8: the forward and the input gradient, whose operands are both contiguous along the inner
+# side as they lie (the weight's transpose is a copy of a small matrix). The weight gradient multiplies over the tokens, which Hopper's FP8 matmul wants
 # contiguous in both operands: two transposed copies of (tokens, width) tensors, which cost about what FP8
 # saves there, so it stays in bf16. Every operand, gradients included, is e4m3 with one scale a row (a
 # token's, or a weight's output unit), so the kernel that writes a row can find its maximum and cast it in
@@ -536,6 +536,12 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # (FP8_HEAD_WEIGHT_GRAD).
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# The attention's two matmuls in FP8 too with fp8 (FP8Rows). Off: at 88m on an H200 the defaults with them ran
+# 290 ms a profile step, where their four FP8 products save about 0.55 ms a layer pass and the casts Inductor
+# writes for them cost more: the (tokens, 2,304) QKV gradient is cast in two passes over memory (a maximum,
+# then the cast), 10.7 ms a step (`python bench.py --profile --preset 88m --fp8-head --loss-kernel
+# --bf16-residual --fp8`, docs/LOG.md, 2026-12-04).
+FP8_ATTENTION = False
 
 
 def to_fp8_rows(t):
@@ -806,8 +812,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
-        self.wqkv = Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, cfg.fp8)
-        self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8)
+        self.wqkv = Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, cfg.fp8 and FP8_ATTENTION)
+        self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8 and FP8_ATTENTION)
         # QK-norm: one RMSNorm gain of head_dim shared by all query heads, one by all key heads (Qwen3's
         # q_norm and k_norm; ones without norm_gains). It bounds the attention logits, which is what lets
         # Muon's larger steps stay stable.
