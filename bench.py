@@ -2,7 +2,7 @@
 
     python bench.py --ladder                 # FP32 -> TF32 -> BF16 -> compile -> micro-batch -> fused
                                              #   AdamW -> pinned -> each fast path the preset can run ->
-                                             #   coordinate descent -> max-autotune -> FP8 block matmuls
+                                             #   coordinate descent -> max-autotune
     python bench.py --kernels                # defaults, all kernels stacked, each alone: against compiled BF16
     python bench.py --kernels --repeats 3    # each rung 3 times in turn: the median run and the spread
     python bench.py --ladder --preset 22m    # any preset in configs/
@@ -78,29 +78,22 @@ def ladder_rungs(preset: str, micro_batch: int, steps: int, base: dict | None = 
 
 COMPILE_TUNING = {"+coordinate descent": {"train__compile_mode": "coordinate-descent"},
                   "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
-# FP8 block matmuls come after compile tuning in the ladder: they measured slower at every preset
-# (docs/LOG.md, "The new rungs on three presets"), so the rungs before them stay free of them.
-LAST_FAST_PATHS = ("fp8",)
-
-
-def fast_paths(preset: str, last: bool = False) -> dict:
+def fast_paths(preset: str) -> dict:
     """"+label" -> the setting, for each training fast path of model.TRAINING_FAST_PATHS that the
     preset's model can run (model.fast_path_applies), then Muon's kernel where the preset runs Muon: the
-    ladder's and the kernels study's rungs. last: the ones the ladder adds after compile tuning instead
-    (LAST_FAST_PATHS)."""
+    ladder's and the kernels study's rungs."""
     cfg = C.preset(preset)
-    model = {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{s}": True} for s in M.runnable_fast_paths(cfg.model)
-             if (s in LAST_FAST_PATHS) == last}
-    optimizer = {f"+{name}": {f"train__{s}": True} for s, name in O.FAST_PATHS.items()} if cfg.train.muon and not last else {}
+    model = {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{s}": True} for s in M.runnable_fast_paths(cfg.model)}
+    optimizer = {f"+{name}": {f"train__{s}": True} for s, name in O.FAST_PATHS.items()} if cfg.train.muon else {}
     return {**model, **optimizer}
 
 
 def ladder_tail(preset: str, micro_batch: int, steps: int, base: dict | None = None) -> list[ME.Rung]:
     """After the best micro-batch is found: fused AdamW, pinned copies, the fast paths the preset can
-    run (fast_paths), compile tuning (coordinate descent, then max-autotune, which includes it), FP8
-    block matmuls; each rung keeps the settings of the ones before it."""
+    run (fast_paths), compile tuning (coordinate descent, then max-autotune, which includes it); each
+    rung keeps the settings of the ones before it."""
     settings = [("+fused AdamW", {"train__optimizer": "fused"}), ("+pinned memory", {"train__pin": True}),
-                *fast_paths(preset).items(), *COMPILE_TUNING.items(), *fast_paths(preset, last=True).items()]
+                *fast_paths(preset).items(), *COMPILE_TUNING.items()]
     return [ME.Rung(name, preset, overrides, steps) for name, overrides in
             stacked(preset, {**(base or {}), **FAST, "train__micro_batch": micro_batch}, settings)]
 

@@ -49,11 +49,11 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 # decode_matmuls are generation's): switch -> the name tables give it. fast_path_applies says which a
 # model can run. The fused loss has its own head and loss, so it excludes the FP8 head and the loss
 # kernel; bench's ladder takes the switches in this order and skips one that a switch before it excludes,
-# so it keeps those two, which the default presets (configs/recipes/record.toml) run.
+# so it keeps those two, which the default presets (configs/recipes/record.toml) run. FP8 matmuls and the
+# fused ReLU² exclude each other (each has its own MLP); FP8 comes first, as it measured faster at 88m.
 TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fused_loss": "fused loss",
-                       "fused_swiglu": "fused SwiGLU", "fused_relu2": "fused ReLU²",
-                       "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual",
-                       "fp8": "fp8 matmuls"}
+                       "fused_swiglu": "fused SwiGLU", "fp8": "fp8 matmuls", "fused_relu2": "fused ReLU²",
+                       "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual"}
 GENERATION_FAST_PATHS = {"fused_decode": "fused decode", "split_decode": "split decode",
                          "decode_matmuls": "decode matmuls", "decode_mlp": "decode MLP",
                          "decode_pdl": "dependent launches"}
@@ -536,11 +536,11 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # (FP8_HEAD_WEIGHT_GRAD).
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-# The attention's two matmuls in FP8 too with fp8 (FP8Rows). Off: at 88m on an H200 the defaults with them ran
-# 290 ms a profile step, where their four FP8 products save about 0.55 ms a layer pass and the casts Inductor
-# writes for them cost more: the (tokens, 2,304) QKV gradient is cast in two passes over memory (a maximum,
-# then the cast), 10.7 ms a step (`python bench.py --profile --preset 88m --fp8-head --loss-kernel
-# --bf16-residual --fp8`, docs/LOG.md, 2026-12-04).
+# The attention's two matmuls in FP8 too with fp8 (FP8Rows). Off: the 88m defaults with fp8 ran 907,429 tok/s
+# without them and 890,229 with them, one after the other on an H200 (docs/LOG.md, 2026-12-04). Their four FP8
+# products save about 0.55 ms a layer pass at 131,072 tokens, and the casts Inductor writes for them cost
+# more: the (tokens, 2,304) QKV gradient, for one, is cast in two passes over memory (its rows' maxima, then
+# the cast).
 FP8_ATTENTION = False
 
 

@@ -669,10 +669,9 @@ if AVAILABLE:
         """Store the row v (float32, zero where not keep) in e4m3 at out_ptr, scaled so its largest
         magnitude is top, and the inverse scale at scale_ptr[row]."""
         amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12)
-        # IEEE divisions, as torch's (Triton's "/" divides approximately, and the casts then differ)
-        v8 = tl.minimum(tl.maximum(v * tl.math.div_rn(top, amax), -top), top)
+        v8 = tl.minimum(tl.maximum(v * (top / amax), -top), top)
         tl.store(out_ptr + cols, v8.to(out_ptr.dtype.element_ty), mask=keep)
-        tl.store(scale_ptr + row, tl.math.div_rn(amax, top))
+        tl.store(scale_ptr + row, amax / top)
 
     @triton.jit
     def _relu2_fp8_kernel(u_ptr, a8_ptr, scale_ptr, hidden, top, BLOCK: tl.constexpr):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
 CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "relu2_fp8_check", "gram_check", "swiglu_check",
           "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
-SLOW_CHECKS = ("compiled_custom_ops_check",)  # each in a process of its own, in the slow tier
+SLOW_CHECKS = ("compiled_custom_ops_check", "compiled_fp8_mlp_check")  # each in a process of its own, in the slow tier
 RUNNING = []  # the process that runs CHECKS, once started
 
 
@@ -252,13 +252,14 @@ def build_for_hopper(name: str, constexprs: dict, pointers: dict, ptx: bool = Fa
 
 @pytest.mark.slow
 @needs_triton
-def test_the_custom_op_fast_paths_compile_as_they_run_eager():
-    """tests/interpreted_kernels.py's compiled_custom_ops_check, in an interpreter process of its own (an
-    Inductor compile for the CPU: the slow tier's, not the suite's)."""
-    done = subprocess.run([sys.executable, "-c", checks_code(SLOW_CHECKS)], env=interpreter_env(), cwd=ROOT,
+@pytest.mark.parametrize("check", SLOW_CHECKS)
+def test_the_custom_op_fast_paths_compile_as_they_run_eager(check):
+    """tests/interpreted_kernels.py's compiled checks, each in an interpreter process of its own (an Inductor
+    compile for the CPU: the slow tier's, not the suite's)."""
+    done = subprocess.run([sys.executable, "-c", checks_code((check,))], env=interpreter_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    run_under_interpreter(json.loads(done.stdout.strip().splitlines()[-1]), "compiled_custom_ops_check")
+    run_under_interpreter(json.loads(done.stdout.strip().splitlines()[-1]), check)
 
 
 @pytest.mark.slow
