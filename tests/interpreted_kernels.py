@@ -508,54 +508,41 @@ def decode_mlp_check():
     assert (again - logits[1]).abs().max() < 1e-3
 
 
+def compiled_against_eager(cfg: "M.ModelConfig", ops: tuple[str, ...], rel: float):
+    """cfg's model in training, compiled by Inductor for the CPU, against the same model eager, with an incoming
+    gradient of 1/4, as under gradient accumulation: the loss and every gradient within rel of the eager one's
+    largest magnitude. Each of ops (onegpu_kernels' custom ops) must have run in the eager pass; counted eagerly
+    only, since a counting wrapper's side effect inside an autograd.Function stops Dynamo."""
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = M.Llama(cfg).train()
+        with contextlib.ExitStack() as stack:
+            calls = [stack.enter_context(counted(K, op)) for op in ([] if compiled else ops)]
+            loss = (torch.compile(model) if compiled else model)(idx, idx)
+            (loss / 4).backward()
+        assert all(calls), dict(zip(ops, calls))
+        runs.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for got, want in zip(*runs):
+        assert (got - want).abs().max() <= rel * want.abs().max() + 1e-8
+
+
 def compiled_custom_ops_check():
     """The training fast paths that are custom ops (the FP8 head with the loss and its gradient from one
-    launch, QK-norm + RoPE's backward taking the gradients of q, k and v apart), in a model compiled by
-    Inductor for the CPU against
-    the same model eager: their fake implementations and autograd registrations are what compiling
-    exercises, which the eager checks above do not. With an incoming gradient of 1/4, as under gradient
-    accumulation."""
+    launch, QK-norm + RoPE's backward taking the gradients of q, k and v apart), compiled against eager:
+    their fake implementations and autograd registrations are what compiling exercises, which the eager
+    checks above do not."""
     cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True,
                         value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8_head=True, loss_kernel=True,
                         fused_qk_norm_rope=True)
-    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
-    runs = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = M.Llama(cfg).train()
-        if compiled:
-            loss = torch.compile(model)(idx, idx)
-            (loss / 4).backward()
-        else:  # counted eager only: a counting wrapper's side effect inside an autograd.Function stops Dynamo
-            with counted(K, "qk_norm_rope_backward") as qk, counted(K, "cross_entropy_and_gradient") as ce:
-                loss = model(idx, idx)
-                (loss / 4).backward()
-            assert qk and ce, (qk, ce)  # both fast paths ran
-        runs.append([loss.detach()] + [p.grad for p in model.parameters()])
-    for got, want in zip(*runs):
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-8
+    compiled_against_eager(cfg, ("qk_norm_rope_backward", "cross_entropy_and_gradient"), 1e-5)
 
 
 def compiled_fp8_mlp_check():
-    """model.FP8ReLU2MLP with its two row kernels (custom ops) in a model compiled by Inductor for the CPU,
-    against the same model eager: compiling exercises the ops' fake implementations. Inductor fuses the
-    casts around them into other kernels, where a value is rounded to bf16 at other points than eagerly, and
-    e4m3's steps are 1/8: the two agree within a few percent, not to the last bit."""
+    """model.FP8ReLU2MLP with its two row kernels (custom ops) compiled against eager. Inductor fuses the casts
+    around them into other kernels, where a value is rounded to bf16 at other points than eagerly, and e4m3's
+    steps are 1/8: the two agree within a few percent, not to the last bit."""
     cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True,
                         mlp="relu2", ffn_hidden=128, tie_embeddings=False, fp8=True)
-    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
-    runs = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = M.Llama(cfg).train()
-        if compiled:
-            loss = torch.compile(model)(idx, idx)
-            (loss / 4).backward()
-        else:
-            with counted(K, "relu2_fp8") as forward, counted(K, "relu2_fp8_backward") as backward:
-                loss = model(idx, idx)
-                (loss / 4).backward()
-            assert forward and backward, (forward, backward)  # the row kernels ran
-        runs.append([loss.detach()] + [p.grad for p in model.parameters()])
-    for got, want in zip(*runs):
-        assert (got - want).abs().max() <= 0.06 * want.abs().max() + 1e-8
+    compiled_against_eager(cfg, ("relu2_fp8", "relu2_fp8_backward"), 0.06)
