@@ -237,8 +237,8 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
     head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
     fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
-    sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP (FP8 block
-    matmuls run in training alone)."""
+    sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP (FP8 matmuls
+    run in training alone)."""
     if name == "split_decode":
         return cfg.fused_decode
     if name == "decode_mlp":
@@ -519,12 +519,14 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 #
 # The MLP's matmuls (fp8, training only; the attention's too with FP8_ATTENTION) run two of their three
 # products in FP8: the forward and the input gradient, whose operands are both contiguous along the inner
-# side as they lie (the weight's transpose is a copy of a small matrix). The weight gradient multiplies over the tokens, which Hopper's FP8 matmul wants
-# contiguous in both operands: two transposed copies of (tokens, width) tensors, which cost about what FP8
-# saves there, so it stays in bf16. Every operand, gradients included, is e4m3 with one scale a row (a
-# token's, or a weight's output unit), so the kernel that writes a row can find its maximum and cast it in
-# the same pass; whole-tensor scales needed a reduction over the tensor first, and the block matmuls that
-# ran all three products so measured 3% slower than bf16 at 88m (docs/LOG.md, 2026-11-30).
+# side as they lie (the weight's transpose is a copy of a small matrix). The weight gradient multiplies over
+# the tokens, which Hopper's FP8 matmul wants contiguous in both operands: two transposed copies of (tokens,
+# width) tensors, which cost about what FP8 saves there, so it stays in bf16. Every operand, gradients
+# included, is e4m3 with one scale a row (a token's, or a weight's output unit), so the kernel that writes a
+# row can find its maximum and cast it in the same pass; whole-tensor scales needed a reduction over the
+# tensor first, and the block matmuls that ran all three products so measured 3% slower than bf16 at 88m
+# (docs/LOG.md, 2026-11-30). With the MLP's in FP8 the 88m defaults ran 1.8 to 3.6% faster on an H200
+# (docs/PERFORMANCE.md, "Training speed"); off in the presets until a longer run shows what it learns.
 #
 # The output head (fp8_head) is the largest matmul of a small model, and its gradient the largest
 # tensor: (tokens, vocab), 2 GiB in bf16 for 32,768 tokens of a 32,768 vocabulary. It scales x and w
@@ -618,8 +620,9 @@ class FP8Matmul(torch.autograd.Function):
 
 
 class FP8Rows(torch.autograd.Function):
-    """x @ weight.T for the block matmuls (fp8): forward and input gradient in FP8 (to_fp8_rows), the weight
-    gradient in bf16. x: (N, d_in) bf16; weight: (d_out, d_in), the master weight."""
+    """x @ weight.T for fp8's matmuls outside FP8ReLU2MLP (the SwiGLU MLP's; the attention's with FP8_ATTENTION):
+    forward and input gradient in FP8 (to_fp8_rows), the weight gradient in bf16. x: (N, d_in) bf16; weight:
+    (d_out, d_in), the master weight."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -929,7 +932,8 @@ class ReLU2(nn.Module):
     to SwiGLU's three, so at 1.5x the width it has the same parameters and FLOPs. Compiled, the square
     is one elementwise kernel after the up-projection; with fused_relu2 (training, CUDA, not with fp8)
     it runs in the up-projection's epilogue instead (FusedReLU2MLP), tested against the plain line below;
-    with fp8 (training) the MLP is FP8ReLU2MLP, the activation cast to FP8 as it is computed; with decode_mlp (generation, CUDA) a decode step's MLP is one kernel (onegpu_kernels.decode_mlp)."""
+    with fp8 (training) the MLP is FP8ReLU2MLP, the activation cast to FP8 as it is computed; with decode_mlp
+    (generation, CUDA) a decode step's MLP is one kernel (onegpu_kernels.decode_mlp)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

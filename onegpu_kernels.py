@@ -5,6 +5,7 @@ decode_step: one new token's attention in one Triton kernel (QK-norm, RoPE, the 
 write, attention, the gate), each head's positions split over many programs with split_decode.
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
+relu2_fp8: the FP8 ReLU² MLP's activation and its derivative, each cast to e4m3 a row at a time in one pass.
 small_matmul: the decode step's matmuls of one to sixteen rows, spread over many programs.
 decode_mlp: the ReLU² MLP of a decode step (both matmuls and the square) as one kernel of partial sums.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
@@ -663,7 +664,8 @@ if AVAILABLE:
     # writes a row finds its maximum and casts it in one read. Compiled, Inductor split these rows of 3,072
     # into a pass for the maximum and a pass for the cast, each reading the row from memory: the activation
     # took 0.80 ms and its derivative 1.08 at 88m's 131,072 tokens on an H200, where the bf16 MLP's took 0.38
-    # and 0.55 (docs/LOG.md, 2026-12-04). One program a row, the whole row in registers.
+    # and 0.55 (docs/LOG.md, 2026-12-04). One program a row, the whole row in registers: in the 88m profile
+    # these took 0.36 and 1.11 ms a pass (the derivative's 3.6 GB at 3.2 TB/s; docs/PERFORMANCE.md).
     @triton.jit
     def _row_to_e4m3(v, keep, out_ptr, scale_ptr, row, cols, top):
         """Store the row v (float32, zero where not keep) in e4m3 at out_ptr, scaled so its largest
