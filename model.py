@@ -554,6 +554,11 @@ def to_fp8_rows(t):
     return (t.float() * (top / amax)).clamp(-top, top).to(E4M3), amax / top
 
 
+def to_fp8_cols(weight):
+    """to_fp8_rows of weight (O, K) transposed: its K columns scaled each, for an input gradient's matmul."""
+    return to_fp8_rows(weight.t().contiguous())
+
+
 def rows_matmul(a, b):
     """a @ b.T for a (N, K) and b (O, K) given as to_fp8_rows casts (a8, sa), (b8, sb): (N, O) in bf16."""
     (a8, sa), (b8, sb) = a, b
@@ -633,7 +638,7 @@ class FP8Rows(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.to(x.dtype)
-        grad_x = rows_matmul(to_fp8_rows(grad), to_fp8_rows(weight.t().contiguous()))
+        grad_x = rows_matmul(to_fp8_rows(grad), to_fp8_cols(weight))
         return grad_x, (grad.t() @ x).to(weight.dtype)
 
 
@@ -989,22 +994,30 @@ def fused_relu2_mlp(x, w1, w2):
     return y.view(*x.shape[:-1], w2.shape[0])
 
 
-def relu2_fp8(u):
-    """relu(u)^2 in u's dtype, then to_fp8_rows: (a8, inverse scales). u: (N, hidden). Where K.runs_on(u),
-    onegpu_kernels.relu2_fp8 (one pass), tested against these lines."""
-    if K.runs_on(u) and u.is_contiguous():
-        return K.relu2_fp8(u)
+def relu2_fp8_plain(u):
+    """relu(u)^2 in u's dtype, then to_fp8_rows: (a8, inverse scales). u: (N, hidden). The plain twin of
+    onegpu_kernels.relu2_fp8, which the tests hold to it."""
     return to_fp8_rows(F.relu(u).square())
 
 
-def relu2_fp8_backward(dh, u):
-    """(relu(u)^2, du = dh 2 relu(u) in u's dtype, du's to_fp8_rows cast and inverse scales). Where K.runs_on(u),
-    onegpu_kernels.relu2_fp8_backward (one pass), tested against these lines."""
-    if K.runs_on(u) and u.is_contiguous() and dh.is_contiguous():
-        return K.relu2_fp8_backward(dh, u)
+def relu2_fp8_backward_plain(dh, u):
+    """(relu(u)^2, du = dh 2 relu(u) in u's dtype, du's to_fp8_rows cast and inverse scales). The plain twin of
+    onegpu_kernels.relu2_fp8_backward, which the tests hold to it."""
     r = F.relu(u.float())
     du = (dh.float() * 2 * r).to(u.dtype)
     return r.square().to(u.dtype), du, *to_fp8_rows(du)
+
+
+def relu2_fp8(u):
+    """relu2_fp8_plain, as one pass of onegpu_kernels.relu2_fp8 where K.runs_on(u)."""
+    return K.relu2_fp8(u) if K.runs_on(u) and u.is_contiguous() else relu2_fp8_plain(u)
+
+
+def relu2_fp8_backward(dh, u):
+    """relu2_fp8_backward_plain, as one pass of onegpu_kernels.relu2_fp8_backward where K.runs_on(u)."""
+    if K.runs_on(u) and u.is_contiguous() and dh.is_contiguous():
+        return K.relu2_fp8_backward(dh, u)
+    return relu2_fp8_backward_plain(dh, u)
 
 
 class FP8ReLU2MLP(torch.autograd.Function):
@@ -1024,9 +1037,9 @@ class FP8ReLU2MLP(torch.autograd.Function):
     def backward(ctx, grad):
         x, u, w1, w2 = ctx.saved_tensors
         grad = grad.to(u.dtype)  # (N, d)
-        dh = rows_matmul(to_fp8_rows(grad), to_fp8_rows(w2.t().contiguous()))  # (N, hidden)
+        dh = rows_matmul(to_fp8_rows(grad), to_fp8_cols(w2))  # (N, hidden)
         a, du, du8, s_du = relu2_fp8_backward(dh, u)
-        grad_x = rows_matmul((du8, s_du), to_fp8_rows(w1.t().contiguous()))
+        grad_x = rows_matmul((du8, s_du), to_fp8_cols(w1))
         return grad_x, (du.t() @ x).to(w1.dtype), (grad.t() @ a).to(w2.dtype)
 
 
