@@ -634,16 +634,16 @@ def test_every_preset_file_loads(name):
 
 
 # The fastest settings measured on an H200 (docs/PERFORMANCE.md, training speed): on by default,
-# and the slower ones (the fused loss, FP8, compile tuning) off. Each flag turns one part off.
+# and the slower ones (the fused loss, the fused ReLU², compile tuning) off. Each flag turns one part off.
 FASTEST = {"train.tf32": True, "train.bf16": True, "train.compile": True, "train.compile_mode": "default",
            "train.optimizer": "fused", "model.fused_swiglu": False, "model.bf16_residual": True,
-           "model.fused_loss": False, "model.fp8": False}
+           "model.fused_loss": False, "model.fp8": True, "model.fused_relu2": False}
 
 
 @pytest.mark.parametrize("flag, key, off", [
     (None, None, None), ("--no-tf32", "train.tf32", False), ("--no-bf16", "train.bf16", False),
     ("--no-compile", "train.compile", False), ("--no-fused", "train.optimizer", "foreach"),
-    ("--no-bf16-residual", "model.bf16_residual", False)])
+    ("--no-bf16-residual", "model.bf16_residual", False), ("--no-fp8", "model.fp8", False)])
 def test_88m_config_runs_the_fastest_measured_settings_and_each_flag_turns_one_off(flag, key, off):
     argv = ["--config", str(ROOT / "configs" / "88m.toml"), *([flag] if flag else [])]
     cfg, _ = TR.resolve_config(TR.build_parser().parse_args(argv))
