@@ -353,6 +353,13 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
     return loss_sum, grad_norm
 
 
+# Validation logits turned to float32 this many rows at a time: 8,192 x 32,768 is 1 GiB, and its log-softmax as
+# much again. Whole, a micro-batch of 16 x 8,192 at 88m took 16 GiB twice over on top of its bf16 logits, more than
+# its training step's peak (39.6 GiB): a second run on the same H200 ran out of memory in its first evaluation
+# (docs/LOG.md, 2026-12-04).
+EVAL_LOSS_ROWS = 8192
+
+
 @torch.no_grad()
 def evaluate(model, loader: D.ShardLoader, n_windows: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
              device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
@@ -371,8 +378,9 @@ def evaluate(model, loader: D.ShardLoader, n_windows: int, token_bytes: torch.Te
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
-            logits = model(x, **masks_for(batch, device, windows))
-        losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+            logits = model(x, **masks_for(batch, device, windows)).flatten(0, 1)
+        losses = torch.cat([torch.nn.functional.cross_entropy(rows.float(), targets, reduction="none") for rows, targets
+                            in zip(logits.split(EVAL_LOSS_ROWS), y.flatten().split(EVAL_LOSS_ROWS))])
         keep = loader.scored_targets(n_windows).flatten().to(losses.dtype)
         nats += (losses * keep).sum()
         n_tokens += keep.sum()

@@ -313,6 +313,15 @@ def test_bits_per_byte_are_the_summed_loss_in_bits_over_the_decoded_bytes(train_
     assert found["val_bpb"] == pytest.approx(found["val_loss"] * n_tokens / math.log(2) / n_bytes, rel=1e-6)
 
 
+def test_evaluation_scores_every_target_once_whatever_rows_its_loss_takes_at_a_time(train_config, monkeypatch):
+    r = TR.setup(train_config, **QUIET)
+    token_bytes = torch.ones(r.model.cfg.vocab_size)
+    whole = TR.evaluate(r.model, r.val_loader, 2 * r.val_loader.B, token_bytes, r.cfg.train, r.device)
+    monkeypatch.setattr(TR, "EVAL_LOSS_ROWS", 5)  # divides no batch's rows: the last part is short
+    assert TR.evaluate(r.model, r.val_loader, 2 * r.val_loader.B, token_bytes, r.cfg.train, r.device) == \
+        pytest.approx(whole, rel=1e-6)
+
+
 def test_one_muon_step_moves_a_block_matrix_by_muon_lr_over_its_width(train_config):
     """An orthogonalised update has singular values near one, so its RMS is about 1/sqrt(width): one
     step at muon_lr (here 100x AdamW's lr) moves a square block matrix by muon_lr/sqrt(d) RMS."""
