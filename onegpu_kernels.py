@@ -664,8 +664,9 @@ if AVAILABLE:
     # writes a row finds its maximum and casts it in one read. Compiled, Inductor split these rows of 3,072
     # into a pass for the maximum and a pass for the cast, each reading the row from memory: the activation
     # took 0.80 ms and its derivative 1.08 at 88m's 131,072 tokens on an H200, where the bf16 MLP's took 0.38
-    # and 0.55 (docs/LOG.md, 2026-12-04). One program a row, the whole row in registers: in the 88m profile
-    # these took 0.36 and 1.11 ms a pass (the derivative's 3.6 GB at 3.2 TB/s; docs/PERFORMANCE.md).
+    # and 0.55 (docs/LOG.md, 2026-12-04). One program a row, the whole row in registers: in the 88m profile,
+    # at 8 warps, these took 0.36 and 1.11 ms a pass (the derivative's 3.6 GB at 3.2 TB/s; docs/PERFORMANCE.md);
+    # ROW_WARPS below gives the warps they run at now.
     @triton.jit
     def _row_to_e4m3(v, keep, out_ptr, scale_ptr, row, cols, top):
         """Store the row v (float32, zero where not keep) in e4m3 at out_ptr, scaled so its largest
