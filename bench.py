@@ -351,8 +351,9 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     backward, the plain loss against the loss kernel, each compiled on CUDA, on bf16 logits and, for
     an untied head, behind the FP8 head (x of width d_model): apart (model.fp8_linear, then the loss),
     and as one function (model.fp8_head_cross_entropy, which the model runs where both are on, with its
-    weight gradient in bf16 and in FP8; its forward also writes the logits' gradient, so its forward_ms is
-    not comparable with the others')."""
+    weight gradient in bf16 and in FP8, the FP8 one's operand transposed by Inductor's copy and by
+    onegpu_kernels.transposed; its forward also writes the logits' gradient, so its forward_ms is not
+    comparable with the others')."""
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
     n, dtype = micro_batch * mcfg.context, torch.bfloat16 if cuda else torch.float32
@@ -379,8 +380,10 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
             ("FP8 head + loss kernel, apart", lambda x: M.cross_entropy(head(x), targets, cap, kernel=True)),
             ("FP8 head + loss kernel, one function, bf16 weight gradient",
              lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=False)),
-            ("FP8 head + loss kernel, one function, FP8 weight gradient",
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True)))]
+            ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by Inductor",
+             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=False)),
+            ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by our kernel",
+             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True)))]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     for name, fn, inp, cuda_only in cases:
         if cuda_only and not cuda:

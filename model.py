@@ -661,6 +661,16 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
 # 27.27 ms forward and backward against 30.38 on an H200 (`python bench.py --loss --preset 88m --micro-batch 16`,
 # docs/PERFORMANCE.md, "Training speed").
 FP8_HEAD_WEIGHT_GRAD = True
+# That transposed copy by onegpu_kernels.transposed, a tiled copy of bytes; False: Inductor's copy of
+# t.t().contiguous(), the reference, which moved 2.3 TB/s on an H200 (3.7 ms a micro-batch of 131,072 tokens at
+# 88m, docs/PERFORMANCE.md "Where the time goes").
+TRANSPOSE_KERNEL = True
+
+
+def transposed(t, kernel: bool = TRANSPOSE_KERNEL):
+    """t (R, C) transposed and contiguous, (C, R): by onegpu_kernels.transposed where kernel and it handles t
+    (one-byte elements where Triton runs), otherwise t.t().contiguous(), its plain twin."""
+    return K.transposed(t) if kernel and K.transposed_supported(t) else t.t().contiguous()
 
 
 class FP8HeadCrossEntropy(torch.autograd.Function):
@@ -673,7 +683,7 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     loss_kernel are both on."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad):
+    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad, transpose_kernel):
         logits, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype)  # x: (N, d); weight: (vocab, d)
         # Each logit's gradient of the mean loss lies within 1 / n, so e5m2 holds it scaled by top * n,
         # never read for its maximum (as FP8Matmul's head).
@@ -681,6 +691,7 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
         loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n, fp8_only=fp8_weight_grad)
         ctx.save_for_backward(x8 if fp8_weight_grad else x.to(out_dtype), sx, w8, sw, dz, dz8)
         ctx.scale, ctx.dtypes, ctx.fp8_weight_grad = top * n, (x.dtype, weight.dtype), fp8_weight_grad
+        ctx.transpose_kernel = transpose_kernel
         return loss.mean()
 
     @staticmethod
@@ -689,20 +700,22 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
         sg = grad.float() / ctx.scale  # dz8's inverse scale, times the incoming gradient
         grad_x = torch._scaled_mm(dz8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=ctx.dtypes[0])
         if ctx.fp8_weight_grad:  # dz8.T: (vocab, N) row-major; x8: (N, d) column-major
-            grad_w = torch._scaled_mm(dz8.t().contiguous(), col_major(x_saved), scale_a=sg, scale_b=sx,
-                                      out_dtype=ctx.dtypes[1])
+            grad_w = torch._scaled_mm(transposed(dz8, ctx.transpose_kernel), col_major(x_saved), scale_a=sg,
+                                      scale_b=sx, out_dtype=ctx.dtypes[1])
         else:
             grad_w = (dz.t() @ x_saved).to(ctx.dtypes[1]) * grad
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
-def fp8_head_cross_entropy(x, weight, targets, cap: float, fp8_weight_grad: bool = FP8_HEAD_WEIGHT_GRAD):
+def fp8_head_cross_entropy(x, weight, targets, cap: float, fp8_weight_grad: bool = FP8_HEAD_WEIGHT_GRAD,
+                           transpose_kernel: bool = TRANSPOSE_KERNEL):
     """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True), its gradient written in the
     forward (FP8HeadCrossEntropy): for training, where a backward follows. x: (N, d); weight: (vocab, d);
-    targets: (N,). fp8_weight_grad: the weight gradient's matmul in FP8 too. Where K.runs_on(x)."""
+    targets: (N,). fp8_weight_grad: the weight gradient's matmul in FP8 too, its operand transposed by
+    `transposed` (transpose_kernel: our kernel, or the plain copy). Where K.runs_on(x)."""
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad)
+        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad, transpose_kernel)
 
 
 def linear(x, weight, small: bool = False, relu2: bool = False):

@@ -6,6 +6,7 @@ write, attention, the gate), each head's positions split over many programs with
 swiglu: silu(gate) * up from the stacked w13 output, forward and backward, one pass each.
 relu2_matmul: the ReLU² MLP's up-projection with relu(h)^2 in its epilogue, so h is never stored.
 relu2_fp8: the FP8 ReLU² MLP's activation and its derivative, each cast to e4m3 a row at a time in one pass.
+transposed: a matrix of FP8 bytes transposed, the FP8 head's gradient for its weight gradient's matmul.
 small_matmul: the decode step's matmuls of one to sixteen rows, spread over many programs.
 decode_mlp: the ReLU² MLP of a decode step (both matmuls and the square) as one kernel of partial sums.
 cross_entropy: the soft-capped training loss, forward and backward, one pass over the logits each; the
@@ -94,6 +95,9 @@ DECODE_MLP_HIDDEN = 32
 DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2), (256, 256, 4, 3),
                     (512, 512, 8, 2), (1024, 1024, 8, 1))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
+# transposed's candidate tiles (rows, columns of the source, in bytes) and warps, autotuned once per shape; the
+# interpreter takes the first. 128 bytes is one cache line: the widest tiles read and write whole lines.
+TRANSPOSE_TILES = ((64, 64, 4), (128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 64, 4), (256, 128, 8))
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -745,6 +749,49 @@ if AVAILABLE:
     def _(dh, u):
         return torch.empty_like(u), torch.empty_like(u), *_rows_fp8(u)
 
+    # The FP8 head's e5m2 gradient transposed (model.FP8HeadCrossEntropy): the weight gradient's matmul wants the
+    # tokens contiguous, the loss kernel writes the vocabulary contiguous, so the (tokens, vocab) gradient, the
+    # largest tensor of a step, is copied once transposed: 4.3 GB read and 4.3 written for a micro-batch of
+    # 131,072 tokens and a 32,768 vocabulary. Inductor's compiled copy took 3.7 ms of it on an H200 (2.3 TB/s; the
+    # 88m profile, docs/PERFORMANCE.md "Where the time goes"), where the card's 4.8 TB/s would take 1.8. A tile
+    # transposed through shared memory a byte at a time moves 4 bytes a bank access at best; this kernel moves
+    # 32-bit words: it reads four source rows' words, transposes each 4 x 4 block of bytes inside them with
+    # shifts and masks, and transposes the words, so the shared memory between the two layouts moves whole
+    # words, and both global sides whole 16-byte vectors.
+    @triton.autotune([triton.Config({"ROWS": r, "COLS": c}, num_warps=w)
+                      for r, c, w in (TRANSPOSE_TILES[:1] if INTERPRET else TRANSPOSE_TILES)], key=["R4", "C4"])
+    @triton.jit
+    def _transpose_kernel(src_ptr, dst_ptr, R4, C4, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """dst (C, R) = src (R, C) transposed, both given as 32-bit words (R4 = R / 4 words a row of dst, C4 = C / 4
+        of src), for one ROWS x COLS tile of src's bytes."""
+        i = tl.program_id(0).to(tl.int64) * (ROWS // 4) + tl.arange(0, ROWS // 4)  # src rows 4i..4i+3: dst word i
+        j = tl.program_id(1).to(tl.int64) * (COLS // 4) + tl.arange(0, COLS // 4)  # src word j: dst rows 4j..4j+3
+        keep = (i[:, None] < R4) & (j[None, :] < C4)
+        rows = src_ptr + 4 * i[:, None] * C4 + j[None, :]
+        w0 = tl.load(rows, mask=keep, other=0).to(tl.uint32, bitcast=True)
+        w1 = tl.load(rows + C4, mask=keep, other=0).to(tl.uint32, bitcast=True)
+        w2 = tl.load(rows + 2 * C4, mask=keep, other=0).to(tl.uint32, bitcast=True)
+        w3 = tl.load(rows + 3 * C4, mask=keep, other=0).to(tl.uint32, bitcast=True)
+        for k in tl.static_range(4):  # byte k of src word j (column 4j + k) is dst row 4j + k; src row 4i + q its byte q
+            out = (((w0 >> (8 * k)) & 255) | (((w1 >> (8 * k)) & 255) << 8) | (((w2 >> (8 * k)) & 255) << 16)
+                   | (((w3 >> (8 * k)) & 255) << 24))
+            tl.store(dst_ptr + (4 * j[:, None] + k) * R4 + i[None, :], tl.trans(out.to(tl.int32, bitcast=True)),
+                     mask=tl.trans(keep))
+
+    @torch.library.custom_op("onegpu::transposed", mutates_args=())
+    def transposed(t: torch.Tensor) -> torch.Tensor:
+        """t (R, C) of one-byte elements (FP8), contiguous, R and C multiples of 4 (transposed_supported),
+        transposed: (C, R), contiguous; t.t().contiguous()."""
+        R, C = t.shape
+        out = t.new_empty(C, R)
+        grid = lambda meta: (triton.cdiv(R, meta["ROWS"]), triton.cdiv(C, meta["COLS"]))  # noqa: E731
+        _transpose_kernel[grid](t.view(torch.int32), out.view(torch.int32), R // 4, C // 4)
+        return out
+
+    @transposed.register_fake
+    def _(t):
+        return t.new_empty(t.shape[1], t.shape[0])
+
 
     # QK-norm and RoPE between the QKV projection and attention, backward (model.QKNormRope: the forward is
     # the plain lines, which Inductor fuses into one kernel that ran 0.95 ms a layer at 88m on an H200, where a
@@ -1099,6 +1146,14 @@ def qk_norm_rope_supported(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
     D = qkv.shape[-1]
     return (runs_on(qkv) and qkv.dim() == 4 and qkv.is_contiguous() and cos.is_contiguous()
             and D >= 16 and D & (D - 1) == 0)
+
+
+def transposed_supported(t: torch.Tensor) -> bool:
+    """Whether transposed handles t: where runs_on, a contiguous matrix of one-byte elements, both sides a
+    multiple of 4 (it moves 32-bit words), whose column tiles fit the grid's second axis (65,535 programs)."""
+    narrowest = min(cols for _, cols, _ in TRANSPOSE_TILES)
+    return (runs_on(t) and t.dim() == 2 and t.is_contiguous() and t.element_size() == 1
+            and t.shape[0] % 4 == 0 and t.shape[1] % 4 == 0 and -(-t.shape[1] // narrowest) <= 65_535)
 
 
 def gram_supported(x: torch.Tensor) -> bool:

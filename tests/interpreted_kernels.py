@@ -385,6 +385,34 @@ def relu2_fp8_check():
     same_fp8(cast, want_cast)
 
 
+def transposed_check():
+    """onegpu_kernels.transposed against t.t().contiguous(): the same bytes for e5m2 and e4m3 matrices whose sides
+    the tile (64 x 64 under the interpreter) does not divide, or exceeds; sides it cannot take go to the plain
+    copy; then the FP8 head's one function takes the same gradients with the kernel as with the plain copy, and
+    ran it."""
+    g = torch.Generator().manual_seed(7)
+    for shape, dtype in (((100, 300), torch.float8_e5m2), ((132, 64), torch.float8_e4m3fn), ((4, 72), torch.float8_e5m2)):
+        t = (torch.randn(shape, generator=g) * 100).to(dtype)
+        assert K.transposed_supported(t)
+        got = K.transposed(t)
+        assert got.dtype == dtype and got.shape == shape[::-1] and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), t.t().contiguous().view(torch.uint8))
+    odd = torch.randn(6, 70, generator=g).to(torch.float8_e5m2)  # sides not multiples of 4: the plain copy
+    assert not K.transposed_supported(odd) and torch.equal(M.transposed(odd).view(torch.uint8),
+                                                          odd.t().contiguous().view(torch.uint8))
+    n, d, vocab, cap = 16, 32, 300, 15.0
+    x0, w0 = torch.randn(n, d, generator=g).half(), (torch.randn(vocab, d, generator=g) * 0.5).half()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    grads = []
+    with counted(K, "transposed") as calls:
+        for kernel in (True, False):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=kernel).backward()
+            grads.append((x.grad, w.grad))
+    assert calls == [1]
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def gram_check():
     """onegpu_kernels.gram against float32 matmuls (x x^T, and b G + c G G), on sides the tiles do not divide and on
     a transposed view; then Muon's step with the kernel against Muon without, float16, and that it ran."""
@@ -460,7 +488,7 @@ def qk_norm_rope_check():
             model = M.Llama(M.replace(cfg, fused_qk_norm_rope=on)).train()
             for gain in (model.blocks[0].attn.q_norm.weight, model.blocks[0].attn.k_norm.weight):
                 torch.nn.init.uniform_(gain, 0.5, 1.5)  # off one, so that a gain gradient left out would show
-            idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+            idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
             loss = model(idx, idx)
             loss.backward()
             losses.append((loss.detach(), model.blocks[0].attn.q_norm.weight.grad))
@@ -511,7 +539,7 @@ def compiled_against_eager(cfg: "M.ModelConfig", ops: tuple[str, ...], rel: floa
     gradient of 1/4, as under gradient accumulation: the loss and every gradient within rel of the eager one's
     largest magnitude. Each of ops (onegpu_kernels' custom ops) must have run in the eager pass; counted eagerly
     only, since a counting wrapper's side effect inside an autograd.Function stops Dynamo."""
-    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
     runs = []
     for compiled in (False, True):
         torch.manual_seed(0)
@@ -528,13 +556,14 @@ def compiled_against_eager(cfg: "M.ModelConfig", ops: tuple[str, ...], rel: floa
 
 def compiled_custom_ops_check():
     """The training fast paths that are custom ops (the FP8 head with the loss and its gradient from one
-    launch, QK-norm + RoPE's backward taking the gradients of q, k and v apart), compiled against eager:
+    launch and its gradient's transposed copy, QK-norm + RoPE's backward taking the gradients of q, k and v
+    apart), compiled against eager:
     their fake implementations and autograd registrations are what compiling exercises, which the eager
     checks above do not."""
-    cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True,
+    cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
                         value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8_head=True, loss_kernel=True,
-                        fused_qk_norm_rope=True)
-    compiled_against_eager(cfg, ("qk_norm_rope_backward", "cross_entropy_and_gradient"), 1e-5)
+                        fused_qk_norm_rope=True)  # 100 words and 32 tokens: sides the transpose kernel takes
+    compiled_against_eager(cfg, ("qk_norm_rope_backward", "cross_entropy_and_gradient", "transposed"), 1e-5)
 
 
 def compiled_fp8_mlp_check():

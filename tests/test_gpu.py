@@ -315,10 +315,12 @@ def test_fp8_head_stays_close_to_bf16(compiled, loss_kernel):
     assert_close(out, 1e-2, 0.15)
 
 
-@pytest.mark.parametrize("compiled,fp8_weight_grad", [(False, True), (True, True), (True, False)])
-def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compiled, fp8_weight_grad):
+@pytest.mark.parametrize("compiled,fp8_weight_grad,transpose_kernel", [(False, True, True), (True, True, True),
+                                                                       (True, True, False), (True, False, True)])
+def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compiled, fp8_weight_grad, transpose_kernel):
     """model.fp8_head_cross_entropy (its gradients written by the loss kernel in the forward) against the
-    bf16 head and the plain loss, with the soft-cap, eager and compiled, its weight gradient in FP8 and in bf16."""
+    bf16 head and the plain loss, with the soft-cap, eager and compiled, its weight gradient in FP8 (its operand
+    transposed by our kernel and by the plain copy) and in bf16."""
     g = torch.Generator("cuda").manual_seed(4)
     n, d, vocab = 2048, 256, 32768
     targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
@@ -330,13 +332,31 @@ def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compile
         def loss_fn(x, w):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if fused:
-                    return M.fp8_head_cross_entropy(x, w, targets, 15.0, fp8_weight_grad)
+                    return M.fp8_head_cross_entropy(x, w, targets, 15.0, fp8_weight_grad, transpose_kernel)
                 return M.cross_entropy(F.linear(x, w), targets, 15.0)
         loss = (torch.compile(loss_fn) if compiled else loss_fn)(x, w)
         (loss / 4).backward()  # as one of four micro-batches: the fused backward scales by the incoming 1/4
         out.append((loss.item(), x.grad, w.grad))
     assert abs(out[0][0] - out[1][0]) < 1e-2 * out[1][0]
     assert rel(out[0][1], out[1][1]) < 0.15 and rel(out[0][2], out[1][2]) < 0.15
+
+
+def test_the_transpose_kernel_copies_the_bytes_of_the_plain_transpose():
+    """onegpu_kernels.transposed on the GPU, at every tile the autotuner may pick: the bytes of t.t().contiguous(),
+    for an e5m2 matrix the tiles do not divide (the FP8 head's gradient at 2,052 tokens and a 32,768 vocabulary),
+    eager and inside a compiled function."""
+    import triton  # on every CUDA build of torch
+    g = torch.Generator("cuda").manual_seed(8)
+    t = (torch.randn(2052, 32768, device="cuda", generator=g) * 1000).to(torch.float8_e5m2)
+    want = t.t().contiguous().view(torch.uint8)
+    for rows, cols, warps in K.TRANSPOSE_TILES:
+        out = t.new_empty(32768, 2052)
+        grid = (triton.cdiv(2052, rows), triton.cdiv(32768, cols))
+        K._transpose_kernel.fn[grid](t.view(torch.int32), out.view(torch.int32), 2052 // 4, 32768 // 4, ROWS=rows,
+                                     COLS=cols, num_warps=warps)
+        assert torch.equal(out.view(torch.uint8), want), (rows, cols, warps)
+    assert torch.equal(K.transposed(t).view(torch.uint8), want)
+    assert torch.equal(torch.compile(M.transposed)(t).view(torch.uint8), want)
 
 
 RECORD = dict(mlp="relu2", qk_norm=True, zero_init=True, tie_embeddings=False, embed_norm=True, logit_softcap=15.0,

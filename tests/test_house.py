@@ -136,7 +136,12 @@ AGREEMENT = {
                    "test_gpu.py::test_fused_kernels_match_plain_in_bf16",
                    "test_gpu.py::test_the_fused_loss_with_a_soft_cap_matches_plain_in_bf16"],
     "loss_kernel": ["test_kernels.py::test_cross_entropy_kernel_matches_the_plain_loss_and_gradient",
-                    "test_gpu.py::test_the_loss_kernel_matches_the_plain_loss_in_bf16"],
+                    "test_gpu.py::test_the_loss_kernel_matches_the_plain_loss_in_bf16",
+                    # with fp8_head: the two as one function, its gradient's transposed copy by our kernel
+                    "test_kernels.py::test_the_fp8_head_and_loss_kernel_in_one_function_match_them_apart",
+                    "test_kernels.py::test_the_fp8_transpose_kernel_moves_every_byte_where_the_plain_copy_does",
+                    "test_gpu.py::test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16",
+                    "test_gpu.py::test_the_transpose_kernel_copies_the_bytes_of_the_plain_transpose"],
     "fused_relu2": ["test_kernels.py::test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward",
                     "test_gpu.py::test_the_fused_relu2_mlp_matches_plain_in_bf16"],
     "fused_qk_norm_rope": ["test_kernels.py::test_qk_norm_and_rope_with_the_backward_kernel_match_the_plain_lines",

@@ -19,7 +19,8 @@ import model as M
 ROOT = Path(__file__).resolve().parent.parent
 
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
-CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "relu2_fp8_check", "gram_check", "swiglu_check",
+CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "relu2_fp8_check", "transposed_check", "gram_check",
+          "swiglu_check",
           "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
 SLOW_CHECKS = ("compiled_custom_ops_check", "compiled_fp8_mlp_check")  # each in a process of its own, in the slow tier
 RUNNING = []  # the process that runs CHECKS, once started
@@ -168,6 +169,11 @@ def test_the_fp8_relu2_row_kernels_match_the_plain_lines(interpreted):
 
 
 @needs_triton
+def test_the_fp8_transpose_kernel_moves_every_byte_where_the_plain_copy_does(interpreted):
+    run_under_interpreter(interpreted, "transposed_check")
+
+
+@needs_triton
 def test_the_symmetric_gram_kernel_matches_the_matmuls_and_muons_step(interpreted):
     run_under_interpreter(interpreted, "gram_check")
 
@@ -217,6 +223,7 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
     ("_decode_mlp_kernel", dict(ROWS=K.SMALL_MATMUL_ROWS, BLOCK_H=K.DECODE_MLP_HIDDEN, PDL=False), {"part_ptr": "*fp32"}),
     ("_gram_kernel", dict(ADD=False), {}),
     ("_gram_kernel", dict(ADD=True), {}),
+    ("_transpose_kernel", {}, {"src_ptr": "*i32", "dst_ptr": "*i32"}),
 ]
 
 
