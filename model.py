@@ -661,13 +661,14 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
 # 27.27 ms forward and backward against 30.38 on an H200 (`python bench.py --loss --preset 88m --micro-batch 16`,
 # docs/PERFORMANCE.md, "Training speed").
 FP8_HEAD_WEIGHT_GRAD = True
-# That transposed copy by onegpu_kernels.transposed, a tiled copy of bytes; False: Inductor's copy of
-# t.t().contiguous(), the reference, which moved 2.3 TB/s on an H200 (3.7 ms a micro-batch of 131,072 tokens at
-# 88m, docs/PERFORMANCE.md "Where the time goes").
-TRANSPOSE_KERNEL = True
+# That transposed copy by onegpu_kernels.transposed, a kernel of 32-bit words, where True; False: Inductor's copy
+# of t.t().contiguous(), the reference, which moved 2.3 TB/s on an H200 (3.7 ms a micro-batch of 131,072 tokens
+# at 88m, docs/PERFORMANCE.md "Where the time goes"). Off until the kernel has passed its GPU tests and
+# measured faster (`python bench.py --loss --preset 88m --micro-batch 16` times both; docs/LOG.md, 2026-12-04).
+TRANSPOSE_KERNEL = False
 
 
-def transposed(t, kernel: bool = TRANSPOSE_KERNEL):
+def transposed(t, kernel: bool):
     """t (R, C) transposed and contiguous, (C, R): by onegpu_kernels.transposed where kernel and it handles t
     (one-byte elements where Triton runs), otherwise t.t().contiguous(), its plain twin."""
     return K.transposed(t) if kernel and K.transposed_supported(t) else t.t().contiguous()
@@ -708,11 +709,12 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
 
 
 def fp8_head_cross_entropy(x, weight, targets, cap: float, fp8_weight_grad: bool = FP8_HEAD_WEIGHT_GRAD,
-                           transpose_kernel: bool = TRANSPOSE_KERNEL):
+                           transpose_kernel: bool | None = None):
     """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True), its gradient written in the
     forward (FP8HeadCrossEntropy): for training, where a backward follows. x: (N, d); weight: (vocab, d);
     targets: (N,). fp8_weight_grad: the weight gradient's matmul in FP8 too, its operand transposed by
-    `transposed` (transpose_kernel: our kernel, or the plain copy). Where K.runs_on(x)."""
+    `transposed` (transpose_kernel: our kernel, or the plain copy; None: TRANSPOSE_KERNEL). Where K.runs_on(x)."""
+    transpose_kernel = TRANSPOSE_KERNEL if transpose_kernel is None else transpose_kernel
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad, transpose_kernel)
