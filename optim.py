@@ -145,33 +145,40 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        # The lines over every matrix are foreach ops, a few launches for the whole list where a loop over the
+        # matrices launched one a matrix: at 88m a step ran 355 ops that launch a kernel, 86 now (docs/LOG.md,
+        # 2026-12-04), most of those gone elementwise ops on one matrix that a GPU finishes in microseconds.
         for group in self.param_groups:
             splits = group["splits"] or [None] * len(group["params"])
-            updates, by_shape = [], defaultdict(list)  # part shape -> the parts' updates (views)
-            for p, rows in zip(group["params"], splits):
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                update = p.grad.add(buf, alpha=group["momentum"])
-                updates.append((p, update))
+            live = [(p, rows) for p, rows in zip(group["params"], splits) if p.grad is not None]
+            if not live:
+                continue
+            params, grads = [p for p, _ in live], [p.grad for p, _ in live]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            torch._foreach_mul_(bufs, group["momentum"])
+            torch._foreach_add_(bufs, grads)
+            updates = torch._foreach_add(grads, bufs, alpha=group["momentum"])
+            by_shape = defaultdict(list)  # part shape -> the parts' updates (views)
+            for update, (_, rows) in zip(updates, live):
                 for part in (update.split(rows) if rows else [update]):
                     by_shape[tuple(part.shape)].append(part)
-            if not updates:
-                continue
-            dtype = self.ns_dtype or (torch.bfloat16 if updates[0][0].is_cuda else torch.float32)
+            dtype = self.ns_dtype or (torch.bfloat16 if params[0].is_cuda else torch.float32)
             split = self.shared and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             iterate = orthogonalize_shared if split else orthogonalize
             for (A, B), parts in by_shape.items():
                 # max(1, A/B) ** 0.5: a tall part's orthogonal update has a smaller RMS; this keeps
                 # every part's step the same size (Jordan's scaling, torch's adjust_lr_fn "original")
                 scale = max(1.0, A / B) ** 0.5 if group["tall_scale"] else 1.0
-                ortho = iterate(torch.stack(parts), dtype, kernel=self.kernel) * scale
-                for part, o in zip(parts, ortho):
-                    part.copy_(o)  # a view of its parameter's update: written in place
-            for p, update in updates:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
+                ortho = iterate(torch.stack(parts), dtype, kernel=self.kernel)
+                if scale != 1.0:
+                    ortho.mul_(scale)
+                torch._foreach_copy_(parts, list(ortho.unbind(0)))  # views of their matrices' updates: in place
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
         return None
 
 
