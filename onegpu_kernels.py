@@ -754,10 +754,10 @@ if AVAILABLE:
     # largest tensor of a step, is copied once transposed: 4.3 GB read and 4.3 written for a micro-batch of
     # 131,072 tokens and a 32,768 vocabulary. Inductor's compiled copy took 3.7 ms of it on an H200 (2.3 TB/s; the
     # 88m profile, docs/PERFORMANCE.md "Where the time goes"), where the card's 4.8 TB/s would take 1.8. A tile
-    # transposed through shared memory a byte at a time moves 4 bytes a bank access at best; this kernel moves
-    # 32-bit words: it reads four source rows' words, transposes each 4 x 4 block of bytes inside them with
-    # shifts and masks, and transposes the words, so the shared memory between the two layouts moves whole
-    # words, and both global sides whole 16-byte vectors.
+    # transposed through shared memory a byte at a time uses a quarter of each 4-byte bank access (built for
+    # sm_90 at 128 x 128: 64 one-byte shared loads a thread); this kernel moves 32-bit words: it reads four source
+    # rows' words, transposes each 4 x 4 block of bytes inside them with shifts and masks, and transposes the
+    # words, so shared memory moves whole words (16 loads a thread) and both global sides 16-byte vectors.
     @triton.autotune([triton.Config({"ROWS": r, "COLS": c}, num_warps=w)
                       for r, c, w in (TRANSPOSE_TILES[:1] if INTERPRET else TRANSPOSE_TILES)], key=["R4", "C4"])
     @triton.jit
