@@ -1149,11 +1149,12 @@ def qk_norm_rope_supported(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
 
 
 def transposed_supported(t: torch.Tensor) -> bool:
-    """Whether transposed handles t: where runs_on, a contiguous matrix of one-byte elements, both sides a
-    multiple of 4 (it moves 32-bit words), whose column tiles fit the grid's second axis (65,535 programs)."""
+    """Whether transposed handles t: where runs_on, a contiguous matrix of one-byte elements, both sides and its
+    start a multiple of 4 (it moves 32-bit words), whose column tiles fit the grid's second axis (65,535 programs)."""
     narrowest = min(cols for _, cols, _ in TRANSPOSE_TILES)
     return (runs_on(t) and t.dim() == 2 and t.is_contiguous() and t.element_size() == 1
-            and t.shape[0] % 4 == 0 and t.shape[1] % 4 == 0 and -(-t.shape[1] // narrowest) <= 65_535)
+            and t.shape[0] % 4 == 0 and t.shape[1] % 4 == 0 and t.storage_offset() % 4 == 0
+            and -(-t.shape[1] // narrowest) <= 65_535)
 
 
 def gram_supported(x: torch.Tensor) -> bool:

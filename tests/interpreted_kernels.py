@@ -398,8 +398,10 @@ def transposed_check():
         assert got.dtype == dtype and got.shape == shape[::-1] and got.is_contiguous()
         assert torch.equal(got.view(torch.uint8), t.t().contiguous().view(torch.uint8))
     odd = torch.randn(6, 70, generator=g).to(torch.float8_e5m2)  # sides not multiples of 4: the plain copy
-    assert not K.transposed_supported(odd) and torch.equal(M.transposed(odd, True).view(torch.uint8),
-                                                          odd.t().contiguous().view(torch.uint8))
+    shifted = torch.randn(4 * 72 + 1, generator=g).to(torch.float8_e5m2)[1:].view(4, 72)  # starts off a word
+    for t in (odd, shifted):
+        assert not K.transposed_supported(t)
+        assert torch.equal(M.transposed(t, True).view(torch.uint8), t.t().contiguous().view(torch.uint8))
     n, d, vocab, cap = 16, 32, 300, 15.0
     x0, w0 = torch.randn(n, d, generator=g).half(), (torch.randn(vocab, d, generator=g) * 0.5).half()
     targets = torch.randint(0, vocab, (n,), generator=g)
