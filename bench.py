@@ -566,7 +566,8 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
     """Time per kernel class over 2 micro-batches and one optimizer step, at the sliding window the
     preset ends its schedule with, and the rate of the classes whose FLOPs are known (matmul: 6N per
     token over the weights that multiply; attention: PaLM's 12LHQT, a window's layer at min(T, 2w)
-    keys). The last row is the GPU's idle time: the same step's median wall time less its kernels'.
+    keys). The last row is the GPU's idle time: the same step's median wall time less its kernels', with
+    the gaps between kernels in the profiled step (their sum and the largest, in the JSON's top_kernels).
     switches: the model switches to profile with on (none: the compiled BF16 base). corpus: profile
     on that prepared corpus, documents as it trains on them (None: random tokens, no corpus needed)."""
     base = C.preset(preset)
@@ -583,7 +584,8 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
                                      r.device, 1e-4, windows=windows)[0].item()
         step()  # warm-up and compile
         wall_ms = 1000 * statistics.median(ME.timed(step, r.device)[1] for _ in range(3))
-        names = ME.kernel_times(step, r.device)
+        spans = []
+        names = ME.kernel_times(step, r.device, spans)
     classes, top = {}, {}
     for name, ms in sorted(names.items(), key=lambda kv: -kv[1]):
         label = ME.kernel_class(name)
@@ -595,7 +597,13 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
     flops = {"matmul": matmul * tokens, "attention": (M.flops_per_token(mcfg) - matmul) * tokens}
     if cuda:  # on a CPU the profile's times are the CPU's own, nested and overlapping: no idle time to read
         classes["GPU idle (wall less kernels)"] = max(0.0, wall_ms - sum(classes.values()))
-        top["GPU idle (wall less kernels)"] = [f"{wall_ms:.2f} ms wall, median of 3 steps"]
+        # where it idled, in the profiled step (the profiler adds its own cost to the host's launches): between
+        # kernels, and the time before the first kernel and after the last, which the timed wall also holds
+        between, gaps, largest = ME.gaps_between(spans)
+        top["GPU idle (wall less kernels)"] = [f"{wall_ms:.2f} ms wall, median of 3 steps, unprofiled",
+                                               f"{between:.2f} ms between kernels in {gaps:,} gaps, profiled; "
+                                               f"the largest:", *largest]
+        print("GPU idle: " + "\n  ".join(top["GPU idle (wall less kernels)"][:6]), flush=True)
     total = sum(classes.values())
     # top_kernels (in the JSON): enough of each class's largest kernels to see where its time goes
     return [{"rung": c, "ms": round(ms, 2), "share": ms / total,

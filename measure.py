@@ -182,8 +182,9 @@ class ClockSampler(threading.Thread):
         return {"sm_mhz": statistics.median(clocks), "power_w": round(statistics.median(powers), 1)}
 
 
-def kernel_stats(fn, device) -> dict[str, tuple[int, float]]:
-    """(launches, total device (or CPU) milliseconds) per kernel name while fn() runs, from torch.profiler."""
+def kernel_stats(fn, device, spans: list | None = None) -> dict[str, tuple[int, float]]:
+    """(launches, total device (or CPU) milliseconds) per kernel name while fn() runs, from torch.profiler.
+    spans: a list to append each CUDA kernel's (start, end, name) to, in microseconds (for gaps_between)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
@@ -197,12 +198,36 @@ def kernel_stats(fn, device) -> dict[str, tuple[int, float]]:
         t = (e.device_time if device.type == "cuda" else e.self_cpu_time_total) / 1000  # CPU ops nest: self time
         n, total = stats.get(e.name, (0, 0.0))
         stats[e.name] = (n + 1, total + t)
+        if spans is not None and device.type == "cuda":
+            spans.append((e.time_range.start, e.time_range.end, e.name))
     return stats
 
 
-def kernel_times(fn, device) -> dict[str, float]:
-    """Total device (or CPU) milliseconds per kernel name while fn() runs."""
-    return {name: ms for name, (_, ms) in kernel_stats(fn, device).items()}
+def kernel_times(fn, device, spans: list | None = None) -> dict[str, float]:
+    """Total device (or CPU) milliseconds per kernel name while fn() runs (spans: as kernel_stats)."""
+    return {name: ms for name, (_, ms) in kernel_stats(fn, device, spans).items()}
+
+
+def gaps_between(spans: list[tuple[float, float, str]], largest: int = 8) -> tuple[float, int, list[str]]:
+    """Where a device ran no kernel, from kernels' (start, end, name) spans in microseconds: (the milliseconds
+    between the first kernel's start and the last one's end that no kernel covers, how many such gaps, the
+    largest of them, each with the kernels that ended before it and started after it). Kernels that overlap
+    (other streams) cover their time together. Whether the idle time of a step is spread over its thousands of
+    launches or sits in a few places (a wait for the host, the step's start) is what this tells apart."""
+    if not spans:
+        return 0.0, 0, []
+    found, total = [], 0.0
+    ordered = sorted(spans)
+    reach, before = ordered[0][1], ordered[0][2]
+    for start, end, name in ordered[1:]:
+        if start > reach:
+            found.append((start - reach, before, name))
+            total += start - reach
+        if end > reach:
+            reach, before = end, name
+    found.sort(key=lambda g: -g[0])
+    return total / 1000, len(found), [f"{gap / 1000:.3f} ms after {a[:70]} before {b[:70]}"
+                                      for gap, a, b in found[:largest]]
 
 
 # What a kernel's name says it does: one table for the profile's classes and for naming the attention

@@ -264,6 +264,17 @@ def test_kernel_stats_count_each_launch_and_a_decode_step_is_their_sum_per_repla
     assert step == {"kernels": 4.0, "busy_us": 90.0, "top_kernels": {"decode_step": (1.0, 60.0), "gemv": (2.0, 20.0)}}
 
 
+def test_gaps_between_kernels_count_only_time_that_no_kernel_covers():
+    # (start, end, name) in microseconds: b overlaps a (another stream) and ends later; c starts 1,000 us after b
+    # ends, d 50 us after c; e and f lie inside d; g starts 100 us after d ends. The idle time is those three gaps.
+    spans = [(0, 100, "a"), (50, 300, "b"), (1300, 1400, "c"), (1450, 2000, "d"), (1500, 1600, "e"),
+             (1700, 1800, "f"), (2100, 2200, "g")]
+    total, count, largest = ME.gaps_between(spans[::-1])  # in any order
+    assert (round(total, 6), count) == (1.15, 3)
+    assert largest == ["1.000 ms after b before c", "0.100 ms after d before g", "0.050 ms after c before d"]
+    assert ME.gaps_between([]) == (0.0, 0, [])
+
+
 def test_timing_reports_the_median_and_the_spread_of_what_it_times(monkeypatch):
     clock = iter([0.0, 2.0, 2.0, 2.5, 3.0, 4.5])  # perf_counter before and after each call
     monkeypatch.setattr(ME.time, "perf_counter", lambda: next(clock))
