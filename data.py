@@ -524,7 +524,9 @@ class ShardLoader:
         rows = np.empty((self.B, self.T + 1), np.int64)
         for row, (s, o) in enumerate(zip(shard, starts)):
             rows[row] = self.shards[s][0][o:o + self.T + 1]
-        out = [torch.from_numpy(rows[:, :-1]), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))]
+        # x and y each contiguous: a strided tensor reaches the GPU through a contiguous copy of it that PyTorch
+        # makes in pageable memory, whatever `pin` did, and a copy from pageable memory waits for the GPU's queue.
+        out = [torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))]
         if self.want_doc_ids:
             out.append(torch.from_numpy(self._doc_ids(shard, starts)))
         return tuple(self._to_device(t) for t in out)

@@ -498,6 +498,14 @@ def test_cuda_copy_options_are_off_on_cpu(shards):
     assert not loader.pin and loader.next_batch()[0].device.type == "cpu"
 
 
+def test_every_batch_tensor_is_contiguous(shards):
+    """A strided tensor reaches a GPU through a contiguous copy PyTorch makes in pageable memory, which waits for
+    the GPU's queue whatever `pin` did: x, y and the document ids must each be contiguous on the host already
+    (tests/test_gpu.py checks the copies' kind on a GPU)."""
+    loader = D.ShardLoader(shards[0], 3, 16, doc_ids=True)
+    assert all(t.is_contiguous() for t in loader.next_batch())
+
+
 # --- The python corpus and local files of any extension ------------------------------------
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import data as D
 import generate as G
 import onegpu_kernels as K
 import measure as ME
@@ -388,6 +389,16 @@ def test_building_the_block_masks_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert set(masks) == {"block_mask", "short_block_mask"}
+
+
+def test_a_pinned_loader_copies_every_batch_tensor_from_pinned_memory(tmp_path):
+    """`pin = true` promises copies that queue behind the GPU's work. A copy from pageable memory waits for that
+    work instead (x, a strided slice, once went so). The profiler names each copy's host memory."""
+    loader = D.ShardLoader(D.random_shards(tmp_path, 1000, 50_000), 4, 256, doc_ids=True, device="cuda", pin=True)
+    loader.next_batch()
+    copies = {name: n for name, (n, _) in ME.kernel_stats(loader.next_batch, torch.device("cuda")).items()
+              if name.startswith("Memcpy HtoD")}
+    assert copies == {"Memcpy HtoD (Pinned -> Device)": 3}, copies  # x, y and the document ids
 
 
 def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
