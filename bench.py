@@ -658,6 +658,9 @@ def simple_table(rows: list[dict]) -> str:
                         "fixed_gib", "gib_per_seq", "largest_fitting", "first_token_ms", "prefill_tok_s",
                         "decode_tok_s", "replay_us", "kernels", "busy_us", "same_greedy_tokens")
             if any(k in r for r in rows)]
+    # The clock and power over a rung's timed steps (NVML): a card held at its power limit clocks down the more the
+    # faster its kernels go, which moves the ratios between rungs by several percent (docs/PERFORMANCE.md).
+    keys += [k for k in ("sm_mhz", "power_w") if any(r.get(k) is not None for r in rows)]
     # --decode-parts: microseconds a call (at each cache position), and the largest difference from the plain twin
     keys += [k for k in dict.fromkeys(k for r in rows for k in r) if k.startswith("us")]
     keys += [k for k in ("max_abs_diff", "skipped") if any(k in r for r in rows)]

@@ -565,7 +565,7 @@ def compiled_custom_ops_check():
     cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
                         value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8_head=True, loss_kernel=True,
                         fused_qk_norm_rope=True)  # 100 words and 32 tokens: sides the transpose kernel takes
-    kernel, M.TRANSPOSE_KERNEL = M.TRANSPOSE_KERNEL, True  # on whatever the default says
+    kernel, M.TRANSPOSE_KERNEL = M.TRANSPOSE_KERNEL, True  # on, whatever the default says
     try:
         compiled_against_eager(cfg, ("qk_norm_rope_backward", "cross_entropy_and_gradient", "transposed"), 1e-5)
     finally:

@@ -118,6 +118,12 @@ def test_the_decode_parts_table_has_a_column_per_cache_position_and_the_differen
     assert table[5] == "| on a CPU |  |  |  |  | CUDA only |"
 
 
+def test_speed_tables_show_the_clock_and_power_where_they_were_read():
+    rows = [{"rung": "a", "tok_s": 100.0, "sm_mhz": 1740.0, "power_w": 691.2}, {"rung": "b", "tok_s": 90.0}]
+    assert B.simple_table(rows).splitlines()[2:] == ["| a | 100.00 | 1,740.00 | 691.20 |", "| b | 90.00 |  |  |"]
+    assert "sm_mhz" not in B.simple_table([{"rung": "on a CPU", "tok_s": 5.0, "sm_mhz": None, "power_w": None}])
+
+
 def test_repeats_measure_the_whole_plan_in_turn_and_report_each_rungs_median(monkeypatch):
     order, rates = [], iter([100.0, 200.0, 90.0, 260.0, 110.0, 230.0])
     monkeypatch.setattr(ME, "run_in_subprocess",
