@@ -524,9 +524,8 @@ class ShardLoader:
         rows = np.empty((self.B, self.T + 1), np.int64)
         for row, (s, o) in enumerate(zip(shard, starts)):
             rows[row] = self.shards[s][0][o:o + self.T + 1]
-        # x and y each contiguous: a strided tensor reaches the GPU through a contiguous copy of it that PyTorch
-        # makes in pageable memory, whatever `pin` did, and a copy from pageable memory waits for the GPU's queue.
-        out = [torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))]
+        x, y = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])  # contiguous: see _to_device
+        out = [torch.from_numpy(x), torch.from_numpy(y)]
         if self.want_doc_ids:
             out.append(torch.from_numpy(self._doc_ids(shard, starts)))
         return tuple(self._to_device(t) for t in out)
@@ -569,8 +568,10 @@ class ShardLoader:
             return t
         if self.pin:
             # Page-locked memory lets the copy queue behind the GPU's work instead of waiting for
-            # it (a pageable copy synchronizes). A fresh pinned tensor each time: the caching host
-            # allocator will not hand its memory out again until the copy has finished.
+            # it (a pageable copy synchronizes). Only a contiguous tensor goes so: PyTorch sends a strided
+            # one through a contiguous copy of it in pageable memory, so the loader's tensors come here
+            # contiguous (a strided x did until 2026-12-04, docs/LOG.md). A fresh pinned tensor each time:
+            # the caching host allocator will not hand its memory out again until the copy has finished.
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
