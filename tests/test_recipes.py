@@ -214,15 +214,16 @@ def test_versus_muon_runs_end_to_end_on_cpu(tmp_path):
 
 def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():
     """--seconds: the Muon recipe, then RECORD_CHAIN cumulatively; its last rung is configs/126m.toml (at the
-    micro-batch that holds as many tokens: 32 x 1,024 = 4 x 8,192), so the default is what the ladder
-    measures; further seeds repeat only the last rung."""
+    micro-batch that holds as many tokens: 32 x 1,024 = 4 x 8,192, and without the FP8 block matmuls, a speed
+    setting the ladder leaves off), so the default is what the ladder measures; further seeds repeat only the
+    last rung."""
     plan = RE.record_plan("126m", seeds=2, micro_batch=32)
     assert [r.name for r in plan] == ["Muon recipe", *(n for n, _ in RE.RECORD_CHAIN), RE.RECORD_CHAIN[-1][0]]
     assert {r.config for r in plan} == {"126m-muon"}
     assert [r.seed for r in plan[-2:]] == [RE.SEED, RE.SEED + 1] and plan[0].overrides == {"train__warmup_steps": 30}
     fixed = {**RE.fixed_settings(C.preset("126m-muon"), 0, "python", 32), "train__seconds": 150.0}
     last = C.preset("126m-muon", **{**fixed, **plan[-1].overrides})
-    assert last == C.preset("126m", **{**fixed, "train__micro_batch": 4})
+    assert last == C.preset("126m", **{**fixed, "train__micro_batch": 4, "model__fp8": False})  # a speed setting
     long = C.preset("tiny", **{**RE.fixed_settings(C.preset("tiny"), 0, "stdlib", 16), "train__seconds": 5.0,
                                **RE.record_plan("tiny", 1, 16)[-1].overrides})
     assert (long.model.context, long.model.attn_window, long.train.window_start, long.train.micro_batch) == (4096, 896, 64, 2)
@@ -319,9 +320,9 @@ def test_a_full_budget_ladder_on_a_cpu_says_what_it_costs_first(monkeypatch, cap
 def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_batch(name):
     """configs/<preset>.toml is configs/<preset>-muon.toml with every RECORD_CHAIN rung, at the micro-batch that
     holds the Muon preset's tokens (an 8 GB card's): what the record ladder and --versus measure is the default,
-    but for the preset's own FP8 block matmuls (88m's), a speed setting the ladder's rungs leave off."""
+    but for the preset's own FP8 block matmuls (88m's and 126m's), a speed setting the ladder's rungs leave off."""
     muon, default = C.preset(f"{name}-muon"), C.preset(name)
-    assert default.model.fp8 == (name == "88m")
+    assert default.model.fp8 == (name in ("88m", "126m"))
     assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), model__fp8=default.model.fp8) == default
     head = default.model.head_dim  # a power of two up to 128: FlexAttention pads any other to the next one
     assert head <= 128 and head & (head - 1) == 0 and default.model.n_kv_heads == default.model.n_heads
