@@ -197,6 +197,13 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
             TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1)
         except ValueError as e:
             raise ValueError(f"{where} ({table['name']}): {e}") from None
+        # A fast path the rung's model cannot run would time the rung without it under its name.
+        idle = [s for s in table.get("model", {}) if s in M.TRAINING_FAST_PATHS and getattr(cfg.model, s)
+                and not M.fast_path_applies(s, cfg.model)]
+        if idle:
+            raise ValueError(f"{where} ({table['name']}): model.{idle[0]} = true does not run for this rung's model "
+                             f"(model.fast_path_applies: e.g. the fused ReLU² not beside fp8): drop it, or turn off "
+                             f"the setting it cannot run beside")
         rungs.append(rung)
     if not rungs:
         raise ValueError(f"{path}: no [[rung]] tables: add one per configuration to measure")

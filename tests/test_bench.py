@@ -451,6 +451,15 @@ def test_the_shipped_plans_load():
         assert B.plan_rungs(path)
 
 
+def test_a_plan_rung_whose_fast_path_cannot_run_is_refused(tmp_path):
+    plan = tmp_path / "idle.toml"
+    plan.write_text('preset = "88m"\n[[rung]]\nname = "relu2 beside fp8"\nmodel = { fused_relu2 = true }\n')
+    with pytest.raises(ValueError, match=r"rung 1 \(relu2 beside fp8\): model.fused_relu2 = true does not run"):
+        B.plan_rungs(plan)
+    plan.write_text('preset = "88m"\n[[rung]]\nname = "relu2"\nmodel = { fused_relu2 = true, fp8 = false }\n')
+    assert B.plan_rungs(plan)[0].config().model.fused_relu2
+
+
 @pytest.mark.slow
 def test_a_plan_runs_end_to_end_on_cpu(tmp_path, capsys):
     plan = tmp_path / "two.toml"
