@@ -233,8 +233,8 @@ def fp8_units(device: torch.device) -> bool:
 
 def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     """Whether fast path `name` runs for cfg's architecture (a GPU that has it aside): the fused
-    SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (and
-    those outside it: each has its own matmuls), the fused loss (its own head and loss) outside the FP8
+    SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (each has
+    its own matmuls; with both set the FP8 ones run, ReLU2 says so), the fused loss (its own head and loss) outside the FP8
     head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
     fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
     sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP (FP8 matmuls
@@ -249,8 +249,6 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
         return cfg.mlp == "relu2" and not cfg.fp8
     if name == "fused_qk_norm_rope":
         return cfg.qk_norm
-    if name == "fp8":
-        return not (cfg.fused_relu2 and cfg.mlp == "relu2")
     if name == "fused_loss":
         return not cfg.fp8_head and not cfg.loss_kernel
     if name == "loss_kernel":

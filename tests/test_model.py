@@ -587,6 +587,16 @@ def test_the_fp8_relu2_mlp_is_close_to_the_plain_one_and_evaluates_plainly():
     assert torch.equal(fp8[4], plain[4])  # no gradients: the plain MLP
 
 
+def test_with_fp8_and_the_fused_relu2_both_set_the_fp8_matmuls_run_and_fast_path_applies_says_so():
+    """The MLP gives FP8 block matmuls the way over the fused ReLU²; the ladder, the kernels study and the
+    plans read fast_path_applies to know which runs, so it must say the same."""
+    cfg = M.ModelConfig(d_model=96, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
+                        ffn_hidden=256, fp8=True, fused_relu2=True)
+    mlp = M.ReLU2(cfg)
+    assert mlp.w1.fp8 and not mlp.fused
+    assert M.fast_path_applies("fp8", cfg) and not M.fast_path_applies("fused_relu2", cfg)
+
+
 def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
     torch.manual_seed(0)
     plain = M.Llama(M.ModelConfig(**SMALL))
