@@ -682,6 +682,23 @@ def simple_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+POWER_LIMITED = 0.97  # a rung whose median draw is within 3% of the card's limit ran held at it
+
+
+def power_note(rows: list[dict]) -> str:
+    """A line under a speed table whose rungs ran at the card's power limit, else "". Held there a card lowers
+    its clock, the more the faster a rung's kernels go: on one H200 the same code's defaults ran 1.246x compiled
+    BF16 at 590-640 W and 1.195-1.231x at 680-692 W of 700 (docs/PERFORMANCE.md, "Training speed")."""
+    held = [r for r in rows if r.get("power_w") and r.get("power_limit_w")
+            and r["power_w"] >= POWER_LIMITED * r["power_limit_w"]]
+    if not held:
+        return ""
+    limit = max(r["power_limit_w"] for r in held)
+    return (f"\n\n{len(held)} of {len(rows)} rungs drew within {1 - POWER_LIMITED:.0%} of the card's {limit:.0f} W "
+            f"power limit: held there it lowers its clock, the more the faster a rung's kernels go, so the ratios "
+            f"between rungs read lower than on a card with headroom")
+
+
 def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, mfu_of=None):
     """A bar per measured row (value), optionally with MFU on a second axis; rows without it are left out."""
     import matplotlib
@@ -877,7 +894,7 @@ def plan_study(args, argv):
     journal.done()
     plot_rows(rows, "tok_s", "tokens / s", f"plan {args.plan.stem} | {device} | {time.strftime('%Y-%m-%d')}",
               out / f"plan-{args.plan.stem}.png")
-    print(f"## plan {args.plan} | {device}\n\n{simple_table(rows)}\n\n"
+    print(f"## plan {args.plan} | {device}\n\n{simple_table(rows)}{power_note(rows)}\n\n"
           f"{out / f'plan-{args.plan.stem}'}.json, .png")
 
 
@@ -1010,6 +1027,7 @@ def run_studies(args, chosen: list[str], argv):
                 table += (f"\n\nMFU (roof) is also the share of the ceiling, "
                           f"{roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s")
                 mfu_of = lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
+        table += power_note(rows)
         if value is not None:
             plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | "
                       f"{s.results['date']}", s.out / f"{study}.png", mfu_of)

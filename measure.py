@@ -75,6 +75,7 @@ class Result:
     data: str = ""
     sm_mhz: float | None = None
     power_w: float | None = None
+    power_limit_w: float | None = None  # the card's enforced power limit, against which power_w is read
     attention_kernels: str | None = None
     skipped: str | None = None  # why the rung did not run (out of memory, timed out, needs CUDA ...)
 
@@ -150,6 +151,19 @@ class ClockSampler(threading.Thread):
             self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByUUID(self.card)
         except Exception:  # no nvidia-ml-py, or no driver access through it
             self.smi = shutil.which("nvidia-smi")
+        self.limit = self.power_limit()
+
+    def power_limit(self) -> float | None:
+        """The card's enforced power limit in watts; None where it reports none."""
+        try:
+            if self.nvml:
+                return self.nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle) / 1000
+            if self.smi:
+                return float(subprocess.run([self.smi, "-i", self.card, "--query-gpu=power.limit",
+                                             "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout)
+        except Exception:  # an NVML error, or nvidia-smi's "[N/A]"
+            return None
+        return None
 
     def read(self) -> tuple[float, float] | None:
         if self.nvml:
@@ -179,7 +193,8 @@ class ClockSampler(threading.Thread):
         if not self.samples:
             return {}
         clocks, powers = zip(*self.samples)
-        return {"sm_mhz": statistics.median(clocks), "power_w": round(statistics.median(powers), 1)}
+        return {"sm_mhz": statistics.median(clocks), "power_w": round(statistics.median(powers), 1),
+                "power_limit_w": self.limit}
 
 
 def kernel_stats(fn, device, spans: list | None = None) -> dict[str, tuple[int, float]]:

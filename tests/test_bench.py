@@ -118,6 +118,24 @@ def test_the_decode_parts_table_has_a_column_per_cache_position_and_the_differen
     assert table[5] == "| on a CPU |  |  |  |  | CUDA only |"
 
 
+def test_a_study_whose_rungs_ran_at_the_cards_power_limit_says_so():
+    held = {"rung": "defaults", "tok_s": 939_430.0, "power_w": 691.0, "power_limit_w": 700.0}
+    free = {"rung": "compiled", "tok_s": 766_066.0, "power_w": 610.0, "power_limit_w": 700.0}
+    note = B.power_note([free, held])
+    assert note.startswith("\n\n1 of 2 rungs drew within 3% of the card's 700 W power limit")
+    assert B.power_note([free]) == "" and B.power_note([{"rung": "on a CPU", "tok_s": 5.0}]) == ""
+
+
+@pytest.mark.parametrize("printed, limit", [("700.00", 700.0), ("[N/A]", None)])
+def test_the_power_limit_is_read_from_nvidia_smi_where_nvml_is_missing(tmp_path, printed, limit):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{printed}'\n")
+    smi.chmod(0o755)
+    sampler = ME.ClockSampler.__new__(ME.ClockSampler)  # its __init__ asks CUDA for the card's UUID
+    sampler.card, sampler.nvml, sampler.smi = "GPU-test", None, str(smi)
+    assert sampler.power_limit() == limit
+
+
 def test_speed_tables_show_the_clock_and_power_where_they_were_read():
     rows = [{"rung": "a", "tok_s": 100.0, "sm_mhz": 1740.0, "power_w": 691.2}, {"rung": "b", "tok_s": 90.0}]
     assert B.simple_table(rows).splitlines()[2:] == ["| a | 100.00 | 1,740.00 | 691.20 |", "| b | 90.00 |  |  |"]
