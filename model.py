@@ -234,9 +234,9 @@ def fp8_units(device: torch.device) -> bool:
 def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     """Whether fast path `name` runs for cfg's architecture (a GPU that has it aside): the fused
     SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (each has
-    its own matmuls; with both set the FP8 ones run, ReLU2 says so), the fused loss (its own head and loss) outside the FP8
-    head and the loss kernel, those two outside the fused loss (the FP8 head for an untied head), the
-    fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
+    its own matmuls; with both set the FP8 ones run, as ReLU2 picks), the fused loss (its own head and loss)
+    outside the FP8 head and the loss kernel, those two outside the fused loss (the FP8 head for an untied
+    head), the fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
     sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP (FP8 matmuls
     run in training alone)."""
     if name == "split_decode":
