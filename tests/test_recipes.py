@@ -319,8 +319,9 @@ def test_a_full_budget_ladder_on_a_cpu_says_what_it_costs_first(monkeypatch, cap
 @pytest.mark.parametrize("name", ["22m", "47m", "88m", "126m"])
 def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_batch(name):
     """configs/<preset>.toml is configs/<preset>-muon.toml with every RECORD_CHAIN rung, at the micro-batch that
-    holds the Muon preset's tokens (an 8 GB card's): what the record ladder and --versus measure is the default,
-    but for the preset's own FP8 block matmuls (88m's and 126m's), a speed setting the ladder's rungs leave off."""
+    holds the Muon preset's tokens (an 8 GB card's): what the record ladder measures is the default but for the
+    preset's own FP8 block matmuls (88m's and 126m's), a speed setting its rungs leave off (--versus runs the
+    preset itself)."""
     muon, default = C.preset(f"{name}-muon"), C.preset(name)
     assert default.model.fp8 == (name in ("88m", "126m"))
     assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), model__fp8=default.model.fp8) == default
