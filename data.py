@@ -521,8 +521,8 @@ class ShardLoader:
         self.last_starts = (shard, starts)
         # x and y straight from each sequence's slice of its shard, widened to int64 as they are copied: no Python
         # loop over tokens, and both contiguous (see _to_device). Sliced from one (B, T + 1) array instead, they
-        # needed a copy each to be contiguous: 1.0 of the 2.3 ms a micro-batch of 16 x 8,192 took on 2 CPU cores
-        # (docs/LOG.md, 2026-12-04).
+        # needed a copy each to be contiguous: 1,436 µs a micro-batch of 16 x 8,192 against 857 this way on 2 CPU
+        # cores (`python bench.py --loader --preset 88m --micro-batch 16`, docs/LOG.md, 2026-12-04).
         x, y = np.empty((self.B, self.T), np.int64), np.empty((self.B, self.T), np.int64)
         for row, (s, o) in enumerate(zip(shard, starts)):
             tokens = self.shards[s][0]
