@@ -144,40 +144,39 @@ class ClockSampler(threading.Thread):
         # NVML and nvidia-smi number GPUs ignoring CUDA_VISIBLE_DEVICES; the UUID names the same card.
         self.card = f"GPU-{torch.cuda.get_device_properties(device_index).uuid}"
         self.samples, self.stop_flag = [], threading.Event()
-        self.nvml, self.smi = None, None
+        self.nvml, self.smi_path = None, None
         try:
             import pynvml
             pynvml.nvmlInit()
             self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByUUID(self.card)
         except Exception:  # no nvidia-ml-py, or no driver access through it
-            self.smi = shutil.which("nvidia-smi")
+            self.smi_path = shutil.which("nvidia-smi")
         self.limit = self.power_limit()
+
+    def smi(self, fields: str) -> list[float] | None:
+        """nvidia-smi's values of the comma-separated query fields; None where one is not a number ("[N/A]")."""
+        out = subprocess.run([self.smi_path, "-i", self.card, f"--query-gpu={fields}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+        try:
+            return [float(v) for v in out.strip().split(",")]
+        except ValueError:
+            return None
 
     def power_limit(self) -> float | None:
         """The card's enforced power limit in watts; None where it reports none."""
-        try:
-            if self.nvml:
+        if self.nvml:
+            try:
                 return self.nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle) / 1000
-            if self.smi:
-                return float(subprocess.run([self.smi, "-i", self.card, "--query-gpu=power.limit",
-                                             "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout)
-        except Exception:  # an NVML error, or nvidia-smi's "[N/A]"
-            return None
-        return None
+            except self.nvml.NVMLError:
+                return None
+        return (self.smi("power.limit") or [None])[0] if self.smi_path else None
 
     def read(self) -> tuple[float, float] | None:
         if self.nvml:
             return (self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM),
                     self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000)
-        if self.smi:
-            out = subprocess.run([self.smi, "-i", self.card, "--query-gpu=clocks.sm,power.draw",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
-            try:
-                clock, power = (float(v) for v in out.strip().split(","))
-                return clock, power
-            except ValueError:
-                return None
-        return None
+        values = self.smi("clocks.sm,power.draw") if self.smi_path else None
+        return tuple(values) if values and len(values) == 2 else None
 
     def run(self):
         while True:

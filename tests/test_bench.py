@@ -132,8 +132,10 @@ def test_the_power_limit_is_read_from_nvidia_smi_where_nvml_is_missing(tmp_path,
     smi.write_text(f"#!/bin/sh\necho '{printed}'\n")
     smi.chmod(0o755)
     sampler = ME.ClockSampler.__new__(ME.ClockSampler)  # its __init__ asks CUDA for the card's UUID
-    sampler.card, sampler.nvml, sampler.smi = "GPU-test", None, str(smi)
+    sampler.card, sampler.nvml, sampler.smi_path = "GPU-test", None, str(smi)
     assert sampler.power_limit() == limit
+    smi.write_text("#!/bin/sh\necho '1740, 691.20'\n")
+    assert sampler.read() == (1740.0, 691.2)  # the clock and power sampled the same way
 
 
 def test_speed_tables_show_the_clock_and_power_where_they_were_read():
