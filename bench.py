@@ -588,7 +588,7 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
         r = TR.setup(rung.config(), log=lambda *a, **k: None, random_tokens_dir=None if corpus else Path(workdir))
         windows = r.cfg.model.windows()
         step = lambda: TR.train_step(r.model, r.optimizer, r.train_loader.next_batch, 2, r.cfg.train,  # noqa: E731
-                                     r.device, 1e-4, windows=windows)[0].item()
+                                     r.device, 1e-4, windows=windows, prefetch=r.train_loader.prefetch)[0].item()
         step()  # warm-up and compile
         wall_ms = 1000 * statistics.median(ME.timed(step, r.device)[1] for _ in range(3))
         spans = []

@@ -446,7 +446,7 @@ class ShardLoader:
     last T), or windows that start every `stride` tokens (evaluation's whole windows, below). An
     epoch visits every window once, in an order shuffled by (seed, epoch); rank r of W takes every
     W-th window of that order, so ranks never share data. The cursor (epoch, position) is the whole
-    state: load_state_dict(state_dict()) resumes exactly.
+    state: load_state_dict(state_dict()) resumes exactly, a micro-batch drawn ahead by prefetch() included.
     """
 
     def __init__(self, files: list[Path], batch: int, seq_len: int, *, vocab_size: int | None = None,
@@ -480,15 +480,17 @@ class ShardLoader:
                              f"{more}lower --micro-batch, or use more data")
         self.epoch, self.pos = 0, 0
         self._order = None
+        self._ahead = None  # (epoch, pos before it, the batch, its last_starts): prefetch's, not yet handed out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "rank": self.rank, "world": self.world}
+        epoch, pos = self._ahead[:2] if self._ahead else (self.epoch, self.pos)  # a batch drawn ahead is not read yet
+        return {"epoch": epoch, "pos": pos, "seed": self.seed, "rank": self.rank, "world": self.world}
 
     def load_state_dict(self, state: dict):
         if (state["seed"], state["world"]) != (self.seed, self.world):
             raise ValueError(f"loader state is for seed {state['seed']} with {state['world']} rank(s), "
                              f"this loader has seed {self.seed} with {self.world}")
-        self.epoch, self.pos, self._order = state["epoch"], state["pos"], None
+        self.epoch, self.pos, self._order, self._ahead = state["epoch"], state["pos"], None, None
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
@@ -512,9 +514,26 @@ class ShardLoader:
 
     def rewind(self):
         """Back to the start of epoch 0 (evaluation reads the same val batches every time)."""
-        self.epoch, self.pos, self._order = 0, 0, None
+        self.epoch, self.pos, self._order, self._ahead = 0, 0, None, None
+
+    def prefetch(self):
+        """Draw the next micro-batch now and queue its copy to the device; next_batch() hands it out.
+        train_step calls this while the GPU still runs a step's last backward: drawn after the step's one
+        synchronization, with the GPU's queue empty, the next step's first micro-batch kept the GPU idle
+        for the host's whole work on it (the largest gap of the 88m profile, docs/PERFORMANCE.md "Where the
+        time goes"). state_dict() still stands before it, so a checkpoint saved now resumes with it.
+        Without pinned memory it draws nothing: a copy from pageable memory would wait here for the GPU's
+        queue to empty, and the GPU would then idle while the host queues the update."""
+        if self._ahead is None and (self.pin or self.device.type != "cuda"):
+            epoch, pos = self.epoch, self.pos
+            batch = self.next_batch()
+            self._ahead = (epoch, pos, batch, self.last_starts)
 
     def next_batch(self):
+        if self._ahead is not None:
+            *_, batch, self.last_starts = self._ahead
+            self._ahead = None
+            return batch
         windows = self.next_windows()
         shard = np.searchsorted(self.first_window, windows, side="right") - 1
         starts = (windows - self.first_window[shard]) * self.stride

@@ -293,7 +293,7 @@ def time_run(run: TR.Run, rung: Rung) -> Result:
 
     def step(accum):  # a windowed model is timed at its last, longest window
         loss, _ = TR.train_step(run.model, run.optimizer, run.train_loader.next_batch, accum, tcfg, device, 1e-4,
-                                windows=run.cfg.model.windows())
+                                windows=run.cfg.model.windows(), prefetch=run.train_loader.prefetch)
         return loss.item()  # one read-back per step, as a logger would
 
     _, warmup_s = timed(lambda: step(min(4, run.accum)), device)  # compilation happens here

@@ -304,14 +304,16 @@ def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows
 
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
-               momentum: float | None = None, windows: tuple[int, int] = (0, 0), scaler=None):
+               momentum: float | None = None, windows: tuple[int, int] = (0, 0), scaler=None, prefetch=None):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
     lr: the scheduled AdamW rate (each group runs at its lr_ratio of it); momentum: Muon's at this
     step (None: as configured); windows: the sliding windows (long, short) at this step (window_at).
     scaler: fp16's GradScaler: the loss is scaled before backward, the gradients unscaled before
-    clipping, and a step whose gradients overflowed is skipped by the scaler (its norm comes back inf)."""
+    clipping, and a step whose gradients overflowed is skipped by the scaler (its norm comes back inf).
+    prefetch: called once the last micro-batch's backward is queued, to draw the next step's first
+    micro-batch while the GPU works (data.ShardLoader.prefetch); None: it is drawn when that step asks."""
     O.set_step_rates(optimizer, lr, momentum)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
@@ -331,6 +333,8 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
             loss = forward_loss(model, batch, cfg, device, windows) / accum  # mean over the whole step
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach()
+    if prefetch is not None:
+        prefetch()
     if scaler is not None:
         for opt in inner_optimizers(optimizer):
             scaler.unscale_(opt)
@@ -787,6 +791,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     tcfg, ckpt_path = r.cfg.train, run_dir / "ckpt.pt"  # r.steps, not a copy: train.seconds sizes it on the way
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
+    prefetch = None if fixed is not None else r.train_loader.prefetch
     eval_windows = max(1, tcfg.eval_tokens // r.cfg.model.context)  # the same tokens at any micro-batch and world
     plain_windows = max(1, tcfg.eval_tokens // PLAIN_CONTEXT)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
@@ -826,7 +831,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                 raise Interrupted(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {p.step} of "
                                   f"{'unsized' if r.steps == UNSIZED else r.steps}; continue with --resume",
                                   planned=not stopper.signal)
-            row = timed_step(r, p, session, next_batch, meter, ckpt_path, say)
+            row = timed_step(r, p, session, next_batch, prefetch, meter, ckpt_path, say)
             write_log(r, run_dir, row, board)
             if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
                 size_steps(r, p, session, run_dir, say)
@@ -852,7 +857,8 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     return session
 
 
-def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, ckpt_path: Path, say) -> dict:
+def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, meter: Meter, ckpt_path: Path,
+               say) -> dict:
     """One optimizer step, timed; stops on a non-finite loss unless it may be skipped. Advances p
     and returns the step's log row."""
     tcfg, B, T = r.cfg.train, r.cfg.train.micro_batch, r.cfg.model.context
@@ -861,7 +867,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, meter: Meter, 
         windows = r.cfg.model.windows() if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
                                      O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg), windows,
-                                     r.scaler)
+                                     r.scaler, prefetch)
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()

@@ -253,10 +253,14 @@ def test_generate_skips_transformers_for_a_model_no_class_computes():
     assert "model.value_embeds=1" in row["skipped"]
 
 
-def test_one_rung_in_process_uses_train_setup():
+def test_one_rung_in_process_uses_train_setup_and_step_as_training_runs_them(monkeypatch):
+    """The timed step is train.py's, with the loader drawing each step's first micro-batch ahead as training does."""
+    ahead, step = [], TR.train_step
+    monkeypatch.setattr(TR, "train_step", lambda *a, **k: ahead.append(k["prefetch"].__self__ is a[2].__self__)
+                        or step(*a, **k))
     result = ME.measure(ME.Rung("fp32", "tiny", {"train__micro_batch": 2, "train__batch_tokens": 2048}, 1))
     assert result.tok_s > 0 and result.data == "random tokens" and result.accum == 2 and result.skipped is None
-    assert np.isfinite(result.loss)
+    assert np.isfinite(result.loss) and ahead == [True, True]  # the warm-up step and the timed one
 
 
 def test_one_rung_through_a_subprocess_returns_a_typed_result():
@@ -502,10 +506,12 @@ def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(dat
     monkeypatch.setattr(RE, "corpus_settings", lambda *a: {"data__corpus": data_cfg.corpus, "data__cache_dir": data_cfg.cache_dir,
                                                           "data__val_fraction": data_cfg.val_fraction})
     seen, step = [], TR.train_step
-    monkeypatch.setattr(TR, "train_step", lambda *a, **k: seen.append((len(a[2]()), k["windows"])) or step(*a, **k))
+    monkeypatch.setattr(TR, "train_step", lambda *a, **k: seen.append((len(a[2]()), k["windows"],
+                                                                      k["prefetch"].__self__ is a[2].__self__))
+                        or step(*a, **k))
     rows = B.profile_study("tiny", 2, False, {"model__vocab_size": 512, "model__context": 64, "model__attn_window": 32,
                                               "train__doc_mask": True}, corpus="the test corpus")
-    assert set(seen) == {(3, (32, 0))}  # (x, y, document ids) from the corpus; the long window 32
+    assert set(seen) == {(3, (32, 0), True)}  # (x, y, document ids) from the corpus; the long window 32; drawn ahead
     assert abs(sum(r["share"] for r in rows) - 1) < 1e-6 and not any("idle" in r["rung"] for r in rows)
 
 

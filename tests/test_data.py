@@ -401,6 +401,36 @@ def test_resume_gives_exactly_the_next_batches(shards):
         assert all(torch.equal(w, g) for w, g in zip(want, got))
 
 
+def test_a_batch_drawn_ahead_is_the_next_and_the_cursor_stands_before_it(shards):
+    """prefetch() draws the next micro-batch early (train_step, while the GPU runs the last backward); it is
+    the one next_batch() hands out, and a checkpoint taken between the two resumes with it, across an epoch's
+    end as well. Rewinding or loading a state drops it."""
+    plain, ahead = (D.ShardLoader(shards[0], 4, 32, seed=7, doc_ids=True) for _ in range(2))
+    for _ in range(len(plain) - 1):  # the batch drawn ahead is the epoch's last: the next one crosses into epoch 1
+        plain.next_batch(), ahead.next_batch()
+    state = plain.state_dict()
+    ahead.prefetch()
+    ahead.prefetch()  # a second call draws nothing more
+    assert ahead.state_dict() == state
+    resumed = D.ShardLoader(shards[0], 4, 32, seed=7, doc_ids=True)
+    resumed.load_state_dict(ahead.state_dict())
+    for _ in range(3):
+        want = plain.next_batch()
+        for got in (ahead.next_batch(), resumed.next_batch()):
+            assert all(torch.equal(w, g) for w, g in zip(want, got))
+        assert ahead.state_dict() == plain.state_dict()
+    ahead.prefetch()
+    ahead.rewind()
+    first = D.ShardLoader(shards[0], 4, 32, seed=7, doc_ids=True).next_batch()
+    assert all(torch.equal(w, g) for w, g in zip(ahead.next_batch(), first))
+    ahead.prefetch()
+    ahead.load_state_dict(plain.state_dict())
+    assert all(torch.equal(w, g) for w, g in zip(ahead.next_batch(), plain.next_batch()))
+    pageable = D.ShardLoader(shards[0], 4, 32, device="cuda", pin=False)  # built without touching a GPU
+    pageable.prefetch()  # its copy would wait for the GPU mid-step: it draws when asked instead
+    assert pageable.pos == 0
+
+
 def test_ranks_read_disjoint_slices(shards):
     one = D.ShardLoader(shards[0], 2, 32, seed=3)
     r0, r1 = (D.ShardLoader(shards[0], 2, 32, seed=3, rank=r, world=2) for r in (0, 1))

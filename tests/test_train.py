@@ -14,6 +14,7 @@ import torch
 
 import checkpoint as CK
 import config as C
+import data as D
 import model as M
 import optim as O
 import train as TR
@@ -136,6 +137,25 @@ def test_accumulation_matches_one_big_batch(train_config):
     torch.testing.assert_close(updated[0][0], updated[1][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(updated[0][1], updated[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_next_steps_first_micro_batch_is_drawn_before_the_update(train_config, tmp_path, monkeypatch):
+    """train_step asks for the next step's first micro-batch once the last backward is queued, before the
+    update and the caller's synchronization, so the GPU does not wait for it at the step's start; a
+    training run hands it the loader's prefetch, once a step."""
+    cfg = train_config.model
+    model = M.Llama(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events, update = [], opt.step
+    monkeypatch.setattr(opt, "step", lambda: events.append("update") or update())
+    batch = tuple(torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)) for _ in "xy")
+    TR.train_step(model, opt, lambda: events.append("batch") or batch, 3, train_config.train, torch.device("cpu"), 0.1,
+                  prefetch=lambda: events.append("prefetch"))
+    assert events == ["batch"] * 3 + ["prefetch", "update"]
+    drawn, prefetch = [], D.ShardLoader.prefetch
+    monkeypatch.setattr(D.ShardLoader, "prefetch", lambda loader: drawn.append(loader) or prefetch(loader))
+    TR.train(train_config, tmp_path / "run", **QUIET)
+    assert len(drawn) == 6 and len(set(map(id, drawn))) == 1  # six steps, the training loader's
 
 
 def test_cuda_graph_modes_accumulate_into_kept_buffers(train_config):
