@@ -108,7 +108,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     compile_mode: CompileMode = "default"  # torch.compile mode, or coordinate-descent (default + kernel tuning)
     optimizer: Literal["fused", "foreach", "for-loop"] = "foreach"  # AdamW implementation
-    pin: bool = False  # pinned host memory and non_blocking copies (CUDA)
+    pin: bool = False  # pinned host memory, non_blocking copies, each step's first micro-batch drawn ahead (CUDA)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
     recompute_mlp: bool = False  # recompute each block's norm + MLP in backward: its wide activations, ~10% more compute
     doc_mask: bool = False  # attend only within each packed document
