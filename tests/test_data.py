@@ -382,11 +382,16 @@ def test_batches_are_shifted_windows(shards):
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_epoch_visits_every_window_once(shards):
+def test_epoch_visits_every_window_once(shards, tmp_path):
     loader = D.ShardLoader(shards[0], 3, 32, seed=5)
     seen = np.concatenate([loader.next_windows() for _ in range(len(loader))])
     assert len(set(seen.tolist())) == len(seen) == 3 * len(loader)
     assert loader.epoch == 0 and loader.next_windows() is not None and loader.epoch == 1
+    D.write_shard(tmp_path / "train_00000.bin", np.arange(6 * 32 + 1, dtype=np.uint16), np.zeros(1, np.uint64), 1000,
+                  "0" * 16, 1)  # six windows: two micro-batches of 3 end the epoch exactly, the last one included
+    exact = D.ShardLoader([tmp_path / "train_00000.bin"], 3, 32, seed=5)
+    assert sorted(np.concatenate([exact.next_windows() for _ in range(2)]).tolist()) == list(range(6))
+    assert exact.epoch == 0
 
 
 def test_resume_gives_exactly_the_next_batches(shards):
@@ -463,6 +468,26 @@ def test_whole_windows_score_each_plain_target_once_with_a_window_before_it(shar
                     seen.append(start + j)
                     assert start == 0 or j >= W  # W tokens of this window before the target
     assert sorted(seen) == sorted(want)
+
+
+def test_whole_windows_leave_a_shards_tail_unscored_as_plain_windows_do(tmp_path):
+    """A shard's last tokens past its last whole plain window are never a plain target. A strided window
+    can reach them (here shard 0's window at 140 holds targets 141..172, past 160): they stay unscored,
+    and the next shard's plain targets are scored from its start."""
+    T, W, B = 32, 12, 2
+    files = []
+    for i in range(2):  # 5 plain windows of T + 1 and 26 tokens more, each shard
+        files.append(tmp_path / f"val_{i:05d}.bin")
+        D.write_shard(files[-1], np.arange(5 * T + 27, dtype=np.uint16), np.zeros(1, np.uint64), 1000, "0" * 16, 1)
+    n = 7  # shard 0's five plain windows and shard 1's first two
+    whole = D.ShardLoader(files, B, T, shuffle=False, stride=T - W)
+    seen = set()
+    for _ in range(whole.batches_covering(n)):
+        whole.next_batch()
+        shard, starts = whole.last_starts
+        for row, keep in enumerate(whole.scored_targets(n).numpy()):
+            seen |= {(int(shard[row]), int(starts[row]) + int(j)) for j in np.flatnonzero(keep)}
+    assert seen == {(0, o) for o in range(5 * T)} | {(1, o) for o in range(2 * T)}
 
 
 def test_a_stride_outside_the_window_is_refused(shards):
