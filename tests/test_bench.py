@@ -45,6 +45,27 @@ def test_ladder_plan_adds_one_setting_per_rung():
     assert all(r.config() for r in record)  # no rung combines what the model refuses
 
 
+def test_each_ladder_rung_changes_only_what_its_name_says():
+    """"fp32 eager" is FP32, eager and unfused, and each rung after it differs from the one before it in the
+    one setting it names, so the ladder's table says what each step gave."""
+    rungs = B.ladder_rungs("88m-muon", 16, 3) + B.ladder_tail("88m-muon", 16, 3)
+    configs = [r.config() for r in rungs]
+    first = configs[0].train
+    assert (first.tf32, first.bf16, first.compile, first.optimizer, first.pin) == (False, False, False, "foreach", False)
+    assert not any(getattr(configs[0].model, s) for s in M.TRAINING_FAST_PATHS)
+
+    def changed(a, b):
+        return {f"{part}.{f.name}" for part in ("model", "data", "train") for f in dataclasses.fields(getattr(a, part))
+                if getattr(getattr(a, part), f.name) != getattr(getattr(b, part), f.name)}
+    names = {"+tf32": "train.tf32", "+bf16 autocast": "train.bf16", "+torch.compile": "train.compile",
+             "+fused AdamW": "train.optimizer", "+pinned memory": "train.pin", "+loss kernel": "model.loss_kernel",
+             "+fp8 matmuls": "model.fp8", "+fused QK-norm + RoPE": "model.fused_qk_norm_rope",
+             "+bf16 residual": "model.bf16_residual", "+muon kernel": "train.muon_kernel",
+             "+coordinate descent": "train.compile_mode", "+max-autotune (no CUDA graphs)": "train.compile_mode"}
+    assert [(r.name, changed(a, b)) for r, a, b in zip(rungs[1:], configs, configs[1:])] == \
+        [(r.name, {names[r.name]}) for r in rungs[1:]]
+
+
 def test_the_ladders_first_rung_tries_at_most_65536_tokens_a_micro_batch(monkeypatch):
     """A preset of 8,192-token sequences starts its fp32 eager rung at 8 sequences, the 1,024-token presets
     at 64: what fits is found walking down from there (here nothing fits, so every size is tried)."""
@@ -421,6 +442,8 @@ def test_a_plan_names_its_rungs_and_checks_them_before_anything_runs(tmp_path, m
     assert [(r.name, r.preset, r.timed_steps) for r in rungs] == [("eager", "tiny", 2), ("muon", "tiny", 2)]
     assert rungs[1].overrides == {"train__muon": True, "train__micro_batch": 4}
     assert B.plan_rungs(plan, preset="22m", steps=5)[0].preset == "22m"  # the command line wins
+    plan.write_text('preset = "tiny"\nsteps = 1\n[[rung]]\nname = "once"\n')
+    assert B.plan_rungs(plan)[0].timed_steps == 1  # one timed step is a plan's least
     plan.write_text('[[rung]]\nname = "ok"\n[[rung]]\nname = "typo"\ntrain = { micro_bach = 4 }\n')
     monkeypatch.setattr(B.ME, "run_in_subprocess", lambda *a: pytest.fail("a process started"))
     with pytest.raises(SystemExit, match=r"mine\.toml: rung 2 \(typo\): .*unknown key\(s\) train\.micro_bach"):
@@ -435,7 +458,11 @@ def test_a_plan_names_its_rungs_and_checks_them_before_anything_runs(tmp_path, m
     ('preset = "tiny"\n[[rung]]\nname = "a"\ntrain = "fast"\n', r"rung 1 \(a\): train = 'fast' must be a table"),
     ('preset = "tiny"\n[[rung]]\nname = "a"\ntrain = { batch_tokens = 1000 }\n',
      r"rung 1 \(a\): train.batch_tokens=1,000 is not a multiple of micro_batch x context"),
-], ids=["steps-not-a-number", "table-not-a-table", "batch-not-divisible"])
+    ('preset = "tiny"\nsteps = 0\n[[rung]]\nname = "a"\n', r"steps = 0: give the timed steps per rung as a whole"),
+    ('preset = "tiny"\n[[rung]]\ntrain = { micro_batch = 4 }\n', r"rung 1: each \[\[rung\]\] needs a name of its own"),
+    ('preset = "tiny"\n[[rung]]\nname = "a"\n[[rung]]\nname = "a"\n', r"rung 2: each \[\[rung\]\] needs a name of its own"),
+], ids=["steps-not-a-number", "table-not-a-table", "batch-not-divisible", "no-timed-steps", "rung-without-a-name",
+        "two-rungs-one-name"])
 def test_a_bad_plan_is_refused_in_one_line_before_any_process_starts(tmp_path, monkeypatch, text, message):
     plan = tmp_path / "bad.toml"
     plan.write_text(text)
