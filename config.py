@@ -59,8 +59,9 @@ class DataConfig:
     tokenizer_file: str = ""  # a tokenizer.json to tokenize with instead of training one ("": train the corpus' own)
 
     def __post_init__(self):
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction={self.val_fraction!r} is out of range: it must be in [0, 1)")
+        if not 0 < self.val_fraction < 1:  # training evaluates on the held-out share: none leaves it nothing to score
+            raise ValueError(f"data.val_fraction={self.val_fraction!r} is out of range: it must be in (0, 1), the "
+                             f"share of documents held out for validation")
         for name, low in (("max_documents", 0), ("tokenizer_documents", 0), ("shard_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"data.{name}={getattr(self, name)!r} is out of range: it must be >= {low}")

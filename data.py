@@ -403,6 +403,9 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
                 "train": writers["train"].files, "val": writers["val"].files}
     if not manifest["train"]:
         raise ValueError(f"corpus {cfg.corpus!r}: every document went to validation; lower data.val_fraction")
+    if not manifest["val"]:  # the python corpus holds out by each file's hash: a few files may give none
+        raise ValueError(f"corpus {cfg.corpus!r}: none of its {index:,} documents went to validation at "
+                         f"data.val_fraction={cfg.val_fraction:g}; raise data.val_fraction (--val-fraction)")
     tmp = manifest_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_path)

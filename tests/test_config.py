@@ -31,6 +31,8 @@ def test_config_file_unknown_key_and_wrong_type(tmp_path, text, message):
     (dict(train__device="gpu"), r"train\.device='gpu': use auto, cpu, cuda or cuda:N"),
     (dict(data__shard_tokens=0), r"data\.shard_tokens=0 is out of range: it must be >= 1"),
     (dict(data__max_documents=-1), r"data\.max_documents=-1 is out of range"),
+    (dict(data__val_fraction=0.0), r"data\.val_fraction=0\.0 is out of range: it must be in \(0, 1\), the share of"),
+    (dict(data__val_fraction=1.0), r"data\.val_fraction=1\.0 is out of range: it must be in \(0, 1\)"),
     (dict(model__norm_eps=0.0), r"model\.rope_theta .* and model\.norm_eps .* must be positive"),
     (dict(model__attention="fast"), r"model\.attention='fast': choose one of 'sdpa'"),
 ])

@@ -628,6 +628,15 @@ def test_python_corpus_prepares_with_a_fingerprint(python_tree, tmp_path):
     assert tk.source_fingerprint("python") != manifest["source"]
 
 
+def test_a_corpus_that_holds_out_no_document_says_which_setting_to_raise(python_tree, tmp_path):
+    """The python corpus holds a file out by its text's hash, so a small share of few files can hold out none:
+    training would then have nothing to evaluate on."""
+    cfg = D.DataConfig(corpus="python", cache_dir=str(tmp_path / "cache"), val_fraction=1e-9)
+    with pytest.raises(ValueError, match=r"corpus 'python': none of its 30 documents went to validation at "
+                                         r"data.val_fraction=1e-09; raise data.val_fraction \(--val-fraction\)"):
+        D.prepare(cfg, 300, log=lambda *a: None)
+
+
 def test_local_files_of_any_extension_through_a_recursive_glob(tmp_path):
     (tmp_path / "src" / "deep").mkdir(parents=True)
     (tmp_path / "src" / "a.py").write_text("import os\n")
