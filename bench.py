@@ -578,7 +578,7 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
     switches: the model switches to profile with on (none: the compiled BF16 base). corpus: profile
     on that prepared corpus, documents as it trains on them (None: random tokens, no corpus needed)."""
     base = C.preset(preset)
-    context = base.model.context
+    context = (switches or {}).get("model__context") or base.model.context  # the step's, which the FLOPs count
     data = RE.corpus_settings(base, corpus) if corpus else {}
     rung = ME.Rung("profile", preset, {**FAST, "train__compile": cuda, "train__micro_batch": micro_batch,
                                        "train__batch_tokens": 2 * micro_batch * context,

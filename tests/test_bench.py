@@ -145,6 +145,10 @@ def test_a_study_whose_rungs_ran_at_the_cards_power_limit_says_so():
     note = B.power_note([free, held])
     assert note.startswith("\n\n1 of 2 rungs drew within 3% of the card's 700 W power limit")
     assert B.power_note([free]) == "" and B.power_note([{"rung": "on a CPU", "tok_s": 5.0}]) == ""
+    at_the_line = {**free, "power_w": 679.0}  # 97% of 700 W to the watt
+    assert B.power_note([at_the_line, held]).startswith("\n\n2 of 2 rungs drew within 3% of the card's 700 W")
+    other_card = {**held, "power_w": 580.0, "power_limit_w": 600.0}
+    assert "the card's 700 W power limit" in B.power_note([other_card, held])  # the larger limit of those held
 
 
 @pytest.mark.parametrize("printed, limit", [("700.00", 700.0), ("[N/A]", None)])
@@ -231,15 +235,34 @@ def test_memory_line_recovers_a_known_fit():
     fit = B.memory_line(rows)
     assert fit["fixed_gib"] == pytest.approx(1.5) and fit["gib_per_seq"] == pytest.approx(0.25)
     assert B.memory_line(rows[:1]) is None
+    assert B.memory_line(rows[:2])["gib_per_seq"] == pytest.approx(0.25)  # two sizes draw a line
+    card = [{**r, "device_gib": 10.0} for r in rows]  # 95% of 10 GiB is 9.5: 32 sequences at 9.5 GiB fit, 33 not
+    assert B.does_not_fit(card, 32) is None and B.does_not_fit(card, 33).startswith("predicted peak 10 GiB")
+    assert B.does_not_fit(rows, 64) is None  # no card's size in the rows: nothing to compare with
+
+
+def test_the_micro_batch_sweep_doubles_until_the_step_cannot_be_split_and_draws_its_memory_line(monkeypatch):
+    """A step of 2 x 512 tokens (tiny's context) holds two sequences: the sweep stops at micro-batch 2, where
+    the step cannot be split into two micro-batches any more, short of the CPU's limit of 4."""
+    def run(rungs, cuda, timeout, journal=None):
+        mb = rungs[0].config().train.micro_batch
+        return [{"rung": rungs[0].name, "micro_batch": mb, "tok_s": 10.0 * mb, "peak_gib": 1.0 + 0.5 * mb}]
+    monkeypatch.setattr(B.ME, "run", run)
+    rows = B.micro_batch_study("tiny", 2 * 512, 2, cuda=False, timeout=10)
+    assert [r.get("micro_batch") for r in rows] == [1, 2, None] and rows[-1]["rung"] == "fit"
+    assert rows[-1]["gib_per_seq"] == pytest.approx(0.5)
 
 
 def test_ladder_table_math():
     rows_ = [{"rung": "a", "micro_batch": 4, "tok_s": 100.0, "step_s": 1.0, "spread": 0.0, "warmup_s": 1.0,
               "sm_mhz": 2000, "power_w": 50, "peak_gib": 1.0},
              {"rung": "b", "micro_batch": 4, "tok_s": 250.0, "step_s": 0.4, "spread": 0.01, "warmup_s": 1.0,
-              "sm_mhz": 1000, "power_w": 50, "peak_gib": 1.0}]
-    table = B.ladder_table(rows_, flops_tok=1e12, roof=1000.0, spec_peak=2000.0)
-    assert "| b | 4 | 250 | 0.400 | 2.50 | 2.50 | 25.0% | 12.5% | 1.00 | 1.0 | 1000 | 50 | 250 | 1.0% |" in table
+              "sm_mhz": 1250, "power_w": 50, "peak_gib": 1.0},
+             {"rung": "c", "micro_batch": 8, "skipped": "out of memory"}]
+    table = B.ladder_table(rows_, flops_tok=1e12, roof=1000.0, spec_peak=2000.0).splitlines()
+    assert table[3] == "| b | 4 | 250 | 0.400 | 2.50 | 2.50 | 25.0% | 12.5% | 1.00 | 1.0 | 1250 | 50 | 200 | 1.0% |"
+    assert table[4].startswith("| c | 8 | skipped: out of memory |")
+    assert len({line.count("|") for line in table}) == 1  # the skipped row has every column too
 
 
 def test_budget_command_prints_table(capsys):
@@ -540,6 +563,14 @@ def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(dat
                                               "train__doc_mask": True}, corpus="the test corpus")
     assert set(seen) == {(3, (32, 0), True)}  # (x, y, document ids) from the corpus; the long window 32; drawn ahead
     assert abs(sum(r["share"] for r in rows) - 1) < 1e-6 and not any("idle" in r["rung"] for r in rows)
+    # Each rate is its class's counted FLOPs over its time: the step's 2 x 2 x 64 tokens, 6 N a token for the
+    # matmuls (N: the weights that multiply) and the rest of model.flops_per_token for attention.
+    mcfg = C.preset("tiny", model__vocab_size=512, model__context=64, model__attn_window=32).model
+    matmul, tokens = 6 * M.multiplied_params(mcfg), 2 * 2 * 64
+    counted = {"matmul": matmul * tokens, "attention": (M.flops_per_token(mcfg) - matmul) * tokens}
+    rates = {r["rung"]: r["tflops"] for r in rows if r["rung"] in counted}
+    assert rates and rates == {c: pytest.approx(counted[c] / (next(r["ms"] for r in rows if r["rung"] == c) / 1000)
+                                                / 1e12, rel=1e-2) for c in rates}
 
 
 def test_attended_pairs_count_what_the_document_and_window_mask_lets_through():
