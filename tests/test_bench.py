@@ -265,6 +265,12 @@ def test_ladder_table_math():
     assert len({line.count("|") for line in table}) == 1  # the skipped row has every column too
 
 
+def test_bench_without_a_study_names_the_studies_to_choose(capsys):
+    with pytest.raises(SystemExit):
+        B.main([])
+    assert "choose a study: --ladder, " in capsys.readouterr().err
+
+
 def test_budget_command_prints_table(capsys):
     B.main(["--budget", "--tok-s", "88m-muon=29408", "88m=29408"])
     out = capsys.readouterr().out
