@@ -41,6 +41,16 @@ def test_every_number_is_range_checked(override, message):
         C.preset("tiny", **override)
 
 
+def test_the_defaults_are_the_plain_path_each_setting_turns_something_on():
+    """Defaults, then the file, then flags: with nothing set a run is fp32, eager, the AdamW recipe, with no speed
+    setting and no fast path, so a config names everything it turns on and `--no-X` means the plain path."""
+    train, model = C.TrainConfig(steps=1), M.ModelConfig()
+    inert = {"muon_tall_scale", "muon_shared"}  # how Muon runs, where muon is on
+    on = sorted(f.name for f in dataclasses.fields(train) if f.name not in inert and getattr(train, f.name) is True)
+    assert on == [] and (train.optimizer, train.compile_mode, train.window_start) == ("foreach", "default", 0)
+    assert not any(getattr(model, s) for s in (*M.TRAINING_FAST_PATHS, *M.GENERATION_FAST_PATHS))
+
+
 def test_misspelled_override_is_an_error():
     with pytest.raises(ValueError, match=r"unknown key\(s\) train\.micro_batchs"):
         C.preset("tiny", train__micro_batchs=4)
