@@ -578,7 +578,7 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
     switches: the model switches to profile with on (none: the compiled BF16 base). corpus: profile
     on that prepared corpus, documents as it trains on them (None: random tokens, no corpus needed)."""
     base = C.preset(preset)
-    context = (switches or {}).get("model__context") or base.model.context  # the step's, which the FLOPs count
+    context = (switches or {}).get("model__context") or base.model.context  # a batch of the two micro-batches
     data = RE.corpus_settings(base, corpus) if corpus else {}
     rung = ME.Rung("profile", preset, {**FAST, "train__compile": cuda, "train__micro_batch": micro_batch,
                                        "train__batch_tokens": 2 * micro_batch * context,
@@ -599,7 +599,7 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
         classes[label] = classes.get(label, 0.0) + ms
         top.setdefault(label, []).append(f"{ms:.2f} ms {name[:100]}")
     mcfg = r.cfg.model
-    tokens = 2 * micro_batch * context
+    tokens = 2 * micro_batch * mcfg.context  # what the profiled step ran: its FLOPs count at the model's own context
     matmul = 6 * M.multiplied_params(mcfg)
     flops = {"matmul": matmul * tokens, "attention": (M.flops_per_token(mcfg) - matmul) * tokens}
     if cuda:  # on a CPU the profile's times are the CPU's own, nested and overlapping: no idle time to read
