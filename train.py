@@ -435,6 +435,14 @@ def read_log(log_path: Path) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["step"], "val_loss" in r))
 
 
+def logged_eval(log_path: Path, step: int) -> dict:
+    """The validation figures log.jsonl holds for `step` ({} where it holds none): what a run resumed at
+    its last step reports, whose last evaluation ran before the process stopped short of its summary."""
+    rows = read_log(log_path) if log_path.exists() else []
+    return next(({k: v for k, v in row.items() if k.startswith("val_")} for row in reversed(rows)
+                 if row["step"] == step and "val_loss" in row), {})
+
+
 def line_figure(series: dict, xlabel: str, ylabel: str, title: str, target: float | None = None):
     """The figure plot_lines saves: one line per entry of series, {label: (xs, ys, matplotlib format)},
     each in a colour of its own unless its format names one, the legend beside the axes (never over
@@ -801,6 +809,8 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     board = Board(run_dir / "tensorboard", p.step if resumed else None) if tcfg.tensorboard and r.rank == 0 else None
     stopper, session = Stopper(say), Session(first_step=p.step)
+    if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary: nothing to train
+        session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
     last_saved = p.step if resumed else None
     try:
         while True:

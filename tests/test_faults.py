@@ -4,6 +4,8 @@ a non-zero exit with nothing else touched; interrupted and finished runs lose no
 import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,6 +134,12 @@ def test_run_name_cannot_leave_the_runs_folder(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\\b", ".hidden"])
+def test_a_run_name_is_one_plain_folder_name(name):
+    with pytest.raises(ValueError, match=re.escape(f"--name {name!r}: a run name is one folder name")):
+        TR.check_run_name(name)
+
+
 def toml_of(cfg: C.Config) -> str:
     lines = []
     for section, values in cfg.to_dict().items():
@@ -148,6 +156,21 @@ def test_resume_of_a_finished_run_keeps_its_summary(finished):
     again = TR.train(cfg, run, resume=True, log=said.append)
     assert again == summary and "val_loss" in summary and "already finished at step 4" in said[0]
     assert json.loads((run / "summary.json").read_text()) == summary
+
+
+def test_a_run_stopped_between_its_last_checkpoint_and_its_summary_resumes_to_the_summary(finished, tmp_path):
+    """The last step's checkpoint is on disk, the summary is not (the process died between the two, say
+    while sampling): resume trains no step and writes the summary the run would have, its last validation
+    figures taken from the log."""
+    cfg, run = finished
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "summary.json").unlink()
+    summary = TR.train(cfg, copy, resume=True, **QUIET)
+    validation = lambda s: {k: v for k, v in s.items() if k.startswith("val_")}  # noqa: E731
+    assert summary["steps"] == 4 and CK.load(copy).step == 4 and summary["val_loss"]
+    assert validation(summary) == validation(json.loads((run / "summary.json").read_text()))
+    assert json.loads((copy / "summary.json").read_text()) == summary
 
 
 def test_export_never_writes_into_a_run_or_a_full_folder(finished, tmp_path):

@@ -849,3 +849,57 @@ def test_every_train_command_in_the_readme_loads_and_its_batch_divides():
         argv = [w for w in words[words.index("train.py") + 1:] if w != "--resume"]
         cfg, _ = TR.resolve_config(TR.build_parser().parse_args(argv))
         assert TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, world), line
+
+
+# --- The small functions a run is sized and reported by ---------------------------------------
+
+def test_run_length_in_steps_from_steps_or_tokens():
+    assert TR.total_steps(C.TrainConfig(steps=7, tokens=10**9)) == 7  # steps win over tokens
+    assert TR.total_steps(C.TrainConfig(tokens=10 * 524_288 + 5)) == 10  # whole steps of batch_tokens
+    assert TR.total_steps(C.TrainConfig(tokens=1000)) == 1  # fewer tokens than one step still takes one
+    assert TR.total_steps(C.TrainConfig(tokens=0, seconds=60, schedule="wsd")) == TR.UNSIZED  # train.seconds sizes it later
+
+
+@pytest.mark.parametrize("fp16, bf16, dtype", [(False, True, torch.bfloat16), (True, False, torch.float16),
+                                               (True, True, torch.float16), (False, False, torch.float32)])
+def test_autocast_runs_matmuls_in_the_precision_asked_for(fp16, bf16, dtype):
+    a = torch.randn(4, 8)
+    with TR.autocast(C.TrainConfig(steps=1, fp16=fp16, bf16=bf16), torch.device("cpu")):
+        assert (a @ a.T).dtype == dtype
+
+
+def test_bf16_becomes_fp16_on_a_gpu_without_it_and_only_there(monkeypatch):
+    said = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    cfg = C.TrainConfig(steps=1, bf16=True)
+    turned = TR.half_precision(cfg, torch.device("cuda"), log=said.append)
+    assert turned.fp16 and "Tesla T4 has no bf16 tensor cores: training in fp16" in said[0]
+    assert TR.half_precision(cfg, torch.device("cpu"), log=said.append) == cfg and len(said) == 1  # CPU autocast has bf16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert TR.half_precision(cfg, torch.device("cuda"), log=said.append) == cfg and len(said) == 1
+
+
+def test_mfu_is_each_ranks_share_of_the_named_peak():
+    meter = TR.Meter(info={}, flops_tok=1_000_000, peak=100.0, peak_source="given", title="")
+    assert meter.mfu(50_000_000, world=1) == pytest.approx(0.5)  # 5e13 FLOP/s of 100 TFLOP/s
+    assert meter.mfu(50_000_000, world=2) == pytest.approx(0.25)
+    assert dataclasses.replace(meter, peak=None).mfu(50_000_000, world=1) is None
+
+
+def test_peak_memory_on_a_cpu_is_the_process_peak_in_gib():
+    assert 0.01 < TR.peak_memory_gib(torch.device("cpu")) < 64  # this test process: a few hundred MiB to a few GiB
+
+
+def test_a_warm_up_that_fits_is_kept_without_a_note(train_config):
+    said = []
+    r = TR.setup(with_train(train_config, steps=6, warmup_steps=3), log=said.append)
+    assert r.cfg.train.warmup_steps == 3 and not any("warmup_steps" in s for s in said)
+    r = TR.setup(with_train(train_config, steps=6, warmup_steps=5), log=said.append)
+    assert r.cfg.train.warmup_steps < 5 and any("train.warmup_steps=5 would warm up" in s for s in said)
+
+
+def test_skipping_non_finite_steps_under_fp16_skips_none_of_a_healthy_run(train_config, tmp_path):
+    """Under fp16 the scaler, not the gradient norm, decides on a finite gradient: a healthy run skips nothing."""
+    summary = TR.train(with_train(train_config, fp16=True, skip_nonfinite=True), tmp_path / "run", **QUIET)
+    assert summary["skipped"] == 0 and summary["steps"] == 6
