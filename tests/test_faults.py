@@ -173,6 +173,27 @@ def test_a_run_stopped_between_its_last_checkpoint_and_its_summary_resumes_to_th
     assert json.loads((copy / "summary.json").read_text()) == summary
 
 
+def test_a_run_folder_is_started_over_only_when_asked(finished, tmp_path):
+    cfg, run = finished
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    before = snapshot(copy)
+    with pytest.raises(ValueError, match="already holds a checkpoint: pass --resume to continue it, --overwrite"):
+        TR.train(cfg, copy, **QUIET)
+    assert snapshot(copy) == before
+    summary = TR.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=2)), copy, overwrite=True,
+                       **QUIET)
+    assert summary["steps"] == 2 and CK.load(copy).step == 2
+    assert max(json.loads(line)["step"] for line in (copy / "log.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_new_run_makes_its_runs_folder(finished, tmp_path):
+    cfg = finished[0]
+    TR.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1)), tmp_path / "new" / "runs" / "a",
+             **QUIET)
+    assert CK.load(tmp_path / "new" / "runs" / "a").step == 1
+
+
 def test_export_never_writes_into_a_run_or_a_full_folder(finished, tmp_path):
     run = finished[1]
     before = snapshot(run)

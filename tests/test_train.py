@@ -903,3 +903,15 @@ def test_skipping_non_finite_steps_under_fp16_skips_none_of_a_healthy_run(train_
     """Under fp16 the scaler, not the gradient norm, decides on a finite gradient: a healthy run skips nothing."""
     summary = TR.train(with_train(train_config, fp16=True, skip_nonfinite=True), tmp_path / "run", **QUIET)
     assert summary["skipped"] == 0 and summary["steps"] == 6
+
+
+@pytest.mark.parametrize("first, then", [({"bf16": True}, {"fp16": True}), ({"fp16": True}, {"bf16": True})],
+                         ids=["bf16-then-fp16", "fp16-then-bf16"])
+def test_a_run_resumes_across_bf16_and_fp16_cards(train_config, tmp_path, first, then):
+    """A run moved to a card without bf16 goes on in fp16 with a fresh loss scale, and back: the scaler's
+    state loads only where both the checkpoint and this run have a scaler."""
+    run = tmp_path / "run"
+    with pytest.raises(TR.Interrupted):
+        TR.train(with_train(train_config, **first), run, stop_after=3, **QUIET)
+    summary = TR.train(with_train(train_config, **then), run, resume=True, **QUIET)
+    assert summary["steps"] == 6 and math.isfinite(summary["val_loss"])
