@@ -915,3 +915,24 @@ def test_a_run_resumes_across_bf16_and_fp16_cards(train_config, tmp_path, first,
         TR.train(with_train(train_config, **first), run, stop_after=3, **QUIET)
     summary = TR.train(with_train(train_config, **then), run, resume=True, **QUIET)
     assert summary["steps"] == 6 and math.isfinite(summary["val_loss"])
+
+
+def test_the_run_header_says_what_runs(train_config, tmp_path):
+    said = []
+    cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, skip_attn_layer=1,
+                                                                        tie_embeddings=False))
+    cfg = with_train(cfg, fp16=True, muon=True, lr=0.01, muon_lr=0.02, embed_lr=0.05, head_lr=0.002, scalar_lr=0.04,
+                     muon_momentum_warmup=5)
+    TR.announce(TR.setup(cfg, log=said.append), tmp_path, said.append)
+    assert "model parts: no attention in layer 1" in said
+    assert ("optimizer: Muon + AdamW (peak lr by group: matrices 0.02, embed 0.05, head 0.002, scalars 0.04, "
+            "momentum 0.85 -> 0.95 over 5 steps), cosine schedule, clipping 1.0") in said
+    assert any(s.startswith("batch: 512 tokens = 4 seq x 64 tokens x 2 accumulation x 1 rank(s); 6 steps = 3,072 "
+                            "tokens") for s in said)
+    assert any(s.startswith("flags: tf32=False bf16=False fp16=True (gradient scaler) compile=False") for s in said)
+    said.clear()
+    meter = TR.announce(TR.setup(with_train(train_config, peak_tflops=100.0), log=said.append), tmp_path, said.append)
+    assert not any(s.startswith("model parts") for s in said)  # the plain model has none of them
+    assert any(s.startswith("optimizer: AdamW (peak lr by group: matrices 0.003, ") for s in said)
+    assert any(s.startswith("flags: tf32=False bf16=False fp16=False compile=False") for s in said)
+    assert meter.peak == 100.0 and meter.peak_name == "100 TFLOP/s given"  # MFU against --peak-tflops, on any device
