@@ -399,12 +399,24 @@ def poison(monkeypatch, at_call: int, value=float("nan"), error=None, raise_sign
     monkeypatch.setattr(TR, "forward_loss", forward)
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(train_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0], ids=["clipped", "no-norm-computed"])
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(train_config, tmp_path, monkeypatch, grad_clip):
+    """Without clipping the gradient norm is not computed (it reads 0): the loss alone must stop the run."""
     run = tmp_path / "run"
     poison(monkeypatch, at_call=9)  # step 4's first micro-batch (2 per step)
     with pytest.raises(SystemExit, match=r"loss is nan .* at step 4: stopping; the last good checkpoint .*ckpt\.pt \(step 3\) is kept"):
-        TR.train(train_config, run, **QUIET)
+        TR.train(with_train(train_config, grad_clip=grad_clip), run, **QUIET)
     assert CK.load(run).step == 3
+
+
+def test_each_log_row_counts_its_tokens_and_times_its_step(train_config, tmp_path, capsys):
+    TR.train(with_train(train_config, steps=3), tmp_path / "run", **QUIET)
+    said = capsys.readouterr().out.splitlines()  # the step lines go through the progress bar's write
+    rows = [r for r in map(json.loads, (tmp_path / "run" / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["tokens"] for r in rows] == [512, 1024, 1536]
+    assert all(r["tok_s"] == pytest.approx(512 / r["step_s"], rel=0.01, abs=1) for r in rows)
+    first, = [s for s in said if s.startswith("step 0 loss")]  # said once, at the first step
+    assert f"vs ln(vocab) = {math.log(train_config.model.vocab_size):.4f}" in first and "WARNING" not in first
 
 
 def test_nan_right_after_a_checkpoint_falls_back_to_the_one_before(train_config, tmp_path, monkeypatch):
