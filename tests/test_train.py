@@ -410,11 +410,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(train_config, tmp_path, m
 
 
 def test_each_log_row_counts_its_tokens_and_times_its_step(train_config, tmp_path, capsys):
-    TR.train(with_train(train_config, steps=3), tmp_path / "run", **QUIET)
+    cfg = with_train(train_config, steps=3, warmup_steps=1)  # a warm-up that fits: the config is the run's
+    summary = TR.train(cfg, tmp_path / "run", **QUIET)
     said = capsys.readouterr().out.splitlines()  # the step lines go through the progress bar's write
     rows = [r for r in map(json.loads, (tmp_path / "run" / "log.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["tokens"] for r in rows] == [512, 1024, 1536]
+    assert [r["lr"] for r in rows] == [O.lr_at(step, cfg.train, 3) for step in range(3)]  # the rate each step ran at
     assert all(r["tok_s"] == pytest.approx(512 / r["step_s"], rel=0.01, abs=1) for r in rows)
+    # The first step compiles and warms up: the second stands in for it in the training time, and the mean rate
+    # leaves it out.
+    assert rows[0]["train_seconds"] == 0
+    assert rows[-1]["train_seconds"] == pytest.approx(2 * rows[1]["step_s"] + rows[2]["step_s"], abs=2e-3)
+    assert summary["mean_tok_s"] == pytest.approx((rows[1]["tok_s"] + rows[2]["tok_s"]) / 2, abs=2)
     first, = [s for s in said if s.startswith("step 0 loss")]  # said once, at the first step
     assert f"vs ln(vocab) = {math.log(train_config.model.vocab_size):.4f}" in first and "WARNING" not in first
 
