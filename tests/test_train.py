@@ -526,6 +526,11 @@ def test_a_run_sized_with_the_margin_ends_inside_its_seconds_when_steps_come_slo
     assert ends(TR.seconds_to_fill(157, spent)) <= 157
 
 
+def test_the_second_sizing_falls_halfway_through_the_stable_share():
+    assert TR.resize_step(C.TrainConfig(steps=1, warmdown_fraction=0.5), 100) == 25  # stable: steps 0-49
+    assert TR.resize_step(C.TrainConfig(steps=1, warmdown_fraction=0.2), 100) == 40  # stable: steps 0-79
+
+
 def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train_config, tmp_path, capsys,
                                                                            monkeypatch):
     # A clock that moves 50 ms a reading, so a step takes 50 ms whatever else the machine runs: on the real
