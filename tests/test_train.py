@@ -960,3 +960,20 @@ def test_the_run_header_says_what_runs(train_config, tmp_path):
     assert any(s.startswith("optimizer: AdamW (peak lr by group: matrices 0.003, ") for s in said)
     assert any(s.startswith("flags: tf32=False bf16=False fp16=False compile=False") for s in said)
     assert meter.peak == 100.0 and meter.peak_name == "100 TFLOP/s given"  # MFU against --peak-tflops, on any device
+
+
+def test_the_validation_loaders_read_the_split_in_order(train_config, monkeypatch):
+    """Evaluation scores the val split's first windows, the same ones at every evaluation and in
+    evaluate.py: its loaders never shuffle, the whole-window one stepping by context - window, and the
+    plain one (here 32 tokens stand for 1,024) reading plain windows without document ids."""
+    monkeypatch.setattr(TR, "PLAIN_CONTEXT", 32)
+    cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, attn_window=48))
+    r = TR.setup(with_train(cfg, doc_mask=True), **QUIET)
+    T = cfg.model.context
+    for loader, stride, length, parts in ((r.val_loader, T, T, 3), (r.whole_val_loader, T - 48, T, 3),
+                                          (r.plain_val_loader, 32, 32, 2)):
+        batch = loader.next_batch()
+        x = batch[0]
+        tokens = torch.from_numpy(np.asarray(loader.shards[0][0][:stride * len(x) + length], dtype=np.int64))
+        assert len(batch) == parts and x.shape[1] == length
+        assert all(torch.equal(row, tokens[i * stride:i * stride + length]) for i, row in enumerate(x))
