@@ -977,3 +977,13 @@ def test_the_validation_loaders_read_the_split_in_order(train_config, monkeypatc
         tokens = torch.from_numpy(np.asarray(loader.shards[0][0][:stride * len(x) + length], dtype=np.int64))
         assert len(batch) == parts and x.shape[1] == length
         assert all(torch.equal(row, tokens[i * stride:i * stride + length]) for i, row in enumerate(x))
+
+
+def test_an_evaluation_draws_only_the_batches_it_scores(train_config):
+    r = TR.setup(train_config, **QUIET)
+    loader, drawn = r.val_loader, []
+    assert len(loader) > 1, "the test's val split must hold more than one batch"
+    draw = loader.next_batch
+    loader.next_batch = lambda: drawn.append(1) or draw()
+    found = TR.evaluate(r.model, loader, 1, torch.ones(train_config.model.vocab_size), train_config.train, r.device)
+    assert len(drawn) == 1 and math.isfinite(found["val_loss"])  # one window: one batch, not the whole split
