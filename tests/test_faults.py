@@ -194,6 +194,16 @@ def test_a_new_run_makes_its_runs_folder(finished, tmp_path):
     assert CK.load(tmp_path / "new" / "runs" / "a").step == 1
 
 
+def test_a_run_ends_with_a_sample_that_continues_its_prompt(finished, tmp_path):
+    cfg = finished[0]
+    said = []
+    TR.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1, sample_tokens=5,
+                                                                sample_prompt="Once upon")), tmp_path / "run",
+             log=said.append)
+    sample = said[-1]
+    assert sample.startswith("sample:\nOnce upon") and len(sample) > len("sample:\nOnce upon")
+
+
 def test_export_never_writes_into_a_run_or_a_full_folder(finished, tmp_path):
     run = finished[1]
     before = snapshot(run)
