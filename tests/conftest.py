@@ -70,6 +70,11 @@ def tiny_run_config(data_cfg, model: M.ModelConfig | None = None, **train):
                     train=C.TrainConfig(**{**TINY_TRAIN, **train}))
 
 
+def with_train(cfg, **changes):
+    """cfg with its [train] values changed."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
+
+
 @pytest.fixture
 def free_port():
     """A TCP port nothing holds now, for torchrun's rendezvous, where a fixed one may still be held by an

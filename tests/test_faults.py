@@ -20,7 +20,7 @@ import data as D
 import export as E
 import sample as S
 import train as TR
-from conftest import tiny_run_config
+from conftest import tiny_run_config, with_train
 
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -181,25 +181,21 @@ def test_a_run_folder_is_started_over_only_when_asked(finished, tmp_path):
     with pytest.raises(ValueError, match="already holds a checkpoint: pass --resume to continue it, --overwrite"):
         TR.train(cfg, copy, **QUIET)
     assert snapshot(copy) == before
-    summary = TR.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=2)), copy, overwrite=True,
-                       **QUIET)
+    summary = TR.train(with_train(cfg, steps=2), copy, overwrite=True, **QUIET)
     assert summary["steps"] == 2 and CK.load(copy).step == 2
     assert max(json.loads(line)["step"] for line in (copy / "log.jsonl").read_text().splitlines()) == 2
 
 
 def test_a_new_run_makes_its_runs_folder(finished, tmp_path):
     cfg = finished[0]
-    TR.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1)), tmp_path / "new" / "runs" / "a",
-             **QUIET)
+    TR.train(with_train(cfg, steps=1), tmp_path / "new" / "runs" / "a", **QUIET)
     assert CK.load(tmp_path / "new" / "runs" / "a").step == 1
 
 
 def test_a_run_ends_with_a_sample_that_continues_its_prompt(finished, tmp_path):
     cfg = finished[0]
     said = []
-    TR.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1, sample_tokens=5,
-                                                                sample_prompt="Once upon")), tmp_path / "run",
-             log=said.append)
+    TR.train(with_train(cfg, steps=1, sample_tokens=5, sample_prompt="Once upon"), tmp_path / "run", log=said.append)
     sample = said[-1]
     assert sample.startswith("sample:\nOnce upon") and len(sample) > len("sample:\nOnce upon")
 
@@ -256,7 +252,7 @@ def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp
     """The first Ctrl-C arrives during step `first` (checkpoints every 2 steps); the second during
     the stop's save, the evaluation the stop runs first at step 4, or the plot, each made slow
     enough to hit by sending the signal from inside it."""
-    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=6))
+    cfg = with_train(finished[0], steps=6)
     real_step, real_save, real_plot, real_eval = TR.train_step, CK.save, TR.plot_losses, TR.evaluate
     steps = []
 
@@ -311,7 +307,7 @@ def test_a_quick_second_ctrl_c_inside_a_long_cpu_call_quits_at_once(tmp_path):
 
 
 def test_ctrl_c_during_the_final_sample_or_prepare_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys):
-    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, sample_tokens=5))
+    cfg = with_train(finished[0], sample_tokens=5)
     monkeypatch.setattr(TR, "sample_text", lambda *a: ctrl_c())
     with pytest.raises(SystemExit) as e:
         TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
@@ -405,7 +401,7 @@ def test_the_small_validation_split_is_named_with_the_flags_that_help(tmp_path):
 
 def test_mfu_names_the_peak_it_is_measured_against(finished, tmp_path):
     said = []
-    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, peak_tflops=2.0, steps=2))
+    cfg = with_train(finished[0], peak_tflops=2.0, steps=2)
     TR.train(cfg, tmp_path / "r", log=said.append)
     assert any("MFU" in line and "of 2 TFLOP/s given" in line for line in said if line.startswith("done:"))
 
@@ -470,7 +466,7 @@ def test_a_bad_flag_value_is_blamed_on_the_flag_not_the_file(tmp_path):
 
 def test_the_cpu_run_header_reports_what_runs(finished, tmp_path):
     said = []
-    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=1))
+    cfg = with_train(finished[0], steps=1)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fused_swiglu=True, bf16_residual=True))
     assert cfg.model.fused_swiglu  # asked for, but a CUDA kernel
     TR.train(cfg, tmp_path / "r", log=said.append)
@@ -490,7 +486,7 @@ def test_ctrl_c_while_train_prepares_its_data_exits_130_in_one_line(finished, tm
 
 
 def test_the_config_is_printed_one_short_line_per_section(finished, tmp_path, capsys):
-    cfg = dataclasses.replace(finished[0], train=dataclasses.replace(finished[0].train, steps=1))
+    cfg = with_train(finished[0], steps=1)
     TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[:3]] == ["[model]", "[data]", "[train]"]

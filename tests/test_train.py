@@ -18,7 +18,7 @@ import data as D
 import model as M
 import optim as O
 import train as TR
-from conftest import tiny_run_config
+from conftest import tiny_run_config, with_train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,10 +29,6 @@ def losses(run_dir: Path) -> list[float]:
 
 def weights(run_dir: Path) -> dict:
     return CK.load(run_dir).model
-
-
-def with_train(cfg: C.Config, **changes) -> C.Config:
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
 
 
 QUIET = dict(log=lambda *a, **k: None)
@@ -99,7 +95,7 @@ def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop, one_threa
 
 def test_fp16_trains_with_its_scaler_and_says_so(train_config, tmp_path):
     lines = []
-    cfg = dataclasses.replace(train_config, train=dataclasses.replace(train_config.train, fp16=True, steps=12))
+    cfg = with_train(train_config, fp16=True, steps=12)
     summary = TR.train(cfg, tmp_path / "run", log=lines.append)
     curve = losses(tmp_path / "run")
     assert all(math.isfinite(v) for v in curve) and curve[-1] < curve[0] - 0.5
@@ -298,8 +294,7 @@ def test_tensorboard_without_the_package_says_how_to_install_it(train_config, tm
     real = TR.importlib.util.find_spec
     monkeypatch.setattr(TR.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name))
     with pytest.raises(ValueError, match=r"train.tensorboard needs the tensorboard package: pip install tensorboard"):
-        TR.train(dataclasses.replace(train_config, train=dataclasses.replace(train_config.train, tensorboard=True)),
-                 tmp_path / "run", **QUIET)
+        TR.train(with_train(train_config, tensorboard=True), tmp_path / "run", **QUIET)
 
 
 def test_help_after_config_shows_that_files_values():
@@ -542,8 +537,7 @@ def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train
     # that the run was sized too short to size itself again past the probe's 12 steps.
     clock = itertools.count()
     monkeypatch.setattr(TR.time, "perf_counter", lambda: 0.05 * next(clock))
-    cfg = dataclasses.replace(train_config, train=dataclasses.replace(
-        train_config.train, steps=0, seconds=4.0, schedule="wsd", eval_every=1000, ckpt_every=1000))
+    cfg = with_train(train_config, steps=0, seconds=4.0, schedule="wsd", eval_every=1000, ckpt_every=1000)
     summary = TR.train(cfg, tmp_path / "run", **QUIET)
     out = capsys.readouterr().out
     first = int(out.split("so the run takes ")[1].split()[0])
