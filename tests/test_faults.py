@@ -159,9 +159,9 @@ def test_resume_of_a_finished_run_keeps_its_summary(finished):
 
 
 def test_a_run_stopped_between_its_last_checkpoint_and_its_summary_resumes_to_the_summary(finished, tmp_path):
-    """The last step's checkpoint is on disk, the summary is not (the process died between the two, say
-    while sampling): resume trains no step and writes the summary the run would have, its last validation
-    figures taken from the log."""
+    """The last step's checkpoint is on disk, the summary is not (the process was killed between the two,
+    say while it plotted its losses; the summary is written before the closing sample): resume trains no
+    step and writes the summary the run would have, its last validation figures taken from the log."""
     cfg, run = finished
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
