@@ -660,8 +660,8 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
 # 27.27 ms forward and backward against 30.38 on an H200 (`python bench.py --loss --preset 88m --micro-batch 16`,
 # docs/PERFORMANCE.md, "Training speed").
 FP8_HEAD_WEIGHT_GRAD = True
-# That transposed copy by onegpu_kernels.transposed, a kernel of 32-bit words, where True; False: Inductor's copy
-# of t.t().contiguous(), the reference. The head and loss of 131,072 tokens at 88m, forward and backward, took 26.37
+# That transposed copy, and the head's operands' column-major copies for its backward, by onegpu_kernels.transposed,
+# a kernel of 32-bit words, where True; False: t.t().contiguous(), the reference. The head and loss of 131,072 tokens at 88m, forward and backward, took 26.37
 # ms with the kernel against 26.71 with Inductor's copy on an H200 (`python bench.py --loss --preset 88m
 # --micro-batch 16`, 2026-12-04, after its GPU tests passed; docs/LOG.md).
 TRANSPOSE_KERNEL = True
@@ -698,9 +698,13 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         x_saved, sx, w8, sw, dz, dz8 = ctx.saved_tensors
         sg = grad.float() / ctx.scale  # dz8's inverse scale, times the incoming gradient
-        grad_x = torch._scaled_mm(dz8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=ctx.dtypes[0])
+        # w8 (vocab, d) and x8 (N, d) column-major: views of their transposed copies, made by the same kernel
+        # (where transpose_kernel). As col_major's strided copies they ran as PyTorch's element-at-a-time FP8
+        # copy, 1.67 ms of the 88m profile step (docs/PERFORMANCE.md, "Where the time goes", 2026-12-05).
+        kernel = ctx.transpose_kernel
+        grad_x = torch._scaled_mm(dz8, transposed(w8, kernel).t(), scale_a=sg, scale_b=sw, out_dtype=ctx.dtypes[0])
         if ctx.fp8_weight_grad:  # dz8.T: (vocab, N) row-major; x8: (N, d) column-major
-            grad_w = torch._scaled_mm(transposed(dz8, ctx.transpose_kernel), col_major(x_saved), scale_a=sg,
+            grad_w = torch._scaled_mm(transposed(dz8, kernel), transposed(x_saved, kernel).t(), scale_a=sg,
                                       scale_b=sx, out_dtype=ctx.dtypes[1])
         else:
             grad_w = (dz.t() @ x_saved).to(ctx.dtypes[1]) * grad

@@ -342,6 +342,33 @@ def test_the_fp8_head_and_loss_kernel_in_one_function_stay_close_to_bf16(compile
     assert rel(out[0][1], out[1][1]) < 0.15 and rel(out[0][2], out[1][2]) < 0.15
 
 
+@pytest.mark.parametrize("cap", [0.0, 15.0])
+def test_the_loss_kernels_gradient_through_float16_is_the_float32_passs_within_a_step(monkeypatch, cap):
+    """K.CE_HALF_GRADIENT's pass (the cap's tanh and the exponential in f16x2) against the float32 pass, on logits
+    of the FP8 head's shape: the same loss, nearly every e5m2 byte the same, the rest one step of e5m2 apart
+    (a quarter of the larger, or below e5m2's smallest normal: 2^-14), and the gradient within e5m2's
+    rounding of float64's."""
+    g = torch.Generator("cuda").manual_seed(11)
+    n, vocab = 4096, 32768
+    logits = (3 * torch.randn(n, vocab, device="cuda", generator=g)).bfloat16()
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    scale = torch.finfo(torch.float8_e5m2).max * n
+    out = []
+    for half in (False, True):
+        monkeypatch.setattr(K, "CE_HALF_GRADIENT", half)
+        out.append(K.cross_entropy_and_gradient(logits, targets, cap, scale, fp8_only=True))
+    (loss32, _, g32), (loss16, _, g16) = out
+    assert torch.equal(loss16, loss32)
+    plain, got = g32.float(), g16.float()
+    apart = plain != got
+    assert apart.float().mean() < 0.01, apart.float().mean()
+    assert ((got - plain).abs() <= 0.25 * torch.maximum(got.abs(), plain.abs()) + 2 ** -14).all()
+    z = logits[:256].double().requires_grad_()
+    F.cross_entropy(M.softcap(z, cap), targets[:256], reduction="sum").backward()
+    want, err = z.grad / n, (got[:256].double() / scale - z.grad / n).abs()
+    assert (err <= 0.14 * want.abs() + 2 ** -16 / scale).all()  # e5m2 rounds to within an eighth, and the tanh
+
+
 def test_the_transpose_kernel_copies_the_bytes_of_the_plain_transpose():
     """onegpu_kernels.transposed on the GPU, at every tile the autotuner may pick: the bytes of t.t().contiguous(),
     for an e5m2 matrix the tiles do not divide (the FP8 head's gradient at 2,052 tokens and a 32,768 vocabulary),

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
 CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "relu2_fp8_check", "transposed_check", "gram_check",
           "swiglu_check",
-          "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
+          "fp8_head_loss_check", "half_gradient_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
 SLOW_CHECKS = ("compiled_custom_ops_check", "compiled_fp8_mlp_check")  # each in a process of its own, in the slow tier
 RUNNING = []  # the process that runs CHECKS, once started
 
@@ -159,6 +159,11 @@ def test_the_fp8_head_and_loss_kernel_in_one_function_match_them_apart(interpret
 
 
 @needs_triton
+def test_the_loss_kernels_gradient_through_float16_stays_within_e5m2s_rounding(interpreted):
+    run_under_interpreter(interpreted, "half_gradient_check")
+
+
+@needs_triton
 def test_the_fused_relu2_mlp_matches_the_plain_one_forward_and_backward(interpreted):
     run_under_interpreter(interpreted, "relu2_check")
 
@@ -212,6 +217,8 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
      {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
     ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=False),
      {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
+    ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=False,
+                                                HALF=True), {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
     ("_relu2_fp8_kernel", dict(BLOCK=4096), {"a8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     ("_relu2_fp8_backward_kernel", dict(BLOCK=4096), {"du8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
