@@ -152,7 +152,7 @@ def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Run
 
 
 PLAN_KEYS = {"preset", "steps", "rung"}
-RUNG_KEYS = {"name", "model", "data", "train"}
+RUNG_KEYS = {"name", "plain", "model", "data", "train"}
 
 
 def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) -> list[ME.Rung]:
@@ -165,8 +165,11 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
         train = { compile = true, micro_batch = 64 }
         model = { fused_swiglu = false }
 
-    Every rung's config goes through the strict loader here, so a misspelled key fails before any
-    process starts. preset and steps given on the command line win over the file's."""
+    `plain = true` turns every training fast path off first (PLAIN_KERNELS, from model.TRAINING_FAST_PATHS
+    and optim.FAST_PATHS), so a plain rung stays plain when a preset gains a fast path; its own tables
+    then switch on what it measures. Every rung's config goes through the strict loader here, so a
+    misspelled key fails before any process starts. preset and steps given on the command line win over
+    the file's."""
     values = C.read_plan(path)
     unknown = sorted(set(values) - PLAN_KEYS)
     if unknown:
@@ -189,7 +192,12 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
             if not isinstance(table.get(section, {}), dict):
                 raise ValueError(f"{where} ({table['name']}): {section} = {table[section]!r} must be a table of "
                                  f"settings, e.g. {section} = {{ micro_batch = 32 }}")
-        overrides = {f"{section}__{k}": v for section in ("model", "data", "train") for k, v in table.get(section, {}).items()}
+        if not isinstance(table.get("plain", False), bool):
+            raise ValueError(f"{where} ({table['name']}): plain = {table['plain']!r}: give true (every fast path "
+                             f"off, then this rung's settings) or false")
+        overrides = {**(PLAIN_KERNELS if table.get("plain") else {}),
+                     **{f"{section}__{k}": v for section in ("model", "data", "train")
+                        for k, v in table.get(section, {}).items()}}
         rung = ME.Rung(table["name"], preset or values.get("preset", "88m"), overrides,
                        timed_steps=steps or values.get("steps", 3))
         try:

@@ -526,6 +526,23 @@ def test_a_plan_on_a_cpu_is_a_smoke_test_said_so_with_a_plot_and_its_paths(tmp_p
     assert out.rstrip().endswith(f"{tmp_path / 'plan-recipe-speed'}.json, .png")
 
 
+def test_a_plain_rung_turns_every_fast_path_off_before_its_own_settings(tmp_path):
+    """`plain = true`: the preset's fast paths all off (a list kept by hand in the file would miss one a preset
+    gains later), then the rung's own tables."""
+    plan = tmp_path / "plain.toml"
+    plan.write_text('preset = "88m"\n[[rung]]\nname = "plain"\nplain = true\n'
+                    '[[rung]]\nname = "plain + fp8"\nplain = true\nmodel = { fp8 = true }\n'
+                    '[[rung]]\nname = "the defaults"\n')
+    plain, fp8, defaults = (r.config() for r in B.plan_rungs(plan))
+    assert any(getattr(defaults.model, s) for s in M.TRAINING_FAST_PATHS)  # the preset has some to turn off
+    assert not any(getattr(plain.model, s) for s in M.TRAINING_FAST_PATHS)
+    assert not any(getattr(plain.train, s) for s in B.O.FAST_PATHS)
+    assert fp8.model.fp8 and not fp8.model.fp8_head
+    plan.write_text('preset = "88m"\n[[rung]]\nname = "p"\nplain = "yes"\n')
+    with pytest.raises(ValueError, match=r"rung 1 \(p\): plain = 'yes': give true"):
+        B.plan_rungs(plan)
+
+
 def test_the_shipped_plans_load():
     for path in (C.PRESETS_DIR / "plans").glob("*.toml"):
         assert B.plan_rungs(path)
