@@ -475,10 +475,8 @@ if AVAILABLE:
         return e.to(tl.float32)
 
     @triton.jit
-    def _row_logsumexp(z_row, vocab, cap, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr,
-                       HALF_TANH: tl.constexpr = False):
-        """The logsumexp of softcap(z) over one row of vocab logits, read once (HALF_TANH: the cap's tanh through
-        float16, as _row_gradient's HALF)."""
+    def _row_logsumexp(z_row, vocab, cap, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
+        """The logsumexp of softcap(z) over one row of vocab logits, read once."""
         # A capped logit lies within (-cap, cap), so exp(y - cap) lies within (exp(-2 cap), 1]: for a cap of
         # at most 40 (FIXED_SHIFT) it neither overflows nor leaves float32's normal range, and the sum runs
         # against that fixed shift, one exponential a logit besides the cap's. Otherwise a running max, one
@@ -497,11 +495,7 @@ if AVAILABLE:
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             keep = cols < vocab
-            z = tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32)
-            if HALF_TANH and CAPPED:
-                y = cap * _half_tanh(z * (1.0 / cap))
-            else:
-                y, _ = _capped(z, cap, CAPPED)
+            y, _ = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
             y = tl.where(keep, y, float("-inf"))  # exp(-inf - m) = 0 past the row's end
             if FIXED_SHIFT:
                 sums += tl.exp(y - m)
@@ -576,10 +570,10 @@ if AVAILABLE:
     def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
                                            fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
                                            FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr, DZ: tl.constexpr,
-                                           HALF: tl.constexpr = False, HALF_TANH: tl.constexpr = False):
+                                           HALF: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
-        lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT, HALF_TANH), tl.load(t_ptr + row)
+        lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
         y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, CAPPED)
         tl.store(loss_ptr + row, lse - y_t)
         _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap,
