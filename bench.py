@@ -38,6 +38,7 @@ import config as C
 import data as D
 import measure as ME
 import model as M
+import onegpu_kernels as K
 import optim as O
 import recipes as RE
 import tokenizer as tk
@@ -360,6 +361,11 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
     return rows
 
 
+# loss_study's row with the loss kernel's gradient pass through float16 (onegpu_kernels.CE_HALF_GRADIENT); every
+# other row runs it in float32.
+HALF_GRADIENT_CASE = "FP8 head + loss kernel, one function, FP8 weight gradient, its gradient pass through float16"
+
+
 def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     """Milliseconds of one micro-batch's training loss (micro_batch x context tokens against the
     preset's vocabulary and soft-cap, median of 20 after 5 warm-ups): forward alone and forward plus
@@ -367,8 +373,9 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     an untied head, behind the FP8 head (x of width d_model): apart (model.fp8_linear, then the loss),
     and as one function (model.fp8_head_cross_entropy, which the model runs where both are on, with its
     weight gradient in bf16 and in FP8, the FP8 one's operand transposed by Inductor's copy and by
-    onegpu_kernels.transposed; its forward also writes the logits' gradient, so its forward_ms is not
-    comparable with the others')."""
+    onegpu_kernels.transposed, and with the kernel once more with the loss kernel's gradient pass through
+    float16; its forward also writes the logits' gradient, so its forward_ms is not comparable with the
+    others')."""
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
     n, dtype = micro_batch * mcfg.context, torch.bfloat16 if cuda else torch.float32
@@ -398,16 +405,24 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by Inductor",
              lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=False)),
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by our kernel",
+             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True)),
+            (HALF_GRADIENT_CASE,
              lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True)))]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
-    for name, fn, inp, cuda_only in cases:
-        if cuda_only and not cuda:
-            rows.append({"rung": name, "skipped": "a Triton kernel or an FP8 matmul: measured on CUDA only"})
-            continue
-        fn = torch.compile(fn) if cuda else fn
-        forward_backward = ME.backward_from_scratch(lambda: fn(inp), (inp, w))
-        rows.append({"rung": name, "forward_ms": round(1000 * ME.median_seconds(lambda: fn(inp), device, **timing), 3),
-                     "ms": round(1000 * ME.median_seconds(forward_backward, device, **timing), 3)})
+    half = K.CE_HALF_GRADIENT
+    try:
+        for name, fn, inp, cuda_only in cases:
+            if cuda_only and not cuda:
+                rows.append({"rung": name, "skipped": "a Triton kernel or an FP8 matmul: measured on CUDA only"})
+                continue
+            # The switch is read when the loss kernel launches, so it holds for every call of this case alone.
+            K.CE_HALF_GRADIENT = name == HALF_GRADIENT_CASE
+            fn = torch.compile(fn) if cuda else fn
+            forward_backward = ME.backward_from_scratch(lambda: fn(inp), (inp, w))
+            rows.append({"rung": name, "forward_ms": round(1000 * ME.median_seconds(lambda: fn(inp), device, **timing), 3),
+                         "ms": round(1000 * ME.median_seconds(forward_backward, device, **timing), 3)})
+    finally:
+        K.CE_HALF_GRADIENT = half
     return rows
 
 
