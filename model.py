@@ -661,9 +661,9 @@ def fp8_linear(x, weight, grad_bound: float | None = None):
 # docs/PERFORMANCE.md, "Training speed").
 FP8_HEAD_WEIGHT_GRAD = True
 # That transposed copy, and the head's operands' column-major copies for its backward, by onegpu_kernels.transposed,
-# a kernel of 32-bit words, where True; False: t.t().contiguous(), the reference. The head and loss of 131,072 tokens at 88m, forward and backward, took 26.37
-# ms with the kernel against 26.71 with Inductor's copy on an H200 (`python bench.py --loss --preset 88m
-# --micro-batch 16`, 2026-12-04, after its GPU tests passed; docs/LOG.md).
+# a kernel of 32-bit words, where True; False: t.t().contiguous(), the reference. The head and loss of 131,072
+# tokens at 88m, forward and backward, took 26.37 ms with the kernel against 26.71 with Inductor's copy on an H200
+# (`python bench.py --loss --preset 88m --micro-batch 16`, 2026-12-04, after its GPU tests passed; docs/LOG.md).
 TRANSPOSE_KERNEL = True
 
 
