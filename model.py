@@ -571,11 +571,6 @@ def to_fp8(t, dtype):
     return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
 
 
-def col_major(t):
-    """The same matrix laid out column-major, as _scaled_mm wants its second operand."""
-    return t.t().contiguous().t()
-
-
 def to_fp8_within(t, dtype, bound: float):
     """to_fp8 for a tensor known to lie within +-bound: scaled by that bound, not by its maximum."""
     top = torch.finfo(dtype).max
@@ -615,7 +610,8 @@ class FP8Matmul(torch.autograd.Function):
         x_saved, sw, w8 = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g8, sg = to_fp8_within(grad, E5M2, ctx.grad_bound)  # grad: (N, vocab)
-        grad_x = torch._scaled_mm(g8, col_major(w8), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
+        # w8 (vocab, d) column-major, as FP8HeadCrossEntropy's backward makes it (TRANSPOSE_KERNEL)
+        grad_x = torch._scaled_mm(g8, transposed(w8, TRANSPOSE_KERNEL).t(), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
         # The weight gradient multiplies over the tokens, and Hopper's FP8 matmul wants that axis contiguous
         # in both operands: the (tokens, vocab) gradient transposed, a copy of the largest tensor, which
         # Inductor fused into the loss kernel at three times its time (one H200, docs/LOG.md). In the output
@@ -699,8 +695,9 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
         x_saved, sx, w8, sw, dz, dz8 = ctx.saved_tensors
         sg = grad.float() / ctx.scale  # dz8's inverse scale, times the incoming gradient
         # w8 (vocab, d) and x8 (N, d) column-major: views of their transposed copies, made by the same kernel
-        # (where transpose_kernel). As col_major's strided copies they ran as PyTorch's element-at-a-time FP8
-        # copy, 1.67 ms of the 88m profile step (docs/PERFORMANCE.md, "Where the time goes", 2026-12-05).
+        # (where transpose_kernel). As strided copies, t.t().contiguous().t(), they ran as PyTorch's
+        # element-at-a-time FP8 copy, 1.67 ms of the 88m profile step (docs/PERFORMANCE.md, "Where the time
+        # goes", 2026-12-05).
         kernel = ctx.transpose_kernel
         grad_x = torch._scaled_mm(dz8, transposed(w8, kernel).t(), scale_a=sg, scale_b=sw, out_dtype=ctx.dtypes[0])
         if ctx.fp8_weight_grad:  # dz8.T: (vocab, N) row-major; x8: (N, d) column-major

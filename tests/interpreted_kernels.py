@@ -432,8 +432,8 @@ def relu2_fp8_check():
 def transposed_check():
     """onegpu_kernels.transposed against t.t().contiguous(): the same bytes for e5m2 and e4m3 matrices whose sides
     the tile (64 x 64 under the interpreter) does not divide, or exceeds; sides it cannot take go to the plain
-    copy; then the FP8 head's one function takes the same gradients with the kernel as with the plain copy, and
-    ran it."""
+    copy; then the FP8 head's one function, and the FP8 head alone, take the same gradients with the kernel as
+    with the plain copy, and ran it."""
     g = torch.Generator().manual_seed(7)
     for shape, dtype in (((100, 300), torch.float8_e5m2), ((132, 64), torch.float8_e4m3fn), ((4, 72), torch.float8_e5m2)):
         t = (torch.randn(shape, generator=g) * 100).to(dtype)
@@ -457,6 +457,17 @@ def transposed_check():
             grads.append((x.grad, w.grad))
     assert calls == [1, 1, 1]  # with the kernel only: the gradient transposed, and w8 and x8 column-major
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    # The FP8 head without the loss kernel (model.FP8Matmul) makes w8 column-major the same way.
+    grads, kernel = [], M.TRANSPOSE_KERNEL
+    try:
+        with counted(K, "transposed") as calls:
+            for M.TRANSPOSE_KERNEL in (True, False):
+                x = x0.clone().requires_grad_()
+                M.fp8_linear(x, w0, grad_bound=1.0 / n).float().mean().backward()
+                grads.append(x.grad)
+    finally:
+        M.TRANSPOSE_KERNEL = kernel
+    assert calls == [1] and torch.equal(grads[0], grads[1])
 
 
 def gram_check():
