@@ -4,6 +4,7 @@ with it set (one start of torch and Triton, not one a check); the file is not na
 float16 throughout: the interpreter computes with NumPy, which has no bfloat16."""
 
 import contextlib
+from unittest import mock
 
 import torch
 
@@ -266,6 +267,7 @@ def cross_entropy_check():
         assert logits.grad.dtype == logits.dtype
 
 
+@mock.patch.object(K, "CE_HALF_GRADIENT", False)
 def fp8_head_loss_check():
     """model.fp8_head_cross_entropy (the FP8 head and the loss kernel as one function, whose backward
     writes the gradient's FP8 copy in the loss kernel) against the two apart, fp8_linear then the loss
@@ -274,14 +276,6 @@ def fp8_head_loss_check():
     within FP8's rounding of theirs; and the kernel's FP8 copy within one e5m2 step (a quarter) of the
     gradient it scales. Its gradient pass in float32 (CE_HALF_GRADIENT off), where the paths must agree to the bit:
     the pass through float16 is half_gradient_check's."""
-    half, K.CE_HALF_GRADIENT = K.CE_HALF_GRADIENT, False
-    try:
-        fp8_head_loss_in_float32()
-    finally:
-        K.CE_HALF_GRADIENT = half
-
-
-def fp8_head_loss_in_float32():
     g = torch.Generator().manual_seed(1)
     n, d, vocab, cap = 48, 64, 2500, 15.0
     x0, w0 = torch.randn(n, d, generator=g).half(), (torch.randn(vocab, d, generator=g) * 0.5).half()
@@ -347,18 +341,15 @@ def half_gradient_check():
     tests/test_gpu.py asks for a step). Logits from -30 to 30 without the cap: probabilities
     down to e^-60, under float16's smallest, so a missing shift or scale of the exponential fails."""
     g = torch.Generator().manual_seed(9)
-    half = K.CE_HALF_GRADIENT
     for n, vocab, cap in ((6, 4096, 15.0), (4, 2500, 0.0)):
         logits = (torch.randn(n, vocab, generator=g) * 6 + torch.linspace(-20, 20, vocab)).half()
         targets = torch.randint(0, vocab, (n,), generator=g)
         scale = torch.finfo(torch.float8_e5m2).max * n
-        out = {}
-        try:
-            for K.CE_HALF_GRADIENT in (False, True):
-                out[K.CE_HALF_GRADIENT] = K.cross_entropy_and_gradient(logits, targets, cap, scale, fp8_only=True)
-        finally:
-            K.CE_HALF_GRADIENT = half
-        (loss32, _, g32), (loss16, _, g16) = out[False], out[True]
+        out = []
+        for half in (False, True):
+            with mock.patch.object(K, "CE_HALF_GRADIENT", half):
+                out.append(K.cross_entropy_and_gradient(logits, targets, cap, scale, fp8_only=True))
+        (loss32, _, g32), (loss16, _, g16) = out
         z = logits.double().requires_grad_()
         torch.nn.functional.cross_entropy(M.softcap(z, cap), targets).backward()
         assert torch.equal(loss16, loss32)
@@ -458,15 +449,13 @@ def transposed_check():
     assert calls == [1, 1, 1]  # with the kernel only: the gradient transposed, and w8 and x8 column-major
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
     # The FP8 head without the loss kernel (model.FP8Matmul) makes w8 column-major the same way.
-    grads, kernel = [], M.TRANSPOSE_KERNEL
-    try:
-        with counted(K, "transposed") as calls:
-            for M.TRANSPOSE_KERNEL in (True, False):
-                x = x0.clone().requires_grad_()
+    grads = []
+    with counted(K, "transposed") as calls:
+        for kernel in (True, False):
+            x = x0.clone().requires_grad_()
+            with mock.patch.object(M, "TRANSPOSE_KERNEL", kernel):
                 M.fp8_linear(x, w0, grad_bound=1.0 / n).float().mean().backward()
-                grads.append(x.grad)
-    finally:
-        M.TRANSPOSE_KERNEL = kernel
+            grads.append(x.grad)
     assert calls == [1] and torch.equal(grads[0], grads[1])
 
 
@@ -620,11 +609,8 @@ def compiled_custom_ops_check():
     cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
                         value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8_head=True, loss_kernel=True,
                         fused_qk_norm_rope=True)  # 100 words and 32 tokens: sides the transpose kernel takes
-    kernel, M.TRANSPOSE_KERNEL = M.TRANSPOSE_KERNEL, True  # on, whatever the default says
-    try:
+    with mock.patch.object(M, "TRANSPOSE_KERNEL", True):  # on, whatever the default says
         compiled_against_eager(cfg, ("qk_norm_rope_backward", "cross_entropy_and_gradient", "transposed"), 1e-5)
-    finally:
-        M.TRANSPOSE_KERNEL = kernel
 
 
 def compiled_fp8_mlp_check():
