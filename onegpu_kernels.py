@@ -97,10 +97,10 @@ DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 2
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
 # The loss kernel's gradient pass, where it writes the gradient in e5m2 alone (the FP8 head's default), takes the
 # cap's tanh and the exponential two logits an instruction in float16 (PTX's f16x2 forms) where True; False keeps
-# both in float32, the reference: see _row_gradient. Off until it is measured against the float32 pass on one card
-# (`python bench.py --loss --preset 88m --micro-batch 16`, its two "FP8 weight gradient" rows by our kernel): the one
-# profile it ran in, on an H100, gave the kernel 6.75 ms a micro-batch, where 4.25 special-function results a logit
-# at two thirds of their rate predict about 7 in float32 and 5.5 in float16 (docs/LOG.md, 2026-12-05).
+# both in float32, the reference: see _row_gradient. Off: on one H100 it was slower, 26.76 ms a micro-batch for the
+# FP8 head's one function against 26.32 in float32 (`python bench.py --loss --preset 88m --micro-batch 16`, its last
+# two rows; docs/LOG.md, 2026-12-05): that card's loss kernel waits on memory, not on the special-function units.
+# An H200, with more bandwidth a logit, has not timed it.
 CE_HALF_GRADIENT = False
 # transposed's candidate tiles (rows, columns of the source, in bytes) and warps, autotuned once per shape; the
 # interpreter takes the first. 128 bytes is one cache line: the widest tiles read and write whole lines.
