@@ -99,8 +99,9 @@ CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_
 # cap's tanh and the exponential two logits an instruction in float16 (PTX's f16x2 forms) where True; False keeps
 # both in float32, the reference: see _row_gradient. Off: on one H100 it was slower, 26.76 ms a micro-batch for the
 # FP8 head's one function against 26.32 in float32 (`python bench.py --loss --preset 88m --micro-batch 16`, its last
-# two rows; docs/LOG.md, 2026-12-05): that card's loss kernel waits on memory, not on the special-function units.
-# An H200, with more bandwidth a logit, has not timed it.
+# two rows; docs/LOG.md, 2026-12-05). The same run's "loss kernel" row, 9.05 ms for about 26 GB of reads and writes,
+# is 2.9 TB/s, near that card's 3.35: there the kernel waits on memory, which float16 does not relieve. An H200, with
+# more bandwidth a logit, has not timed it.
 CE_HALF_GRADIENT = False
 # transposed's candidate tiles (rows, columns of the source, in bytes) and warps, autotuned once per shape; the
 # interpreter takes the first. 128 bytes is one cache line: the widest tiles read and write whole lines.
