@@ -320,11 +320,12 @@ def test_a_full_budget_ladder_on_a_cpu_says_what_it_costs_first(monkeypatch, cap
 def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_batch(name):
     """configs/<preset>.toml is configs/<preset>-muon.toml with every RECORD_CHAIN rung, at the micro-batch that
     holds the Muon preset's tokens (an 8 GB card's): what the record ladder measures is the default but for the
-    preset's own FP8 block matmuls (88m's and 126m's), a speed setting its rungs leave off (--versus runs the
-    preset itself)."""
+    preset's own speed settings, which its rungs leave off (--versus runs the preset itself): FP8 block matmuls
+    (88m's and 126m's) and the fused QK-norm + RoPE (88m's)."""
     muon, default = C.preset(f"{name}-muon"), C.preset(name)
-    assert default.model.fp8 == (name in ("88m", "126m"))
-    assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), model__fp8=default.model.fp8) == default
+    assert default.model.fp8 == (name in ("88m", "126m")) and default.model.fused_qk_norm_rope == (name == "88m")
+    assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), model__fp8=default.model.fp8,
+                    model__fused_qk_norm_rope=default.model.fused_qk_norm_rope) == default
     head = default.model.head_dim  # a power of two up to 128: FlexAttention pads any other to the next one
     assert head <= 128 and head & (head - 1) == 0 and default.model.n_kv_heads == default.model.n_heads
 
