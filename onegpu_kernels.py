@@ -833,6 +833,12 @@ if AVAILABLE:
     def transposed(t: torch.Tensor) -> torch.Tensor:
         """t (R, C) of one-byte elements (FP8), contiguous, R and C multiples of 4 (transposed_supported),
         transposed: (C, R), contiguous; t.t().contiguous()."""
+        # The kernel moves 32-bit words, so a view that starts inside a word takes the plain copy. That is asked
+        # here, inside the op: Dynamo cannot trace a tensor's storage_offset(), and asked in transposed_supported,
+        # from the FP8 head's backward, it broke the compiled graph and ran the head's whole autograd function
+        # eagerly, its casts unfused (since e245419; 0.887x of compiled BF16 for the FP8 head alone on an H200).
+        if t.storage_offset() % 4:
+            return t.t().contiguous()
         R, C = t.shape
         out = t.new_empty(C, R)
         grid = lambda meta: (triton.cdiv(R, meta["ROWS"]), triton.cdiv(C, meta["COLS"]))  # noqa: E731
@@ -1200,12 +1206,12 @@ def qk_norm_rope_supported(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
 
 
 def transposed_supported(t: torch.Tensor) -> bool:
-    """Whether transposed handles t: where runs_on, a contiguous matrix of one-byte elements, both sides and its
-    start a multiple of 4 (it moves 32-bit words), whose column tiles fit the grid's second axis (65,535 programs)."""
+    """Whether transposed handles t: where runs_on, a contiguous matrix of one-byte elements, both sides a
+    multiple of 4 (it moves 32-bit words; a start inside a word transposed itself copies plainly), whose column
+    tiles fit the grid's second axis (65,535 programs). Traceable by Dynamo: shapes and flags only."""
     narrowest = min(cols for _, cols, _ in TRANSPOSE_TILES)
     return (runs_on(t) and t.dim() == 2 and t.is_contiguous() and t.element_size() == 1
-            and t.shape[0] % 4 == 0 and t.shape[1] % 4 == 0 and t.storage_offset() % 4 == 0
-            and -(-t.shape[1] // narrowest) <= 65_535)
+            and t.shape[0] % 4 == 0 and t.shape[1] % 4 == 0 and -(-t.shape[1] // narrowest) <= 65_535)
 
 
 def gram_supported(x: torch.Tensor) -> bool:

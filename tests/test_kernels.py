@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
 CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "relu2_fp8_check", "transposed_check", "gram_check",
           "swiglu_check",
-          "fp8_head_loss_check", "half_gradient_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check")
+          "fp8_head_loss_check", "half_gradient_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check",
+          "one_graph_check")
 SLOW_CHECKS = ("compiled_custom_ops_check", "compiled_fp8_mlp_check")  # each in a process of its own, in the slow tier
 RUNNING = []  # the process that runs CHECKS, once started
 
@@ -76,6 +77,11 @@ def run_under_interpreter(results: dict, check: str):
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="needs Triton for its CPU interpreter (pip install triton)")
+
+
+@needs_triton
+def test_the_training_fast_paths_trace_as_one_graph(interpreted):
+    run_under_interpreter(interpreted, "one_graph_check")
 
 
 @needs_triton
