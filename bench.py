@@ -710,8 +710,9 @@ POWER_LIMITED = 0.97  # a rung whose median draw is within 3% of the card's limi
 
 def power_note(rows: list[dict]) -> str:
     """A line under a speed table whose rungs ran at the card's power limit, else "". Held there a card lowers
-    its clock, the more the faster a rung's kernels go: on one H200 the same code's defaults ran 1.246x compiled
-    BF16 at 590-640 W and 1.195-1.231x at 680-692 W of 700 (docs/PERFORMANCE.md, "Training speed")."""
+    its clock, the more the faster a rung's kernels go: on H200s the 88m defaults ran 1.246-1.247x compiled BF16
+    at 591-619 W and 1.195-1.238x at 680-694 W of 700, the latter runs with a graph break of their own
+    (docs/PERFORMANCE.md, "Training speed")."""
     held = [r for r in rows if r.get("power_w") and r.get("power_limit_w")
             and r["power_w"] >= POWER_LIMITED * r["power_limit_w"]]
     if not held:
@@ -720,6 +721,14 @@ def power_note(rows: list[dict]) -> str:
     return (f"\n\n{len(held)} of {len(rows)} rungs drew within {1 - POWER_LIMITED:.0%} of the card's {limit:.0f} W "
             f"power limit: held there it lowers its clock, the more the faster a rung's kernels go, so the ratios "
             f"between rungs read lower than on a card with headroom")
+
+
+def graph_break_note(rows: list[dict]) -> str:
+    """A line under a speed table naming the rungs torch.compile split (train.graph_breaks), else "": such a rung
+    measures its code partly uncompiled, whatever its name says."""
+    split = [f"{r['rung']} ({r['graph_breaks']})" for r in rows if r.get("graph_breaks")]
+    return (f"\n\ntorch.compile split the graph in {len(split)} of {len(rows)} rungs, which ran the code around each "
+            f"break uncompiled: {', '.join(split)}; TORCH_LOGS=graph_breaks names them" if split else "")
 
 
 def plot_rows(rows: list[dict], value: str, label: str, title: str, path: Path, mfu_of=None):
@@ -917,7 +926,7 @@ def plan_study(args, argv):
     journal.done()
     plot_rows(rows, "tok_s", "tokens / s", f"plan {args.plan.stem} | {device} | {time.strftime('%Y-%m-%d')}",
               out / f"plan-{args.plan.stem}.png")
-    print(f"## plan {args.plan} | {device}\n\n{simple_table(rows)}{power_note(rows)}\n\n"
+    print(f"## plan {args.plan} | {device}\n\n{simple_table(rows)}{power_note(rows)}{graph_break_note(rows)}\n\n"
           f"{out / f'plan-{args.plan.stem}'}.json, .png")
 
 
@@ -1050,7 +1059,7 @@ def run_studies(args, chosen: list[str], argv):
                 table += (f"\n\nMFU (roof) is also the share of the ceiling, "
                           f"{roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s")
                 mfu_of = lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
-        table += power_note(rows)
+        table += power_note(rows) + graph_break_note(rows)
         if value is not None:
             plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | "
                       f"{s.results['date']}", s.out / f"{study}.png", mfu_of)

@@ -77,6 +77,7 @@ class Result:
     power_w: float | None = None
     power_limit_w: float | None = None  # the card's enforced power limit, against which power_w is read
     attention_kernels: str | None = None
+    graph_breaks: int | None = None  # torch.compile's, by the end of the first steps (train.graph_breaks)
     skipped: str | None = None  # why the rung did not run (out of memory, timed out, needs CUDA ...)
 
     def row(self) -> dict:
@@ -310,7 +311,7 @@ def time_run(run: TR.Run, rung: Rung) -> Result:
                     reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
                     device_gib=torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None,
                     device=torch.cuda.get_device_name() if cuda else "cpu", data=run.data_source,
-                    **(sampler.summary() if sampler else {}))
+                    graph_breaks=TR.graph_breaks() if tcfg.compile else None, **(sampler.summary() if sampler else {}))
     if rung.kernels:
         result.attention_kernels = attention_kernels(run)
     return result

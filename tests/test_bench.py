@@ -151,6 +151,14 @@ def test_a_study_whose_rungs_ran_at_the_cards_power_limit_says_so():
     assert "the card's 700 W power limit" in B.power_note([other_card, held])  # the larger limit of those held
 
 
+def test_a_study_whose_rungs_torch_compile_split_says_which():
+    rows = [{"rung": "compiled", "tok_s": 7.0, "graph_breaks": 0}, {"rung": "+fp8 head", "tok_s": 6.0, "graph_breaks": 2},
+            {"rung": "eager", "tok_s": 1.0}]
+    assert B.graph_break_note(rows) == ("\n\ntorch.compile split the graph in 1 of 3 rungs, which ran the code around "
+                                        "each break uncompiled: +fp8 head (2); TORCH_LOGS=graph_breaks names them")
+    assert B.graph_break_note(rows[:1] + rows[2:]) == ""
+
+
 @pytest.mark.parametrize("printed, limit", [("700.00", 700.0), ("[N/A]", None)])
 def test_the_power_limit_is_read_from_nvidia_smi_where_nvml_is_missing(tmp_path, printed, limit):
     smi = tmp_path / "nvidia-smi"
@@ -311,6 +319,14 @@ def test_one_rung_in_process_uses_train_setup_and_step_as_training_runs_them(mon
     result = ME.measure(ME.Rung("fp32", "tiny", {"train__micro_batch": 2, "train__batch_tokens": 2048}, 1))
     assert result.tok_s > 0 and result.data == "random tokens" and result.accum == 2 and result.skipped is None
     assert np.isfinite(result.loss) and ahead == [True, True]  # the warm-up step and the timed one
+
+
+def test_a_compiled_rung_counts_torch_compiles_graph_breaks(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # the CPU need not compile
+    monkeypatch.setattr(TR, "graph_breaks", lambda: 3)
+    settings = {"train__micro_batch": 2, "train__batch_tokens": 1024}
+    assert ME.measure(ME.Rung("compiled", "tiny", {**settings, "train__compile": True}, 1)).graph_breaks == 3
+    assert ME.measure(ME.Rung("eager", "tiny", {**settings, "train__compile": False}, 1)).graph_breaks is None
 
 
 def test_one_rung_through_a_subprocess_returns_a_typed_result():

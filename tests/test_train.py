@@ -193,6 +193,18 @@ def test_each_compile_mode_reaches_torch_compile(train_config, monkeypatch):
     assert set(inductor.config.get_config_copy()) >= set(calls[1]["options"])  # an option Inductor has
 
 
+def test_a_compiled_run_says_when_torch_compile_split_the_model(train_config, tmp_path, monkeypatch, capsys):
+    """A graph break runs the code around it uncompiled, silently: the run says so once, after its first step."""
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # the CPU need not compile
+    cfg = with_train(train_config, compile=True, steps=2)
+    for breaks in (0, 2):
+        monkeypatch.setattr(TR, "graph_breaks", lambda: breaks)
+        TR.train(cfg, tmp_path / f"run{breaks}")  # the step lines go through the progress bar's write
+        split = [line for line in capsys.readouterr().out.splitlines() if "graph break" in line]
+        assert split == ([] if not breaks else ["torch.compile split the model at 2 graph break(s), each run without "
+                                                "Inductor's fusions around it: TORCH_LOGS=graph_breaks names them"])
+
+
 @pytest.mark.parametrize("switch", ["activation_checkpointing", "recompute_mlp"])
 def test_recomputation_gives_the_same_gradients_and_keeps_less(train_config, switch):
     """Recomputing in backward changes what is kept between the passes, not the gradients. With
