@@ -77,7 +77,7 @@ class Result:
     power_w: float | None = None
     power_limit_w: float | None = None  # the card's enforced power limit, against which power_w is read
     attention_kernels: str | None = None
-    graph_breaks: int | None = None  # torch.compile's, by the end of the first steps (train.graph_breaks)
+    graph_breaks: int | None = None  # torch.compile's in the rung's process, by its last timed step (train.graph_breaks)
     skipped: str | None = None  # why the rung did not run (out of memory, timed out, needs CUDA ...)
 
     def row(self) -> dict:
