@@ -451,6 +451,25 @@ def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
         assert rel(out[1][1][name], grad) < 3e-2, name
 
 
+def test_the_88m_defaults_trace_as_one_graph_with_a_block_mask():
+    """The 88m preset's model with every fast path it runs, at this file's width, traced by Dynamo on CUDA through
+    FlexAttention's document and window block mask: one graph (fullgraph raises at a break). A break inside an
+    autograd function runs the whole function eagerly; one ran the FP8 head so for a day (docs/LOG.md, 2026-12-05).
+    The CPU's check (tests/interpreted_kernels.py, one_graph_check) traces SDPA, not this path."""
+    import config as C
+    cfg = M.replace(C.preset("88m").model, **{**CFG, "context": 1024, "n_layers": 4, "n_kv_heads": 4}, value_embeds=1,
+                    skip_attn_layer=2, attn_window=384)
+    model = M.Llama(cfg).cuda().train()
+    g = torch.Generator("cuda").manual_seed(9)
+    idx, targets = torch.randint(0, 32768, (2, 2, 1024), device="cuda", generator=g)
+    doc = torch.cumsum(torch.rand(2, 1024, device="cuda", generator=g) < 0.003, dim=1).int()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.compile(model, backend="eager", fullgraph=True)(
+            idx, targets, **M.mask_inputs(1024, idx.device, doc, cfg.windows(256)))
+    loss.backward()
+    assert torch.isfinite(loss) and cfg.fp8 and cfg.fp8_head and cfg.loss_kernel and cfg.fused_qk_norm_rope
+
+
 def test_muons_symmetric_gram_kernel_matches_the_batched_matmuls_in_bf16():
     """onegpu_kernels.gram (train.muon_kernel) at the presets' shapes: x x^T of a stack of 768 x 3,072 parts as the
     bmm computes it, and the whole Newton-Schulz iteration with it as without, in bf16."""
