@@ -184,8 +184,8 @@ def compile_args(mode: C.CompileMode) -> dict:
 
 def graph_breaks() -> int:
     """How many times torch.compile has split a graph in this process so far. Each break runs the code around it
-    without Inductor's fusions, and a break inside an autograd function runs that whole function eagerly: one in
-    the FP8 head's backward cost its rung 15% and 20 GB on an H200 (docs/LOG.md, 2026-12-05), silently."""
+    without Inductor's fusions, and one inside an autograd function runs that whole function eagerly, silently
+    (the FP8 head's did: docs/LOG.md, 2026-12-05)."""
     from torch._dynamo.utils import counters
     return sum(counters["graph_break"].values())
 
@@ -907,8 +907,9 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
                              f"--skip-nonfinite to skip such steps")
         p.skipped += 1
         say(f"step {p.step}: non-finite loss {loss_value}, step skipped ({p.skipped} so far)")
-    if p.step == session.first_step and tcfg.compile and graph_breaks():
-        say(f"torch.compile split the model at {graph_breaks()} graph break(s), each run without Inductor's fusions "
+    breaks = graph_breaks() if p.step == session.first_step and tcfg.compile else 0
+    if breaks:
+        say(f"torch.compile split the model at {breaks} graph break(s), each run without Inductor's fusions "
             f"around it: TORCH_LOGS=graph_breaks names them")
     if p.step == 0:
         expected = math.log(r.cfg.model.vocab_size)

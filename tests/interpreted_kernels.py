@@ -593,8 +593,7 @@ def compiled_against_eager(cfg: "M.ModelConfig", ops: tuple[str, ...], rel: floa
         model = M.Llama(cfg).train()
         with contextlib.ExitStack() as stack:
             calls = [stack.enter_context(counted(K, op)) for op in ([] if compiled else ops)]
-            # fullgraph: a graph break around a fast path runs it eagerly, its casts unfused (the FP8 head's
-            # did, 0.887x of compiled BF16 on an H200, docs/LOG.md 2026-12-05), where the check still agreed
+            # fullgraph: a graph break around a fast path runs it eagerly, where this check still agreed
             loss = (torch.compile(model, fullgraph=True) if compiled else model)(idx, idx)
             (loss / 4).backward()
         assert all(calls), dict(zip(ops, calls))
@@ -621,8 +620,8 @@ def compiled_custom_ops_check():
 def one_graph_check():
     """Every training fast path that runs here, with the FP8 head alone and in one function with the loss kernel,
     traced by Dynamo as one graph (its eager backend: the tracing without Inductor's compile, a few seconds). A
-    graph break inside an autograd function runs the whole function eagerly: the FP8 head's did (a tensor's
-    storage_offset() asked in its backward), 0.887x of compiled BF16 on an H200 (docs/LOG.md, 2026-12-05)."""
+    graph break inside an autograd function runs the whole function eagerly (the FP8 head's did: docs/LOG.md,
+    2026-12-05)."""
     base = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
                 mlp="relu2", ffn_hidden=128, value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8=True,
                 fp8_head=True, fused_qk_norm_rope=True)
