@@ -565,6 +565,31 @@ def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
     assert rel(gw1, gw0) < 0.01  # the weight gradient in bf16
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatch, fast):
+    """model.FP8_FAST_ACCUM reaches each FP8 forward product (the block matmuls', the ReLU² MLP's two, the
+    head's) and no gradient's: a CPU computes them alike either way, so the flag is read from the calls."""
+    calls = []
+    real = torch._scaled_mm
+
+    def scaled_mm(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(M, "FP8_FAST_ACCUM", fast)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(16, 32, generator=g, requires_grad=True)
+    w1, w2 = torch.randn(64, 32, generator=g, requires_grad=True), torch.randn(32, 64, generator=g, requires_grad=True)
+    for forward in (lambda: M.fp8_linear(x, w1), lambda: M.fp8_linear(x, w1, grad_bound=1.0),
+                    lambda: M.fp8_relu2_mlp(x, w1, w2)):
+        calls.clear()
+        y = forward()
+        forwards = calls[:]
+        y.float().sum().backward()
+        backwards = calls[len(forwards):]
+        assert forwards and backwards and forwards == [fast] * len(forwards) and not any(backwards)
+
+
 def test_the_fp8_relu2_mlp_is_close_to_the_plain_one_and_evaluates_plainly():
     g = torch.Generator().manual_seed(8)
     cfg = M.ModelConfig(d_model=96, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
