@@ -710,9 +710,10 @@ POWER_LIMITED = 0.97  # a rung whose median draw is within 3% of the card's limi
 
 def power_note(rows: list[dict]) -> str:
     """A line under a speed table whose rungs ran at the card's power limit, else "". Held there a card lowers
-    its clock, the more the faster a rung's kernels go: on H200s the 88m defaults ran 1.246-1.247x compiled BF16
-    at 591-619 W and 1.195-1.238x at 680-694 W of 700, the latter runs with a graph break of their own
-    (docs/PERFORMANCE.md, "Training speed")."""
+    its clock, the more the faster a rung's kernels go. By how much that moves a ratio we have not separated from
+    the code's own changes: on H200s the 88m defaults ran 1.246-1.247x compiled BF16 at 591-619 W, 1.195-1.238x at
+    680-694 W of 700 with a graph break of their own, and 1.2555x at 690-694 W without it (docs/PERFORMANCE.md,
+    "Training speed")."""
     held = [r for r in rows if r.get("power_w") and r.get("power_limit_w")
             and r["power_w"] >= POWER_LIMITED * r["power_limit_w"]]
     if not held:
@@ -720,7 +721,7 @@ def power_note(rows: list[dict]) -> str:
     limit = max(r["power_limit_w"] for r in held)
     return (f"\n\n{len(held)} of {len(rows)} rungs drew within {1 - POWER_LIMITED:.0%} of the card's {limit:.0f} W "
             f"power limit: held there it lowers its clock, the more the faster a rung's kernels go, so the ratios "
-            f"between rungs read lower than on a card with headroom")
+            f"between rungs may read lower than on a card with headroom")
 
 
 def graph_break_note(rows: list[dict]) -> str:
