@@ -180,7 +180,7 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
         raise ValueError(f"{path}: steps = {timed!r}: give the timed steps per rung as a whole number, 1 or more")
     if not isinstance(values.get("preset", "88m"), str):
         raise ValueError(f"{path}: preset = {values['preset']!r}: give a preset's name, e.g. preset = \"88m\"")
-    rungs, names = [], set()
+    rungs, names, configs = [], set(), {}
     for i, table in enumerate(values.get("rung") or []):
         where = f"{path}: rung {i + 1}"
         if not isinstance(table, dict) or not isinstance(table.get("name"), str) or table["name"] in names:
@@ -213,6 +213,13 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
             raise ValueError(f"{where} ({table['name']}): model.{idle[0]} = true does not run for this rung's model "
                              f"(model.fast_path_applies: e.g. the fused ReLU² not beside fp8): drop it, or turn off "
                              f"the setting it cannot run beside")
+        # Two rungs of one config time the same thing under two names (a preset that gained the setting a rung
+        # adds, for one); --repeats is how a plan asks for a rung again.
+        same = next((name for name, other in configs.items() if other == cfg), None)
+        if same:
+            raise ValueError(f"{where} ({table['name']}): runs the same settings as rung '{same}' with preset "
+                             f"{rung.preset}: drop one, or change what it sets (the preset may already set it)")
+        configs[table["name"]] = cfg
         rungs.append(rung)
     if not rungs:
         raise ValueError(f"{path}: no [[rung]] tables: add one per configuration to measure")

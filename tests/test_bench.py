@@ -481,7 +481,7 @@ def test_help_gives_this_machines_defaults_and_budget_says_whose_rates(capsys):
 
 def test_a_plan_names_its_rungs_and_checks_them_before_anything_runs(tmp_path, monkeypatch):
     plan = tmp_path / "mine.toml"
-    plan.write_text('preset = "tiny"\nsteps = 2\n[[rung]]\nname = "eager"\n'
+    plan.write_text('preset = "tiny"\nsteps = 2\n[[rung]]\nname = "eager"\ntrain = { compile = false }\n'
                     '[[rung]]\nname = "muon"\ntrain = { muon = true, micro_batch = 4 }\n')
     rungs = B.plan_rungs(plan)
     assert [(r.name, r.preset, r.timed_steps) for r in rungs] == [("eager", "tiny", 2), ("muon", "tiny", 2)]
@@ -506,8 +506,10 @@ def test_a_plan_names_its_rungs_and_checks_them_before_anything_runs(tmp_path, m
     ('preset = "tiny"\nsteps = 0\n[[rung]]\nname = "a"\n', r"steps = 0: give the timed steps per rung as a whole"),
     ('preset = "tiny"\n[[rung]]\ntrain = { micro_batch = 4 }\n', r"rung 1: each \[\[rung\]\] needs a name of its own"),
     ('preset = "tiny"\n[[rung]]\nname = "a"\n[[rung]]\nname = "a"\n', r"rung 2: each \[\[rung\]\] needs a name of its own"),
+    ('preset = "88m"\n[[rung]]\nname = "a"\n[[rung]]\nname = "b"\nmodel = { fused_qk_norm_rope = true }\n',
+     r"rung 2 \(b\): runs the same settings as rung 'a' with preset 88m: drop one"),
 ], ids=["steps-not-a-number", "table-not-a-table", "batch-not-divisible", "no-timed-steps", "rung-without-a-name",
-        "two-rungs-one-name"])
+        "two-rungs-one-name", "two-rungs-one-config"])
 def test_a_bad_plan_is_refused_in_one_line_before_any_process_starts(tmp_path, monkeypatch, text, message):
     plan = tmp_path / "bad.toml"
     plan.write_text(text)
