@@ -717,10 +717,8 @@ POWER_LIMITED = 0.97  # a rung whose median draw is within 3% of the card's limi
 
 def power_note(rows: list[dict]) -> str:
     """A line under a speed table whose rungs ran at the card's power limit, else "". Held there a card lowers
-    its clock, the more the faster a rung's kernels go. By how much that moves a ratio we have not separated from
-    the code's own changes: on H200s the 88m defaults ran 1.246-1.247x compiled BF16 at 591-619 W, 1.195-1.238x at
-    680-694 W of 700 with a graph break of their own, and 1.2555x at 690-694 W without it (docs/PERFORMANCE.md,
-    "Training speed")."""
+    its clock, the more the faster a rung's kernels go; how much that moves a ratio is not yet separated from the
+    code's own changes (docs/PERFORMANCE.md, "Training speed")."""
     held = [r for r in rows if r.get("power_w") and r.get("power_limit_w")
             and r["power_w"] >= POWER_LIMITED * r["power_limit_w"]]
     if not held:

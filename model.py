@@ -548,7 +548,8 @@ FP8_ATTENTION = False
 # intervals. modded-nanogpt's FP8 head and torchao's float8 training accumulate their forward products so; the
 # gradients keep the promotion here as there. At 131,072 tokens of the 88m shapes on one H100 it took the
 # up-projection from 0.644 to 0.573 ms, the down-projection from 0.509 to 0.428 and the head from 7.39 to 6.68
-# (docs/LOG.md, 2026-12-05). False: every product promoted, the reference.
+# (docs/LOG.md, 2026-12-05); its effect on learning is not yet measured with two seeds a side. False: every
+# product promoted, the reference.
 FP8_FAST_ACCUM = True
 
 
