@@ -578,7 +578,8 @@ def test_a_plan_rung_whose_fast_path_cannot_run_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_plan_runs_end_to_end_on_cpu(tmp_path, capsys):
     plan = tmp_path / "two.toml"
-    plan.write_text('preset = "tiny"\nsteps = 1\n[[rung]]\nname = "adamw"\n[[rung]]\nname = "muon"\ntrain = { muon = true }\n')
+    plan.write_text('preset = "tiny"\nsteps = 1\n[[rung]]\nname = "adamw"\ntrain = { muon = false }\n[[rung]]\nname = "muon"\n'
+                    'train = { muon = true }\n')
     B.main(["--plan", str(plan), "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "plan-two.json").read_text())["rows"]
     assert [r["rung"] for r in rows] == ["adamw", "muon"] and all(r.get("tok_s") for r in rows)
