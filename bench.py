@@ -81,10 +81,11 @@ COMPILE_TUNING = {"+coordinate descent": {"train__compile_mode": "coordinate-des
                   "+max-autotune (no CUDA graphs)": {"train__compile_mode": "max-autotune-no-cudagraphs"}}
 def fast_paths(preset: str) -> dict:
     """"+label" -> the setting, for each training fast path of model.TRAINING_FAST_PATHS that the
-    preset's model can run (model.fast_path_applies), then Muon's kernel where the preset runs Muon: the
-    ladder's and the kernels study's rungs."""
+    preset's model can run (model.fast_path_applies; with the path it refines, model.fast_path_alone), then
+    Muon's kernel where the preset runs Muon: the ladder's and the kernels study's rungs."""
     cfg = C.preset(preset)
-    model = {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{s}": True} for s in M.runnable_fast_paths(cfg.model)}
+    model = {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{k}": on for k, on in M.fast_path_alone(s).items()}
+             for s in M.runnable_fast_paths(cfg.model)}
     optimizer = {f"+{name}": {f"train__{s}": True} for s, name in O.FAST_PATHS.items()} if cfg.train.muon else {}
     return {**model, **optimizer}
 
@@ -402,19 +403,23 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
                 return loss(x)
         return run
 
-    if M.fast_path_applies("fp8_head", mcfg):  # an untied head
-        head = lambda x: M.fp8_linear(x, w, grad_bound=1.0 / n)  # noqa: E731
+    if M.fast_path_applies("fp8_head", mcfg):  # an untied head, its forward product as the preset runs it
+        accum = mcfg.fp8_fast_accum
+        head = lambda x: M.fp8_linear(x, w, grad_bound=1.0 / n, fast_accum=accum)  # noqa: E731
         cases += [(name, under_autocast(loss), x, True) for name, loss in (
             ("FP8 head + plain loss", lambda x: M.cross_entropy(head(x), targets, cap)),
             ("FP8 head + loss kernel, apart", lambda x: M.cross_entropy(head(x), targets, cap, kernel=True)),
             ("FP8 head + loss kernel, one function, bf16 weight gradient",
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=False)),
+             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=False, fast_accum=accum)),
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by Inductor",
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=False)),
+             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=False,
+                                                fast_accum=accum)),
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by our kernel",
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True)),
+             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True,
+                                                fast_accum=accum)),
             (HALF_GRADIENT_CASE,
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True)))]
+             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True,
+                                                fast_accum=accum)))]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     half = K.CE_HALF_GRADIENT
     try:
@@ -819,7 +824,7 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
     for study in STUDIES:
         what.add_argument("--" + study.replace("_", "-"), action="store_true",
                           help=f"the {study.replace('_', ' ')} study")
-    what.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains six models)")
+    what.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains a model per fast path)")
     what.add_argument("--plan", type=Path, default=None, metavar="FILE",
                       help="measure the rungs a TOML plan names (see configs/plans/), each in its own process")
     what.add_argument("--recipes", action="store_true", help="the time-to-loss ladder: each recipe change trained to "

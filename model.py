@@ -13,7 +13,8 @@ configs/ choose what the recipe ladder measured fastest (docs/PERFORMANCE.md, ti
 Every fast path here has the plain PyTorch code beside it and a switch in ModelConfig:
 `attention` picks the attention kernel (this file is the one place that choice is made),
 `fused_loss` computes the output head and cross-entropy in chunks without keeping the logits,
-`fp8` runs the MLP's matmuls in FP8 in training, `bf16_residual` keeps the residual stream in bf16
+`fp8` runs the MLP's matmuls in FP8 in training (`fp8_fast_accum`: their forward products and the FP8
+head's with cuBLAS's fast accumulation), `bf16_residual` keeps the residual stream in bf16
 in training under autocast, and `fused_swiglu`, `fused_relu2`, `fused_qk_norm_rope`, `loss_kernel` and
 `fused_decode` hand SwiGLU, ReLU²'s activation, QK-norm with RoPE's backward, the training loss and a decoded
 token's attention to Triton kernels, `split_decode` splits that kernel's cached positions over many
@@ -51,12 +52,18 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 # kernel; bench's ladder takes the switches in this order and skips one that a switch before it excludes,
 # so it keeps those two, which the default presets (configs/recipes/record.toml) run. FP8 matmuls and the
 # fused ReLU² exclude each other (each has its own MLP); FP8 comes first, as it measured faster at 88m.
+# Fast accumulation changes how the FP8 matmuls compute: it follows them, and tried alone (REFINES) it runs
+# with the FP8 block matmuls.
 TRAINING_FAST_PATHS = {"fp8_head": "fp8 head", "loss_kernel": "loss kernel", "fused_loss": "fused loss",
-                       "fused_swiglu": "fused SwiGLU", "fp8": "fp8 matmuls", "fused_relu2": "fused ReLU²",
+                       "fused_swiglu": "fused SwiGLU", "fp8": "fp8 matmuls",
+                       "fp8_fast_accum": "fp8 fast accumulation", "fused_relu2": "fused ReLU²",
                        "fused_qk_norm_rope": "fused QK-norm + RoPE", "bf16_residual": "bf16 residual"}
 GENERATION_FAST_PATHS = {"fused_decode": "fused decode", "split_decode": "split decode",
                          "decode_matmuls": "decode matmuls", "decode_mlp": "decode MLP",
                          "decode_pdl": "dependent launches"}
+# A training fast path that changes how another one computes -> that one, which runs beside it wherever it is
+# tried alone (fast_path_alone): fast accumulation alone would leave every product in bf16.
+REFINES = {"fp8_fast_accum": "fp8"}
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -98,6 +105,7 @@ class ModelConfig:
     fused_loss: bool = False  # head + cross-entropy in chunks, never holding all logits (less memory)
     fp8: bool = False  # the MLP's matmuls' forward and input gradients in FP8 (e4m3, a scale a row), in training
     fp8_head: bool = False  # the untied output head's training matmuls in FP8, its gradient at a fixed scale
+    fp8_fast_accum: bool = False  # with fp8 / fp8_head: their forward products with cuBLAS's fast accumulation
     fused_decode: bool = False  # a new token's RoPE, cache write and attention in one Triton kernel (CUDA)
     split_decode: bool = False  # with fused_decode, each head's cached positions over many programs (CUDA)
     decode_matmuls: bool = False  # generation's matmuls of at most 16 tokens as Triton's small_matmul (CUDA)
@@ -220,7 +228,7 @@ def for_device(cfg: ModelConfig, device: torch.device) -> tuple[ModelConfig, str
         cfg = replace(cfg, fused_swiglu=False, loss_kernel=False, fused_relu2=False, fused_qk_norm_rope=False)
         whys.append("its Triton kernels need a GPU of compute capability 8.0 (Ampere) or newer")
     if (cfg.fp8 or cfg.fp8_head) and not fp8_units(device):
-        cfg = replace(cfg, fp8=False, fp8_head=False)
+        cfg = replace(cfg, fp8=False, fp8_head=False, fp8_fast_accum=False)
         whys.append("a CPU has no FP8 matmul units (emulated, about 20x slower)" if device.type == "cpu" else
                     "FP8 matmuls need a GPU of compute capability 8.9 (Ada, Hopper) or newer")
     return cfg, "; ".join(whys)
@@ -236,7 +244,7 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (each has
     its own matmuls; with both set the FP8 ones run, as ReLU2 picks), the fused loss (its own head and loss)
     outside the FP8 head and the loss kernel, those two outside the fused loss (the FP8 head for an untied
-    head), the fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
+    head), FP8 fast accumulation beside an FP8 path, the fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
     sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP (FP8 matmuls
     run in training alone)."""
     if name == "split_decode":
@@ -255,14 +263,23 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
         return not cfg.fused_loss
     if name == "fp8_head":
         return not cfg.tie_embeddings and not cfg.fused_loss
+    if name == "fp8_fast_accum":
+        return cfg.fp8 or cfg.fp8_head
     return True
 
 
+def fast_path_alone(name: str) -> dict[str, bool]:
+    """The switches that try training fast path `name` alone: it, and the path it refines (REFINES)."""
+    return {name: True, **({REFINES[name]: True} if name in REFINES else {})}
+
+
 def runnable_fast_paths(cfg: "ModelConfig") -> list[str]:
-    """The training fast paths cfg's architecture can run, each tried alone (the others off): what
-    bench's ladder and kernels study and the loss curves give a rung."""
+    """The training fast paths cfg's architecture can run, each tried alone (fast_path_alone, the others
+    off): what bench's ladder and kernels study and the loss curves give a rung."""
     plain = replace(cfg, **dict.fromkeys(TRAINING_FAST_PATHS, False))
-    return [s for s in TRAINING_FAST_PATHS if fast_path_applies(s, plain)]
+    # asked with what it refines on, itself off: a switch the model refuses (fp8_head, tied) raises when on
+    beside = lambda s: replace(plain, **{k: on for k, on in fast_path_alone(s).items() if k != s})  # noqa: E731
+    return [s for s in TRAINING_FAST_PATHS if fast_path_applies(s, beside(s))]
 
 
 def swiglu_hidden(d: int, multiple_of: int = 256) -> int:
@@ -535,6 +552,13 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # for its maximum. fp8_linear's head runs its forward and input gradient in FP8 and its weight gradient in
 # the output dtype; the head with the loss kernel (FP8HeadCrossEntropy) runs its weight gradient in FP8 too
 # (FP8_HEAD_WEIGHT_GRAD).
+#
+# With fp8_fast_accum the forward products (the MLP's two and the head's) use cuBLAS's fast accumulation: the
+# tensor cores' partial sums stay in their own precision along K, where by default cuBLAS promotes them to
+# float32 at intervals. modded-nanogpt's FP8 head and torchao's float8 training accumulate their forward
+# products so; the gradients keep the promotion here as there. At 131,072 tokens of the 88m shapes on one H100
+# it took the up-projection from 0.644 to 0.573 ms, the down-projection from 0.509 to 0.428 and the head from
+# 7.39 to 6.68 (docs/LOG.md, 2026-12-05).
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The attention's two matmuls in FP8 too with fp8 (FP8Rows). Off: the 88m defaults with fp8 ran 907,429 tok/s
@@ -543,14 +567,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # more: the (tokens, 2,304) QKV gradient, for one, is cast in two passes over memory (its rows' maxima, then
 # the cast).
 FP8_ATTENTION = False
-# The forward products (the MLP's two and the head's) with cuBLAS's fast accumulation, where True: the tensor
-# cores' partial sums stay in their own precision along K, where by default cuBLAS promotes them to float32 at
-# intervals. modded-nanogpt's FP8 head and torchao's float8 training accumulate their forward products so; the
-# gradients keep the promotion here as there. At 131,072 tokens of the 88m shapes on one H100 it took the
-# up-projection from 0.644 to 0.573 ms, the down-projection from 0.509 to 0.428 and the head from 7.39 to 6.68
-# (docs/LOG.md, 2026-12-05); its effect on learning is not yet measured with two seeds a side. False: every
-# product promoted, the reference.
-FP8_FAST_ACCUM = True
 
 
 def to_fp8_rows(t):
@@ -568,7 +584,7 @@ def to_fp8_cols(weight):
 
 def rows_matmul(a, b, fast_accum: bool = False):
     """a @ b.T for a (N, K) and b (O, K) given as to_fp8_rows casts (a8, sa), (b8, sb): (N, O) in bf16.
-    fast_accum: cuBLAS's fast accumulation (FP8_FAST_ACCUM, for forward products)."""
+    fast_accum: cuBLAS's fast accumulation (ModelConfig.fp8_fast_accum, for forward products)."""
     (a8, sa), (b8, sb) = a, b
     return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)
@@ -595,13 +611,14 @@ def matmul_dtype(x):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def fp8_matmul(x, weight, out_dtype):
-    """x @ weight.T with both operands in e4m3, each scaled by its maximum, a forward product (FP8_FAST_ACCUM).
+def fp8_matmul(x, weight, out_dtype, fast_accum: bool = False):
+    """x @ weight.T with both operands in e4m3, each scaled by its maximum, a forward product (fast_accum: see
+    rows_matmul).
     x: (N, d_in); weight: (d_out, d_in). Returns (the product in out_dtype, x8, sx, w8, sw): the casts and
     their inverse scales, which a backward reuses."""
     x8, sx = to_fp8(x, E4M3)
     w8, sw = to_fp8(weight, E4M3)
-    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype, use_fast_accum=FP8_FAST_ACCUM)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return y, x8, sx, w8, sw
 
 
@@ -610,8 +627,8 @@ class FP8Matmul(torch.autograd.Function):
     gradient scaled by grad_bound; the weight gradient in the output dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, out_dtype, grad_bound):
-        y, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype)
+    def forward(ctx, x, weight, out_dtype, grad_bound, fast_accum):
+        y, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype, fast_accum)
         ctx.save_for_backward(x.to(out_dtype), sw, w8)
         ctx.dtypes, ctx.grad_bound = (x.dtype, weight.dtype), grad_bound
         return y
@@ -627,7 +644,7 @@ class FP8Matmul(torch.autograd.Function):
         # in both operands: the (tokens, vocab) gradient transposed, a copy of the largest tensor, which
         # Inductor fused into the loss kernel at three times its time (one H200, docs/LOG.md). In the output
         # dtype the gradient is read as it lies.
-        return grad_x, (grad.t() @ x_saved).to(w_dtype), None, None
+        return grad_x, (grad.t() @ x_saved).to(w_dtype), None, None, None
 
 
 class FP8Rows(torch.autograd.Function):
@@ -636,27 +653,28 @@ class FP8Rows(torch.autograd.Function):
     (d_out, d_in), the master weight."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, fast_accum):
         ctx.save_for_backward(x, weight)
-        return rows_matmul(to_fp8_rows(x), to_fp8_rows(weight), FP8_FAST_ACCUM)
+        return rows_matmul(to_fp8_rows(x), to_fp8_rows(weight), fast_accum)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.to(x.dtype)
         grad_x = rows_matmul(to_fp8_rows(grad), to_fp8_cols(weight))
-        return grad_x, (grad.t() @ x).to(weight.dtype)
+        return grad_x, (grad.t() @ x).to(weight.dtype), None
 
 
-def fp8_linear(x, weight, grad_bound: float | None = None):
+def fp8_linear(x, weight, grad_bound: float | None = None, fast_accum: bool = False):
     """F.linear(x, weight) with FP8 operands. x: (..., d_in); weight: (d_out, d_in). grad_bound: where the
     output's gradient is known to lie within +-grad_bound (the head: FP8Matmul, the output in autocast's
-    dtype inside autocast, x's outside it); None: a block matmul (FP8Rows, the output in bf16)."""
+    dtype inside autocast, x's outside it); None: a block matmul (FP8Rows, the output in bf16). fast_accum:
+    the forward product with fast accumulation (ModelConfig.fp8_fast_accum)."""
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         flat = x.reshape(-1, x.shape[-1])
-        y = FP8Rows.apply(flat.to(torch.bfloat16), weight) if grad_bound is None else \
-            FP8Matmul.apply(flat, weight, dtype, grad_bound)
+        y = FP8Rows.apply(flat.to(torch.bfloat16), weight, fast_accum) if grad_bound is None else \
+            FP8Matmul.apply(flat, weight, dtype, grad_bound, fast_accum)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -690,8 +708,8 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     loss_kernel are both on."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad, transpose_kernel):
-        logits, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype)  # x: (N, d); weight: (vocab, d)
+    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad, transpose_kernel, fast_accum):
+        logits, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype, fast_accum)  # x: (N, d); weight: (vocab, d)
         # Each logit's gradient of the mean loss lies within 1 / n, so e5m2 holds it scaled by top * n,
         # never read for its maximum (as FP8Matmul's head).
         n, top = targets.numel(), torch.finfo(E5M2).max
@@ -716,19 +734,21 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
                                       scale_b=sx, out_dtype=ctx.dtypes[1])
         else:
             grad_w = (dz.t() @ x_saved).to(ctx.dtypes[1]) * grad
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def fp8_head_cross_entropy(x, weight, targets, cap: float, fp8_weight_grad: bool = FP8_HEAD_WEIGHT_GRAD,
-                           transpose_kernel: bool | None = None):
+                           transpose_kernel: bool | None = None, fast_accum: bool = False):
     """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True), its gradient written in the
     forward (FP8HeadCrossEntropy): for training, where a backward follows. x: (N, d); weight: (vocab, d);
     targets: (N,). fp8_weight_grad: the weight gradient's matmul in FP8 too, its operand transposed by
-    `transposed` (transpose_kernel: our kernel, or the plain copy; None: TRANSPOSE_KERNEL). Where K.runs_on(x)."""
+    `transposed` (transpose_kernel: our kernel, or the plain copy; None: TRANSPOSE_KERNEL). fast_accum: the forward
+    product with fast accumulation (ModelConfig.fp8_fast_accum). Where K.runs_on(x)."""
     transpose_kernel = TRANSPOSE_KERNEL if transpose_kernel is None else transpose_kernel
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad, transpose_kernel)
+        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad, transpose_kernel,
+                                         fast_accum)
 
 
 def linear(x, weight, small: bool = False, relu2: bool = False):
@@ -746,17 +766,18 @@ def linear(x, weight, small: bool = False, relu2: bool = False):
 
 class Linear(nn.Linear):
     """A bias-free nn.Linear whose matmul runs in FP8 in training when fp8 is set (ModelConfig.fp8:
-    fp8_linear); the plain F.linear is the reference it is tested against, and what evaluation and
-    generation run. Same parameters either way, so checkpoints move freely between the two. small: see
-    linear (set by Llama.setup_cache)."""
+    fp8_linear, its forward product with fast accumulation where fast_accum: ModelConfig.fp8_fast_accum); the
+    plain F.linear is the reference it is tested against, and what evaluation and generation run. Same
+    parameters either way, so checkpoints move freely between the two. small: see linear (set by
+    Llama.setup_cache)."""
 
-    def __init__(self, d_in: int, d_out: int, fp8: bool = False):
+    def __init__(self, d_in: int, d_out: int, fp8: bool = False, fast_accum: bool = False):
         super().__init__(d_in, d_out, bias=False)
-        self.fp8, self.small = fp8, False
+        self.fp8, self.fast_accum, self.small = fp8, fast_accum, False
 
     def forward(self, x):
         if self.fp8 and torch.is_grad_enabled():
-            return fp8_linear(x, self.weight)
+            return fp8_linear(x, self.weight, fast_accum=self.fast_accum)
         return linear(x, self.weight, self.small)
 
 
@@ -846,8 +867,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one larger GEMM keeps the tensor cores busier than three.
-        self.wqkv = Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, cfg.fp8 and FP8_ATTENTION)
-        self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8 and FP8_ATTENTION)
+        self.wqkv = Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, cfg.fp8 and FP8_ATTENTION, cfg.fp8_fast_accum)
+        self.wo = Linear(cfg.d_model, cfg.d_model, cfg.fp8 and FP8_ATTENTION, cfg.fp8_fast_accum)
         # QK-norm: one RMSNorm gain of head_dim shared by all query heads, one by all key heads (Qwen3's
         # q_norm and k_norm; ones without norm_gains). It bounds the attention logits, which is what lets
         # Muon's larger steps stay stable.
@@ -945,8 +966,8 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.fused = cfg.fused_swiglu
-        self.w13 = Linear(cfg.d_model, 2 * cfg.ffn_hidden, cfg.fp8)
-        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
+        self.w13 = Linear(cfg.d_model, 2 * cfg.ffn_hidden, cfg.fp8, cfg.fp8_fast_accum)
+        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8, cfg.fp8_fast_accum)
 
     def forward(self, x):
         h13 = self.w13(x)  # (B, T, 2 x ffn_hidden): [gate | up]
@@ -971,14 +992,14 @@ class ReLU2(nn.Module):
         self.fused = cfg.fused_relu2 and fast_path_applies("fused_relu2", cfg)  # not with fp8
         self.decode = False  # decode_mlp where its kernel runs: set by Llama.setup_cache
         self.pdl = False  # its kernel launched as a dependent (decode_pdl): set by Llama.setup_cache
-        self.w1 = Linear(cfg.d_model, cfg.ffn_hidden, cfg.fp8)
-        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8)
+        self.w1 = Linear(cfg.d_model, cfg.ffn_hidden, cfg.fp8, cfg.fp8_fast_accum)
+        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model, cfg.fp8, cfg.fp8_fast_accum)
 
     def forward(self, x):
         if self.fused and torch.is_grad_enabled() and K.runs_on(x):
             return fused_relu2_mlp(x, self.w1.weight, self.w2.weight)
         if self.w1.fp8 and torch.is_grad_enabled():
-            return fp8_relu2_mlp(x, self.w1.weight, self.w2.weight)
+            return fp8_relu2_mlp(x, self.w1.weight, self.w2.weight, self.w1.fast_accum)
         if self.decode and not torch.is_grad_enabled() and K.decode_mlp_supported(x, self.w1.weight, self.w2.weight):
             # (P, B, T, d) float32 partial sums, one per 32 hidden units: their sum is the MLP's output
             return K.decode_mlp(x, self.w1.weight, self.w2.weight, self.pdl).sum(0).to(x.dtype)
@@ -1054,10 +1075,10 @@ class FP8ReLU2MLP(torch.autograd.Function):
     hidden) tensor less stays in memory a layer. x: (N, d) bf16; w1: (hidden, d); w2: (d, hidden)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2):
-        u = rows_matmul(to_fp8_rows(x), to_fp8_rows(w1), FP8_FAST_ACCUM)  # (N, hidden)
+    def forward(ctx, x, w1, w2, fast_accum):
+        u = rows_matmul(to_fp8_rows(x), to_fp8_rows(w1), fast_accum)  # (N, hidden)
         ctx.save_for_backward(x, u, w1, w2)
-        return rows_matmul(relu2_fp8(u), to_fp8_rows(w2), FP8_FAST_ACCUM)
+        return rows_matmul(relu2_fp8(u), to_fp8_rows(w2), fast_accum)
 
     @staticmethod
     def backward(ctx, grad):
@@ -1066,13 +1087,14 @@ class FP8ReLU2MLP(torch.autograd.Function):
         dh = rows_matmul(to_fp8_rows(grad), to_fp8_cols(w2))  # (N, hidden)
         a, du, du8, s_du = relu2_fp8_backward(dh, u)
         grad_x = rows_matmul((du8, s_du), to_fp8_cols(w1))
-        return grad_x, (du.t() @ x).to(w1.dtype), (grad.t() @ a).to(w2.dtype)
+        return grad_x, (du.t() @ x).to(w1.dtype), (grad.t() @ a).to(w2.dtype), None
 
 
-def fp8_relu2_mlp(x, w1, w2):
-    """ReLU2's training forward through FP8ReLU2MLP, its output in bf16. x: (..., d)."""
+def fp8_relu2_mlp(x, w1, w2, fast_accum: bool = False):
+    """ReLU2's training forward through FP8ReLU2MLP, its output in bf16; fast_accum: its forward products with
+    fast accumulation (ModelConfig.fp8_fast_accum). x: (..., d)."""
     with torch.autocast(x.device.type, enabled=False):
-        y = FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w1, w2)
+        y = FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w1, w2, fast_accum)
     return y.view(*x.shape[:-1], w2.shape[0])
 
 
@@ -1355,8 +1377,8 @@ class Llama(nn.Module):
             # mean over targets.numel() tokens lies within 1 / targets.numel() (see the FP8 section).
             if self.cfg.loss_kernel and K.runs_on(x):  # head and loss in one function, the gradient written forward
                 return fp8_head_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(),
-                                              self.cfg.logit_softcap)
-            logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel())
+                                              self.cfg.logit_softcap, fast_accum=self.cfg.fp8_fast_accum)
+            logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel(), fast_accum=self.cfg.fp8_fast_accum)
         else:
             logits = linear(x, self.output_weight(), self.small_matmuls)
         if targets is None:

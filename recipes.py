@@ -158,11 +158,12 @@ RECORD_CHAIN = (
     ("+ long-short windows", {"model__short_windows": True}),
     ("+ the record's shape (126m: 12 layers, 6 heads of 128)", _record_shape),
     ("+ no attention in one middle layer (126m: layer 7)", _attention_free_layer),
-    # Three changes to the step's time alone (the FP8 head rounds the head's matmul coarser, the others
-    # compute the same numbers): one rung, so the ladder's 150-s runs go to changes in what is learned.
-    # Generation's split decode, decode MLP and dependent launches ride along: training never runs them, and
-    # the rung then is the preset whole.
-    ("+ FP8 head, loss kernel, pinned copies (speed alone)", {"model__fp8_head": True, "model__loss_kernel": True,
+    # Three changes to the step's time alone (the FP8 head, its forward product with fast accumulation, rounds
+    # the head's matmul coarser, the others compute the same numbers): one rung, so the ladder's 150-s runs go
+    # to changes in what is learned. Generation's split decode, decode MLP and dependent launches ride along:
+    # training never runs them, and the rung then is the preset whole.
+    ("+ FP8 head, loss kernel, pinned copies (speed alone)", {"model__fp8_head": True, "model__fp8_fast_accum": True,
+                                                              "model__loss_kernel": True,
                                                               "train__pin": True, "model__split_decode": True,
                                                               "model__decode_mlp": True, "model__decode_pdl": True}),
     # modded's: it clips nothing, steps its up-projection (stored wide, 768 x 3,072) at Muon's lr where
@@ -674,11 +675,12 @@ def plot(curves: dict, title: str, path: Path, target: float | None = None):
 
 def curves_plan(preset: str) -> list[Recipe]:
     """The plain model (every training fast path off), each fast path that applies to the preset's model
-    alone on it, then the preset as its file has it: a fast path may change speed, not what the model
+    alone on it (with the one it refines: model.fast_path_alone), then the preset as its file has it: a fast path may change speed, not what the model
     learns beyond bfloat16 noise."""
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
     return [Recipe("plain", preset, "curves", plain),
-            *[Recipe(M.TRAINING_FAST_PATHS[s], preset, "curves", {**plain, f"model__{s}": True})
+            *[Recipe(M.TRAINING_FAST_PATHS[s], preset, "curves",
+                     {**plain, **{f"model__{k}": on for k, on in M.fast_path_alone(s).items()}})
               for s in M.runnable_fast_paths(C.preset(preset).model)],
             Recipe("defaults", preset, "curves")]
 

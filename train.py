@@ -715,7 +715,8 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
         f"QK-norm {m.qk_norm}, {'tied' if m.tie_embeddings else 'untied'} head, soft-cap {m.logit_softcap or 'off'}, "
         f"{meter.flops_tok / 1e6:,.1f} MFLOPs/token, attention {m.attention}, fused loss {m.fused_loss}, fused SwiGLU "
         f"{m.fused_swiglu and M.fast_path_applies('fused_swiglu', m) and device.type == 'cuda'}, bf16 residual "
-        f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}, fp8 head {m.fp8_head}")
+        f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}, fp8 head {m.fp8_head}, fp8 fast accumulation "
+        f"{m.fp8_fast_accum and M.fast_path_applies('fp8_fast_accum', m)}")
     parts = [name for name, on in (("embed-norm", m.embed_norm), (f"{m.value_embeds} value embeddings", m.value_embeds),
                                     ("U-net skips", m.unet_skips), ("x0 mix", m.x0_mix), ("truncated RoPE", m.rope_truncate),
                                     ("attention gate", m.attn_gate),

@@ -22,18 +22,19 @@ def test_ladder_plan_adds_one_setting_per_rung():
     rungs = B.ladder_rungs("88m-muon", 16, 3) + B.ladder_tail("88m-muon", 64, 3)
     names = [r.name for r in rungs]
     # 88m-muon is ReLU² with a tied head: no fused SwiGLU rung, no FP8 head rung, and no fused ReLU² once the
-    # FP8 matmuls run the MLP their own way (model.fast_path_applies)
+    # FP8 matmuls run the MLP their own way (model.fast_path_applies); fast accumulation right after them
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
-                     "+loss kernel", "+fp8 matmuls", "+fused QK-norm + RoPE", "+bf16 residual", "+muon kernel",
-                     "+coordinate descent", "+max-autotune (no CUDA graphs)"]
+                     "+loss kernel", "+fp8 matmuls", "+fp8 fast accumulation", "+fused QK-norm + RoPE",
+                     "+bf16 residual", "+muon kernel", "+coordinate descent", "+max-autotune (no CUDA graphs)"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
     # The fast paths are off until their own rung, whatever the preset's file turns on.
-    kernels = [(c.model.loss_kernel, c.model.fp8, c.model.fused_qk_norm_rope, c.model.bf16_residual)
-               for c in configs]
-    assert kernels == [(False,) * 4] * 6 + [(True, False, False, False), (True, True, False, False),
-                                            (True, True, True, False)] + [(True,) * 4] * 4
-    assert [c.train.muon_kernel for c in configs] == [False] * 10 + [True] * 3
+    kernels = [(c.model.loss_kernel, c.model.fp8, c.model.fp8_fast_accum, c.model.fused_qk_norm_rope,
+                c.model.bf16_residual) for c in configs]
+    assert kernels == [(False,) * 5] * 6 + [(True, False, False, False, False), (True, True, False, False, False),
+                                            (True, True, True, False, False), (True, True, True, True, False)] + \
+        [(True,) * 5] * 4
+    assert [c.train.muon_kernel for c in configs] == [False] * 11 + [True] * 3
     assert not any(c.model.fused_relu2 for c in configs)
     assert [c.train.compile_mode for c in configs[-4:]] == ["default", "default", "coordinate-descent",
                                                              "max-autotune-no-cudagraphs"]
@@ -59,7 +60,8 @@ def test_each_ladder_rung_changes_only_what_its_name_says():
                 if getattr(getattr(a, part), f.name) != getattr(getattr(b, part), f.name)}
     names = {"+tf32": "train.tf32", "+bf16 autocast": "train.bf16", "+torch.compile": "train.compile",
              "+fused AdamW": "train.optimizer", "+pinned memory": "train.pin", "+loss kernel": "model.loss_kernel",
-             "+fp8 matmuls": "model.fp8", "+fused QK-norm + RoPE": "model.fused_qk_norm_rope",
+             "+fp8 matmuls": "model.fp8", "+fp8 fast accumulation": "model.fp8_fast_accum",
+             "+fused QK-norm + RoPE": "model.fused_qk_norm_rope",
              "+bf16 residual": "model.bf16_residual", "+muon kernel": "train.muon_kernel",
              "+coordinate descent": "train.compile_mode", "+max-autotune (no CUDA graphs)": "train.compile_mode"}
     assert [(r.name, changed(a, b)) for r, a, b in zip(rungs[1:], configs, configs[1:])] == \
@@ -106,15 +108,17 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
     assert (base.model.loss_kernel, base.model.fused_loss, base.model.bf16_residual) == (False, False, False)
     F, T = False, True
-    assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fp8, c.model.fused_relu2, c.model.fused_qk_norm_rope,
-             c.model.bf16_residual, c.train.muon_kernel, c.train.compile_mode) for c in others] == [
-        (F, F, F, F, F, T, F, "default"),  # the preset's defaults
-        (T, F, T, F, T, T, T, "default"),  # and every other fast path (not the fused loss: the loss kernel,
+    assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fp8, c.model.fp8_fast_accum, c.model.fused_relu2,
+             c.model.fused_qk_norm_rope, c.model.bf16_residual, c.train.muon_kernel, c.train.compile_mode)
+            for c in others] == [
+        (F, F, F, F, F, F, T, F, "default"),  # the preset's defaults
+        (T, F, T, T, F, T, T, T, "default"),  # and every other fast path (not the fused loss: the loss kernel,
         # stacked first, excludes it; not the fused ReLU²: the FP8 matmuls, stacked before it, run their own MLP)
-        (T, F, F, F, F, F, F, "default"), (F, T, F, F, F, F, F, "default"), (F, F, T, F, F, F, F, "default"),
-        (F, F, F, T, F, F, F, "default"), (F, F, F, F, T, F, F, "default"), (F, F, F, F, F, T, F, "default"),
-        (F, F, F, F, F, F, T, "default"), (F, F, F, F, F, F, F, "coordinate-descent"),
-        (F, F, F, F, F, F, F, "max-autotune-no-cudagraphs")]
+        (T, F, F, F, F, F, F, F, "default"), (F, T, F, F, F, F, F, F, "default"), (F, F, T, F, F, F, F, F, "default"),
+        (F, F, T, T, F, F, F, F, "default"),  # fast accumulation alone runs with the FP8 matmuls it changes
+        (F, F, F, F, T, F, F, F, "default"), (F, F, F, F, F, T, F, F, "default"), (F, F, F, F, F, F, T, F, "default"),
+        (F, F, F, F, F, F, F, T, "default"), (F, F, F, F, F, F, F, F, "coordinate-descent"),
+        (F, F, F, F, F, F, F, F, "max-autotune-no-cudagraphs")]
     assert not any(c.model.fused_swiglu for c in others)  # ReLU²: no SwiGLU to fuse
     defaults = others[0]  # what train.py runs with the preset: its file's fast paths, whatever they are
     preset = B.C.preset("88m").model
@@ -453,13 +457,15 @@ def test_bench_trains_through_recipes_alone_and_shares_train_py_flag_names():
     source = open(B.__file__).read()
     assert "import subprocess" not in source and "Popen" not in source
     plan = RE.curves_plan("tiny")  # ReLU², tied: neither the fused SwiGLU nor the FP8 head runs for it
-    assert [r.name for r in plan] == ["plain", "loss kernel", "fused loss", "fp8 matmuls", "fused ReLU²",
-                                      "fused QK-norm + RoPE", "bf16 residual", "defaults"]
+    assert [r.name for r in plan] == ["plain", "loss kernel", "fused loss", "fp8 matmuls", "fp8 fast accumulation",
+                                      "fused ReLU²", "fused QK-norm + RoPE", "bf16 residual", "defaults"]
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
-    assert plan[0].overrides == plain and plan[6].overrides == {**plain, "model__bf16_residual": True}
+    assert plan[0].overrides == plain and plan[7].overrides == {**plain, "model__bf16_residual": True}
+    # fast accumulation's curve is the FP8 matmuls' with it, to set beside theirs
+    assert plan[4].overrides == {**plain, "model__fp8": True, "model__fp8_fast_accum": True}
     assert [r.name for r in RE.curves_plan("126m")] == ["plain", "fp8 head", "loss kernel", "fused loss",
-                                                               "fp8 matmuls", "fused ReLU²", "fused QK-norm + RoPE",
-                                                               "bf16 residual", "defaults"]
+                                                               "fp8 matmuls", "fp8 fast accumulation", "fused ReLU²",
+                                                               "fused QK-norm + RoPE", "bf16 residual", "defaults"]
     ours = {o: a.dest for a in B.build_parser()._actions for o in a.option_strings}
     theirs = {o: a.dest for a in TR.build_parser()._actions for o in a.option_strings}
     shared = set(ours) & set(theirs) - {"-h", "--help"}

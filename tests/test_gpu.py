@@ -249,11 +249,10 @@ def test_the_decode_mlp_matches_the_plain_mlp_in_bf16():
 @pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fp8_block_matmuls_stay_close_to_bf16(compiled, mlp, fast_accum, monkeypatch):
+def test_fp8_block_matmuls_stay_close_to_bf16(compiled, mlp, fast_accum):
     """FP8Rows in every block matmul, and FP8ReLU2MLP with its row kernels for the ReLU² MLP, their forward
-    products with cuBLAS's fast accumulation (model.FP8_FAST_ACCUM) and without."""
-    monkeypatch.setattr(M, "FP8_FAST_ACCUM", fast_accum)
-    out = loss_and_grads(compiled, seed=3, base=dict(mlp=mlp), fp8=True)
+    products with cuBLAS's fast accumulation (fp8_fast_accum) and without."""
+    out = loss_and_grads(compiled, seed=3, base=dict(mlp=mlp), fp8=True, fp8_fast_accum=fast_accum)
     assert_close(out, 1e-2, 0.15)
 
 
@@ -312,13 +311,12 @@ def test_the_loss_kernel_matches_the_plain_loss_in_bf16(compiled, cap):
 @pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("loss_kernel", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fp8_head_stays_close_to_bf16(compiled, loss_kernel, fast_accum, monkeypatch):
+def test_fp8_head_stays_close_to_bf16(compiled, loss_kernel, fast_accum):
     """The FP8 head (its gradient at the fixed bound 1/n) against the bf16 head and the plain loss, with the
-    soft-cap, its forward product with fast accumulation and without (model.FP8_FAST_ACCUM); with the loss
-    kernel on, the model runs the two as one function (model.fp8_head_cross_entropy)."""
-    monkeypatch.setattr(M, "FP8_FAST_ACCUM", fast_accum)
+    soft-cap, its forward product with fast accumulation and without (fp8_fast_accum); with the loss kernel
+    on, the model runs the two as one function (model.fp8_head_cross_entropy)."""
     out = loss_and_grads(compiled, seed=4, base=dict(tie_embeddings=False, logit_softcap=15.0), fp8_head=True,
-                         loss_kernel=loss_kernel)
+                         loss_kernel=loss_kernel, fp8_fast_accum=fast_accum)
     assert_close(out, 1e-2, 0.15)
 
 

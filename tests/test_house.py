@@ -157,6 +157,11 @@ AGREEMENT = {
             "test_gpu.py::test_the_fp8_relu2_row_kernels_cast_as_torch_does"],
     "fp8_head": ["test_model.py::test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly",
                  "test_gpu.py::test_fp8_head_stays_close_to_bf16"],
+    # the same products with fast accumulation: its switch reaches each forward product (CPU), and both FP8
+    # paths' GPU tests run with it and without
+    "fp8_fast_accum": ["test_model.py::test_fp8_forward_products_alone_take_the_fast_accumulation_switch",
+                       "test_gpu.py::test_fp8_block_matmuls_stay_close_to_bf16",
+                       "test_gpu.py::test_fp8_head_stays_close_to_bf16"],
     "fused_decode": ["test_kernels.py::test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token",
                      "test_gpu.py::test_fused_decode_step_matches_the_plain_path_in_bf16"],
     "split_decode": ["test_kernels.py::test_fused_decode_step_matches_the_plain_path_and_stops_at_the_token",

@@ -242,7 +242,8 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
     head runs, bit for bit."""
     bounds = []
     fp8_linear = M.fp8_linear
-    monkeypatch.setattr(M, "fp8_linear", lambda x, w, grad_bound=None: bounds.append(grad_bound) or fp8_linear(x, w, grad_bound))
+    monkeypatch.setattr(M, "fp8_linear", lambda x, w, grad_bound=None, fast_accum=False:
+                        bounds.append(grad_bound) or fp8_linear(x, w, grad_bound, fast_accum))
     parts = dict(tie_embeddings=False, logit_softcap=15.0)
     plain, fp8 = small_model(torch.float32, **parts), small_model(torch.float32, **parts, fp8_head=True)
     with torch.no_grad():
@@ -565,10 +566,13 @@ def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
     assert rel(gw1, gw0) < 0.01  # the weight gradient in bf16
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
 @pytest.mark.parametrize("fast", [False, True])
-def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatch, fast):
-    """model.FP8_FAST_ACCUM reaches each FP8 forward product (the block matmuls', the ReLU² MLP's two, the
-    head's) and no gradient's: a CPU computes them alike either way, so the flag is read from the calls."""
+def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatch, fast, mlp):
+    """ModelConfig.fp8_fast_accum reaches each FP8 forward product of a training step (the MLP's, through
+    FP8Rows or FP8ReLU2MLP, and the head's) and no gradient's: a CPU computes them alike either way, so the
+    flag is read from the calls. The head with the loss kernel (fp8_head_cross_entropy) runs on CUDA alone,
+    and takes it as a keyword here."""
     calls = []
     real = torch._scaled_mm
 
@@ -576,18 +580,24 @@ def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatc
         calls.append(kwargs.get("use_fast_accum", False))
         return real(*args, **kwargs)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    monkeypatch.setattr(M, "FP8_FAST_ACCUM", fast)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(16, 32, generator=g, requires_grad=True)
-    w1, w2 = torch.randn(64, 32, generator=g, requires_grad=True), torch.randn(32, 64, generator=g, requires_grad=True)
-    for forward in (lambda: M.fp8_linear(x, w1), lambda: M.fp8_linear(x, w1, grad_bound=1.0),
-                    lambda: M.fp8_relu2_mlp(x, w1, w2)):
-        calls.clear()
-        y = forward()
-        forwards = calls[:]
-        y.float().sum().backward()
-        backwards = calls[len(forwards):]
-        assert forwards and backwards and forwards == [fast] * len(forwards) and not any(backwards)
+    model = small_model(torch.float32, mlp=mlp, tie_embeddings=False, fp8=True, fp8_head=True, fp8_fast_accum=fast)
+    idx, targets = torch.randint(0, 97, (2, 2, 32), generator=torch.Generator().manual_seed(9))
+    model.train()
+    loss = model(idx, targets)
+    forwards = calls[:]
+    loss.backward()
+    backwards = calls[len(forwards):]
+    mlp_products = {"swiglu": 2, "relu2": 2}[mlp]  # SwiGLU's w13 and w2; ReLU²'s w1 and w2
+    assert forwards == [fast] * (2 * mlp_products + 1)  # two layers' MLPs, then the head
+    assert len(backwards) == 2 * mlp_products + 1 and not any(backwards)  # each one's input gradient
+    # The head with the loss kernel: the kernel (CUDA alone) stood in for by zero gradients of the right types.
+    monkeypatch.setattr(M.K, "cross_entropy_and_gradient", lambda logits, targets, cap, scale, fp8_only: (
+        logits.new_zeros(len(logits), dtype=torch.float32), logits.new_empty(0),
+        logits.new_zeros(logits.shape, dtype=M.E5M2)))
+    x, w = torch.randn(16, 32, requires_grad=True), torch.randn(97, 32, requires_grad=True)
+    calls.clear()
+    M.fp8_head_cross_entropy(x, w, torch.zeros(16, dtype=torch.long), 15.0, fast_accum=fast).backward()
+    assert calls == [fast, False, False]  # the forward product; the input's and the weight's gradients
 
 
 def test_the_fp8_relu2_mlp_is_close_to_the_plain_one_and_evaluates_plainly():
