@@ -130,9 +130,9 @@ def test_kernels_run_on_ampere_and_newer_only(monkeypatch):
 
 def test_fp8_matmuls_are_off_on_a_cpu_which_emulates_them_slowly():
     """A CPU has no FP8 units: train.setup builds the model with the plain head and block matmuls there."""
-    cfg = M.ModelConfig(tie_embeddings=False, fp8=True, fp8_head=True)
+    cfg = M.ModelConfig(tie_embeddings=False, fp8=True, fp8_head=True, fp8_fast_accum=True)
     plain, why = M.for_device(cfg, torch.device("cpu"))
-    assert (plain.fp8, plain.fp8_head, plain.tie_embeddings) == (False, False, False) and "FP8" in why
+    assert (plain.fp8, plain.fp8_head, plain.fp8_fast_accum, plain.tie_embeddings) == (False,) * 4 and "FP8" in why
     assert M.for_device(M.ModelConfig(), torch.device("cpu")) == (M.ModelConfig(), "")
 
 
@@ -140,11 +140,11 @@ def test_fp8_matmuls_are_off_on_a_gpu_without_fp8_units_and_on_from_ada(monkeypa
     """FP8 tensor cores came with compute capability 8.9: the default presets' FP8 head trains on an A100
     (8.0) with the plain head, saying why in one line, and stays on for an RTX 4060 (8.9) or an H200 (9.0)."""
     monkeypatch.setattr(K, "AVAILABLE", True)
-    cfg = M.ModelConfig(tie_embeddings=False, fp8=True, fp8_head=True)
+    cfg = M.ModelConfig(tie_embeddings=False, fp8=True, fp8_head=True, fp8_fast_accum=True)
     for capability, expected in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         on, why = M.for_device(cfg, torch.device("cuda"))
-        assert (on.fp8, on.fp8_head) == (expected, expected) and on.tie_embeddings is False
+        assert (on.fp8, on.fp8_head, on.fp8_fast_accum) == (expected,) * 3 and on.tie_embeddings is False
         assert ("compute capability 8.9" in why) is not expected
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # Turing: both reasons
     on, why = M.for_device(replace(cfg, loss_kernel=True), torch.device("cuda"))

@@ -1,5 +1,6 @@
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -630,6 +631,17 @@ def test_with_fp8_and_the_fused_relu2_both_set_the_fp8_matmuls_run_and_fast_path
     mlp = M.ReLU2(cfg)
     assert mlp.w1.fp8 and not mlp.fused
     assert M.fast_path_applies("fp8", cfg) and not M.fast_path_applies("fused_relu2", cfg)
+
+
+def test_fast_accumulation_runs_only_beside_an_fp8_path():
+    """fp8_fast_accum changes how the FP8 products accumulate: without fp8 or fp8_head there is none, and a
+    ladder or plan rung of it alone would time the bf16 model under its name."""
+    base = M.ModelConfig(tie_embeddings=False, fp8_fast_accum=True)
+    assert not M.fast_path_applies("fp8_fast_accum", base)
+    assert M.fast_path_applies("fp8_fast_accum", replace(base, fp8=True))
+    assert M.fast_path_applies("fp8_fast_accum", replace(base, fp8_head=True))
+    assert M.fast_path_alone("fp8_fast_accum") == {"fp8_fast_accum": True, "fp8": True}
+    assert M.fast_path_alone("fp8") == {"fp8": True}
 
 
 def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
