@@ -603,6 +603,13 @@ def loader_study(preset: str, micro_batch: int) -> list[dict]:
                 for doc_ids in (False, True)]
 
 
+def profile_switches(preset: str, args) -> dict:
+    """--profile's switches: the preset's fast paths with --defaults (preset_kernels), then each fast-path flag
+    given (--fp8, --loss-kernel, ...) on."""
+    return {**(preset_kernels(preset) if args.defaults else {}),
+            **{f"model__{m}": True for m in M.TRAINING_FAST_PATHS if getattr(args, m)}}
+
+
 def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None,
                   corpus: str | None = None) -> list[dict]:
     """Time per kernel class over 2 micro-batches and one optimizer step, at the sliding window the
@@ -850,6 +857,8 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
                        "(default 1)")
     speed.add_argument("--only", nargs="+", choices=ATTENTION_VARIANTS,
                        help="--attention: the variants to run (default: all)")
+    speed.add_argument("--defaults", action="store_true", help="--profile the preset's fast paths as its file sets "
+                       "them, what train.py runs with it (without: the compiled BF16 base); the flags below add to them")
     for switch in M.TRAINING_FAST_PATHS:
         speed.add_argument(flag(switch), action="store_true", help=f"--profile with model.{switch} on")
     recipes = p.add_argument_group("--recipes")
@@ -1019,8 +1028,7 @@ STUDY_TABLE = {
     "parts": (lambda s: parts_study(s.preset, s.mb, s.cuda), "ms", "ms per micro-batch, forward and backward"),
     "attention_rate": (lambda s: attention_rate_study(s.preset, s.mb, s.cuda), "tflops",
                        "TFLOP/s of one layer's attention, forward and backward"),
-    "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, {f"model__{m}": True for m in M.TRAINING_FAST_PATHS
-                                                                 if getattr(s.args, m)}, s.args.corpus),
+    "profile": (lambda s: profile_study(s.preset, s.mb, s.cuda, profile_switches(s.preset, s.args), s.args.corpus),
                 "ms", "ms per 2 micro-batches"),
     "generate": (lambda s: ME.generate_study(s.preset, s.cuda,
                                              s.args.new_tokens if s.cuda else min(s.args.new_tokens, 40),

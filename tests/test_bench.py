@@ -598,6 +598,18 @@ def test_budget_matches_the_laptop_article():
     assert round(b.hours, 1) == 16.6 and round(b.tokens_per_param_8h) == 10 and round(b.tokens_per_param_48h) == 58
 
 
+def test_the_profile_runs_the_presets_fast_paths_with_defaults_and_the_flags_on_top():
+    """--profile --defaults profiles what train.py runs with the preset (every fast path its file sets, on or
+    off), without it the compiled BF16 base; each fast-path flag adds its path to either."""
+    args = B.build_parser().parse_args(["--profile", "--preset", "88m", "--defaults"])
+    assert B.profile_switches("88m", args) == B.preset_kernels("88m")
+    assert B.profile_switches("88m", args)["model__fp8_fast_accum"] and B.profile_switches("88m", args)["model__fp8"]
+    args = B.build_parser().parse_args(["--profile", "--preset", "88m", "--fused-relu2"])
+    assert B.profile_switches("88m", args) == {"model__fused_relu2": True}
+    args = B.build_parser().parse_args(["--profile", "--preset", "88m-muon", "--defaults", "--fp8"])
+    assert B.profile_switches("88m-muon", args) == {**B.preset_kernels("88m-muon"), "model__fp8": True}
+
+
 def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(data_cfg, monkeypatch):
     """--profile --corpus: the micro-batches come from the corpus (document ids and all), the step runs
     at the preset's last window, and a CPU, whose profile times nest, reports no idle time."""
