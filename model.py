@@ -244,9 +244,9 @@ def fast_path_applies(name: str, cfg: "ModelConfig") -> bool:
     SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 block matmuls (each has
     its own matmuls; with both set the FP8 ones run, as ReLU2 picks), the fused loss (its own head and loss)
     outside the FP8 head and the loss kernel, those two outside the fused loss (the FP8 head for an untied
-    head), FP8 fast accumulation beside an FP8 path, the fused QK-norm + RoPE for a model with QK-norm; the fused decode for every model (its kernel reads a
-    sliding window's keys alone), and its split only with it; the decode MLP for the ReLU² MLP (FP8 matmuls
-    run in training alone)."""
+    head), FP8 fast accumulation beside an FP8 path, the fused QK-norm + RoPE for a model with QK-norm; the
+    fused decode for every model (its kernel reads a sliding window's keys alone), and its split only with
+    it; the decode MLP for the ReLU² MLP (FP8 matmuls run in training alone)."""
     if name == "split_decode":
         return cfg.fused_decode
     if name == "decode_mlp":
@@ -558,7 +558,7 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # float32 at intervals. modded-nanogpt's FP8 head and torchao's float8 training accumulate their forward
 # products so; the gradients keep the promotion here as there. At 131,072 tokens of the 88m shapes on one H100
 # it took the up-projection from 0.644 to 0.573 ms, the down-projection from 0.509 to 0.428 and the head from
-# 7.39 to 6.68 (docs/LOG.md, 2026-12-05).
+# 7.39 to 6.68 (docs/LOG.md, 2026-12-05); what it does to learning is not yet measured with two seeds a side.
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The attention's two matmuls in FP8 too with fp8 (FP8Rows). Off: the 88m defaults with fp8 ran 907,429 tok/s
@@ -1378,7 +1378,8 @@ class Llama(nn.Module):
             if self.cfg.loss_kernel and K.runs_on(x):  # head and loss in one function, the gradient written forward
                 return fp8_head_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(),
                                               self.cfg.logit_softcap, fast_accum=self.cfg.fp8_fast_accum)
-            logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel(), fast_accum=self.cfg.fp8_fast_accum)
+            logits = fp8_linear(x, self.head.weight, grad_bound=1.0 / targets.numel(),
+                                fast_accum=self.cfg.fp8_fast_accum)
         else:
             logits = linear(x, self.output_weight(), self.small_matmuls)
         if targets is None:
