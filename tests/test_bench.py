@@ -439,7 +439,7 @@ def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     by_name = {r["rung"]: r for r in saved["rows"]}
     assert {name: len(losses) for name, losses in saved["curves"].items()} == dict.fromkeys(by_name, 3)
     assert set(by_name) == {"plain", "loss kernel", "fused loss", "fused ReLU²", "fused QK-norm + RoPE", "bf16 residual",
-                            "fp8 matmuls", "defaults"}
+                            "fp8 matmuls", "fp8 fast accumulation", "defaults"}
     assert all("skipped" not in r for r in by_name.values())
     assert by_name["fused loss"]["max_loss_diff"] < 1e-4  # float32 on CPU: the same numbers
     assert by_name["loss kernel"]["max_loss_diff"] == 0  # on CPU without Triton's interpreter: the plain loss
@@ -447,6 +447,7 @@ def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     assert by_name["fused QK-norm + RoPE"]["max_loss_diff"] == 0  # and the plain QK-norm and RoPE
     assert by_name["bf16 residual"]["max_loss_diff"] < 1e-4  # no autocast on CPU, so a float32 stream
     assert by_name["fp8 matmuls"]["max_loss_diff"] < 0.1  # FP8 rounding
+    assert saved["curves"]["fp8 fast accumulation"] == saved["curves"]["fp8 matmuls"]  # on a CPU: both the plain MLP
     assert by_name["defaults"]["max_loss_diff"] < 1e-4  # the fused SwiGLU and bf16 stream, as above
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and not list(tmp_path.rglob("ckpt*.pt"))
 
