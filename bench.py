@@ -831,7 +831,8 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
     for study in STUDIES:
         what.add_argument("--" + study.replace("_", "-"), action="store_true",
                           help=f"the {study.replace('_', ' ')} study")
-    what.add_argument("--all", action="store_true", help="every study but --loss-curves (it trains a model per fast path)")
+    what.add_argument("--all", action="store_true",
+                      help="every study but --loss-curves (it trains a model per fast path)")
     what.add_argument("--plan", type=Path, default=None, metavar="FILE",
                       help="measure the rungs a TOML plan names (see configs/plans/), each in its own process")
     what.add_argument("--recipes", action="store_true", help="the time-to-loss ladder: each recipe change trained to "

@@ -675,8 +675,8 @@ def plot(curves: dict, title: str, path: Path, target: float | None = None):
 
 def curves_plan(preset: str) -> list[Recipe]:
     """The plain model (every training fast path off), each fast path that applies to the preset's model
-    alone on it (with the one it refines: model.fast_path_alone), then the preset as its file has it: a fast path may change speed, not what the model
-    learns beyond bfloat16 noise."""
+    alone on it (with the one it refines: model.fast_path_alone), then the preset as its file has it: a fast
+    path may change speed, not what the model learns beyond bfloat16 noise."""
     plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
     return [Recipe("plain", preset, "curves", plain),
             *[Recipe(M.TRAINING_FAST_PATHS[s], preset, "curves",
