@@ -558,7 +558,8 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # float32 at intervals. modded-nanogpt's FP8 head and torchao's float8 training accumulate their forward
 # products so; the gradients keep the promotion here as there. At 131,072 tokens of the 88m shapes on one H100
 # it took the up-projection from 0.644 to 0.573 ms, the down-projection from 0.509 to 0.428 and the head from
-# 7.39 to 6.68, and the 88m defaults ran 1.7% faster with a loss no worse after 150 steps, two seeds a side
+# 7.39 to 6.68; the 88m defaults ran 1.7% faster on the same card (`python bench.py --plan
+# configs/plans/fast-accum-88m-mb16.toml --repeats 2`) with a loss no worse after 150 steps, two seeds a side
 # (docs/PERFORMANCE.md, "Training speed", 2026-12-05).
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
