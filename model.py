@@ -277,9 +277,9 @@ def runnable_fast_paths(cfg: "ModelConfig") -> list[str]:
     """The training fast paths cfg's architecture can run, each tried alone (fast_path_alone, the others
     off): what bench's ladder and kernels study and the loss curves give a rung."""
     plain = replace(cfg, **dict.fromkeys(TRAINING_FAST_PATHS, False))
-    # asked with what it refines on, itself off: a switch the model refuses (fp8_head, tied) raises when on
-    beside = lambda s: replace(plain, **{k: on for k, on in fast_path_alone(s).items() if k != s})  # noqa: E731
-    return [s for s in TRAINING_FAST_PATHS if fast_path_applies(s, beside(s))]
+    # a refinement is asked with the path it refines on; none turns itself on (fp8_head raises on a tied head)
+    return [s for s in TRAINING_FAST_PATHS
+            if fast_path_applies(s, replace(plain, **{REFINES[s]: True}) if s in REFINES else plain)]
 
 
 def swiglu_hidden(d: int, multiple_of: int = 256) -> int:
@@ -558,7 +558,7 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 # float32 at intervals. modded-nanogpt's FP8 head and torchao's float8 training accumulate their forward
 # products so; the gradients keep the promotion here as there. At 131,072 tokens of the 88m shapes on one H100
 # it took the up-projection from 0.644 to 0.573 ms, the down-projection from 0.509 to 0.428 and the head from
-# 7.39 to 6.68; the 88m defaults ran 1.7% faster on the same card (`python bench.py --plan
+# 7.39 to 6.68; the 88m defaults ran 1.7% faster on another H100 (`python bench.py --plan
 # configs/plans/fast-accum-88m-mb16.toml --repeats 2`) with a loss no worse after 150 steps, two seeds a side
 # (docs/PERFORMANCE.md, "Training speed", 2026-12-05).
 

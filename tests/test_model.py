@@ -588,9 +588,9 @@ def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatc
     forwards = calls[:]
     loss.backward()
     backwards = calls[len(forwards):]
-    mlp_products = {"swiglu": 2, "relu2": 2}[mlp]  # SwiGLU's w13 and w2; ReLU²'s w1 and w2
-    assert forwards == [fast] * (2 * mlp_products + 1)  # two layers' MLPs, then the head
-    assert len(backwards) == 2 * mlp_products + 1 and not any(backwards)  # each one's input gradient
+    products = 2 * 2 + 1  # two layers' MLPs of two products each (SwiGLU's w13 and w2, ReLU²'s w1 and w2), the head
+    assert forwards == [fast] * products
+    assert len(backwards) == products and not any(backwards)  # each one's input gradient
     # The head with the loss kernel: the kernel (CUDA alone) stood in for by zero gradients of the right types.
     monkeypatch.setattr(M.K, "cross_entropy_and_gradient", lambda logits, targets, cap, scale, fp8_only: (
         logits.new_zeros(len(logits), dtype=torch.float32), logits.new_empty(0),
