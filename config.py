@@ -44,6 +44,7 @@ CompileMode = Literal["default", "coordinate-descent", "reduce-overhead", "max-a
                       "max-autotune"]
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 Schedule = Literal["cosine", "wsd"]
+MuonIteration = Literal["newton-schulz", "polar-express"]
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what train.device and the --device flags accept
 
 
@@ -91,6 +92,8 @@ class TrainConfig:
     muon_tall_scale: bool = True  # a tall (rows > cols) matrix's update times sqrt(rows / cols) (Jordan's)
     muon_shared: bool = True  # under torchrun each rank orthogonalises a share of the matrices (optim.Muon)
     muon_kernel: bool = False  # Newton-Schulz's symmetric products as onegpu_kernels.gram, half their tiles (CUDA)
+    muon_iteration: MuonIteration = "newton-schulz"  # Muon's orthogonalisation: newton-schulz or polar-express (optim.py)
+    muon_beta2: float = 0.0  # NorMuon: each neuron's update over its RMS's EMA with this decay; 0: off (record: 0.95)
     muon_momentum_warmup: int = 0  # steps over which Muon's momentum rises from muon_momentum_start (modded-nanogpt: 300)
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0 when muon_momentum_warmup > 0 (modded-nanogpt's)
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
@@ -154,6 +157,7 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "muon_weight_decay": NOT_NEGATIVE,
     "muon_momentum_warmup": NOT_NEGATIVE,
     "muon_momentum_start": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "muon_beta2": (lambda v: 0 <= v < 1, "in [0, 1) (0 turns NorMuon off)"),
     **dict.fromkeys(("embed_lr", "head_lr", "scalar_lr"), (lambda v: 0 <= v <= 10, "in [0, 10] (0: train.lr)")),
     "adam_eps": (lambda v: 0 < v <= 1e-3, "in (0, 1e-3]"),
 }

@@ -49,6 +49,16 @@ FAST_PATHS = {"muon_kernel": "muon kernel"}
 # the same constants as torch.optim.Muon).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
+# Polar Express (Amsel et al. 2025, arXiv 2505.16932; modded-nanogpt record #38): a quintic of its own at each
+# of the five steps, each the minimax-optimal one for the singular values the step before can leave, so the
+# five land nearer 1 than Newton-Schulz's one quintic five times. Computed there for five steps with a safety
+# factor of 2e-2 (the input is divided by 1.02 times its norm) and a cushion of 2.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+POLAR_EXPRESS_SAFETY = 1.02
 
 
 # --- The schedule --------------------------------------------------------------------------
@@ -84,19 +94,25 @@ def muon_momentum_at(step: int, cfg: C.TrainConfig) -> float:
     return (1 - frac) * cfg.muon_momentum_start + frac * cfg.muon_momentum
 
 
-def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7, kernel: bool = False) -> torch.Tensor:
+def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7, kernel: bool = False,
+                  iteration: str = "newton-schulz") -> torch.Tensor:
     """The Newton-Schulz iteration on a stack of matrices g (n, rows, cols): about U V^T of each
     matrix's SVD U S V^T (the singular values land in roughly [0.7, 1.2], which trains as well).
     Computed in `dtype` (bfloat16 on a GPU, as published); returns g's dtype. kernel: the two symmetric
-    products through onegpu_kernels.gram where it runs (train.muon_kernel), each symmetric tile computed once."""
+    products through onegpu_kernels.gram where it runs (train.muon_kernel), each symmetric tile computed once.
+    iteration: "newton-schulz" (one quintic five times) or "polar-express" (POLAR_EXPRESS, a quintic a step)."""
     x = g.to(dtype)
     wide = x.shape[-2] <= x.shape[-1]
     if not wide:  # iterate on the wide orientation: the Gram matrix is the smaller square
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
-    a, b, c = NS_COEFFICIENTS
+    if iteration == "polar-express":
+        steps = POLAR_EXPRESS
+        x = x / (x.norm(dim=(-2, -1), keepdim=True) * POLAR_EXPRESS_SAFETY + 1e-6)
+    else:
+        steps = (NS_COEFFICIENTS,) * NS_STEPS
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
     kernel = kernel and K.gram_supported(x)
-    for _ in range(NS_STEPS):
+    for a, b, c in steps:
         # x <- a x + (b G + c G G) x with G = x x^T, as three batched matmuls whose epilogues do the
         # scaling and the adding (baddbmm: beta * input + alpha * batch1 @ batch2), no kernel between
         if kernel:
@@ -109,15 +125,17 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7, kernel
     return (x if wide else x.mT).to(g.dtype)
 
 
-def orthogonalize_shared(g: torch.Tensor, dtype: torch.dtype, kernel: bool = False) -> torch.Tensor:
-    """orthogonalize(g, dtype, kernel=kernel) with the work split over the ranks of the process group: rank r
+def orthogonalize_shared(g: torch.Tensor, dtype: torch.dtype, kernel: bool = False,
+                         iteration: str = "newton-schulz") -> torch.Tensor:
+    """orthogonalize(g, dtype, kernel=kernel, iteration=iteration) with the work split over the ranks of the process group: rank r
     iterates on parts [r * k, (r + 1) * k) of the n (k = n / world rounded up; zero matrices pad
     the last share, and stay zero), then every rank gathers all of them. g: (n, rows, cols)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     k = -(-g.shape[0] // world)
     padded = torch.cat([g, g.new_zeros(k * world - g.shape[0], *g.shape[1:])]) if k * world > g.shape[0] else g
     gathered = torch.empty_like(padded)
-    dist.all_gather(list(gathered.chunk(world)), orthogonalize(padded[rank * k:(rank + 1) * k], dtype, kernel=kernel).contiguous())
+    dist.all_gather(list(gathered.chunk(world)), orthogonalize(padded[rank * k:(rank + 1) * k], dtype, kernel=kernel,
+                                                                 iteration=iteration).contiguous())
     return gathered[:g.shape[0]]
 
 
@@ -131,14 +149,19 @@ class Muon(torch.optim.Optimizer):
     bfloat16 matmuls are slow). Tests pass float64 to compare with the published algorithm.
     shared: in a process group of several ranks, split the iteration over them (orthogonalize_shared);
     every rank must then step with the same gradients, as DDP's all-reduce leaves them.
-    kernel: the iteration's symmetric products through onegpu_kernels.gram where it runs (orthogonalize)."""
+    kernel: the iteration's symmetric products through onegpu_kernels.gram where it runs (orthogonalize).
+    iteration: "newton-schulz" or "polar-express" (orthogonalize).
+    beta2: NorMuon (Li et al. 2025, arXiv 2510.05491; modded-nanogpt records #41-#48) where > 0: each part's
+    orthogonalised update divided by the root of an EMA (decay beta2) of its squared rows' means (columns' for a
+    wide part), then scaled back to its own Frobenius norm, so that no neuron steps much further than another."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
                  ns_dtype: torch.dtype | None = None, tall_scale: bool = True, shared: bool = True,
-                 kernel: bool = False):
+                 kernel: bool = False, iteration: str = "newton-schulz", beta2: float = 0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=None,
                                       tall_scale=tall_scale))
         self.ns_dtype, self.shared, self.kernel = ns_dtype, shared, kernel
+        self.iteration, self.beta2 = iteration, beta2
         for group in self.param_groups:
             for p in group["params"]:
                 assert p.dim() == 2, f"Muon updates matrices only, got a parameter of shape {tuple(p.shape)}"
@@ -162,9 +185,14 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_add_(bufs, grads)
             updates = torch._foreach_add(grads, bufs, alpha=group["momentum"])
             by_shape = defaultdict(list)  # part shape -> the parts' updates (views)
-            for update, (_, rows) in zip(updates, live):
-                for part in (update.split(rows) if rows else [update]):
+            moments = defaultdict(list)  # part shape -> the parts' NorMuon second moments (with beta2)
+            for p, update, (_, rows) in zip(params, updates, live):
+                parts = update.split(rows) if rows else [update]
+                for i, part in enumerate(parts):
                     by_shape[tuple(part.shape)].append(part)
+                if self.beta2:
+                    for part, moment in zip(parts, self.second_moments(p, parts)):
+                        moments[tuple(part.shape)].append(moment)
             dtype = self.ns_dtype or (torch.bfloat16 if params[0].is_cuda else torch.float32)
             split = self.shared and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             iterate = orthogonalize_shared if split else orthogonalize
@@ -172,7 +200,9 @@ class Muon(torch.optim.Optimizer):
                 # max(1, A/B) ** 0.5: a tall part's orthogonal update has a smaller RMS; this keeps
                 # every part's step the same size (Jordan's scaling, torch's adjust_lr_fn "original")
                 scale = max(1.0, A / B) ** 0.5 if group["tall_scale"] else 1.0
-                ortho = iterate(torch.stack(parts), dtype, kernel=self.kernel)
+                ortho = iterate(torch.stack(parts), dtype, kernel=self.kernel, iteration=self.iteration)
+                if self.beta2:
+                    ortho = normalized_neurons(ortho, moments[(A, B)], self.beta2)
                 if scale != 1.0:
                     ortho.mul_(scale)
                 torch._foreach_copy_(parts, list(ortho.unbind(0)))  # views of their matrices' updates: in place
@@ -180,6 +210,29 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
             torch._foreach_add_(params, updates, alpha=-group["lr"])
         return None
+
+    def second_moments(self, p: torch.Tensor, parts: list) -> list[torch.Tensor]:
+        """NorMuon's second moment of each of p's parts, in at least float32: (A, 1) a row for a part of A >= B
+        rows, else (1, B) a column, zero at the first step."""
+        state, dtype = self.state[p], torch.promote_types(p.dtype, torch.float32)
+        if "second_moment" not in state:
+            state["second_moment"] = [torch.zeros((A, 1) if A >= B else (1, B), device=p.device, dtype=dtype)
+                                      for A, B in (part.shape for part in parts)]
+        return state["second_moment"]
+
+
+def normalized_neurons(ortho: torch.Tensor, moments: list, beta2: float) -> torch.Tensor:
+    """NorMuon's step on a stack of orthogonalised updates ortho (n, A, B): each row (A >= B; columns where
+    A < B) divided by the root of its mean square's EMA, moments (one (A, 1) or (1, B) tensor a part, updated in
+    place), then each matrix scaled back to its Frobenius norm. Returns a new (n, A, B) tensor in ortho's dtype."""
+    A, B = ortho.shape[-2:]
+    u = ortho.to(moments[0].dtype)
+    mean_sq = u.square().mean(dim=-1 if A >= B else -2, keepdim=True)  # (n, A, 1) or (n, 1, B)
+    ema = torch.stack(moments).lerp_(mean_sq, 1 - beta2)
+    torch._foreach_copy_(moments, list(ema.unbind(0)))
+    scaled = u * ema.clamp(min=1e-10).rsqrt()
+    norm = u.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-10)
+    return (scaled * norm).to(ortho.dtype)
 
 
 # --- Assembling the optimizer --------------------------------------------------------------
@@ -294,5 +347,6 @@ def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
     muon = Muon([{"params": matrices, "lr_ratio": cfg.muon_lr / cfg.lr, "role": "matrices",
                   "splits": [stacked_rows(n, p, model.cfg) for n, p in groups["matrices"]]}],
                 lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay,
-                tall_scale=cfg.muon_tall_scale, shared=cfg.muon_shared, kernel=cfg.muon_kernel)
+                tall_scale=cfg.muon_tall_scale, shared=cfg.muon_shared, kernel=cfg.muon_kernel,
+                iteration=cfg.muon_iteration, beta2=cfg.muon_beta2)
     return Optimizers(muon, torch.optim.AdamW(adamw_groups(groups, cfg), **adam))

@@ -134,6 +134,64 @@ def test_muon_equals_the_published_update_in_float64(splits):
         assert (published_muon(start, grads, 0.02, 0.95, 0.1) - expected).abs().max() > 1e-3
 
 
+def record_muon(start, grads, lr, momentum, beta2, splits=None):
+    """modded-nanogpt's Muon step after records #38 and #41, written out per part in float64: Nesterov
+    momentum, five Polar Express steps on the wide orientation, then NorMuon's rescaling (beta2 > 0)."""
+    p, buf = start.clone(), torch.zeros_like(start)
+    moments = {}
+    for g in grads:
+        buf = momentum * buf + g
+        update = g + momentum * buf
+        parts = []
+        for i, u in enumerate(update.split(splits) if splits else [update]):
+            x = u.T if u.shape[0] > u.shape[1] else u
+            x = x / (x.norm() * 1.02 + 1e-6)
+            for a, b, c in O.POLAR_EXPRESS:
+                m = x @ x.T
+                x = a * x + (b * m + c * m @ m) @ x
+            x = x.T if u.shape[0] > u.shape[1] else x
+            if beta2:
+                dim = 1 if x.shape[0] >= x.shape[1] else 0
+                v = moments.get(i, torch.zeros(1, dtype=x.dtype))
+                moments[i] = v = beta2 * v + (1 - beta2) * (x * x).mean(dim=dim, keepdim=True)
+                y = x / v.clamp(min=1e-10).sqrt()
+                x = y * (x.norm() / y.norm())
+            parts.append(x * max(1, u.shape[0] / u.shape[1]) ** 0.5)
+        p = p - lr * torch.cat(parts)
+    return p
+
+
+@pytest.mark.parametrize("beta2", [0.0, 0.95])
+@pytest.mark.parametrize("splits", [None, [32, 64, 8]])
+def test_polar_express_and_normuon_equal_the_records_update_in_float64(splits, beta2):
+    gen = torch.Generator().manual_seed(2)
+    start = torch.randn(104, 48, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(104, 48, generator=gen, dtype=torch.float64) for _ in range(3)]
+    p = torch.nn.Parameter(start.clone())
+    opt = O.Muon([{"params": [p], "splits": [splits]}], lr=0.02, momentum=0.95, ns_dtype=torch.float64,
+                 iteration="polar-express", beta2=beta2)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    torch.testing.assert_close(p.detach(), record_muon(start, grads, 0.02, 0.95, beta2, splits), rtol=0, atol=1e-12)
+    if beta2:  # it changes the update, and its moments are saved with the optimizer
+        assert (record_muon(start, grads, 0.02, 0.95, 0.0, splits) - p.detach()).abs().max() > 1e-4
+        state = opt.state_dict()["state"][0]["second_moment"]
+        assert [tuple(m.shape) for m in state] == ([(1, 48), (64, 1), (1, 48)] if splits else [(104, 1)])
+
+
+def test_polar_express_lands_nearer_one_than_newton_schulz():
+    """Five Polar Express steps leave the singular values of an ill-conditioned matrix nearer 1 than five of
+    Newton-Schulz's quintic (its point: the same five steps, each quintic fitted to what the last left)."""
+    gen = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(96, 32, generator=gen, dtype=torch.float64))
+    g = (u * torch.logspace(0, -3, 32, dtype=torch.float64)) @ v.T  # singular values 1 down to 1e-3
+    spread = {it: (torch.linalg.svdvals(O.orthogonalize(g[None], torch.float64, iteration=it)) - 1).abs().max()
+              for it in ("newton-schulz", "polar-express")}
+    assert spread["polar-express"] < spread["newton-schulz"]
+
+
 def test_muon_orthogonalises_a_batch_of_parts():
     """Five Newton-Schulz steps leave each matrix's singular values near one (within Jordan's
     published band of about 0.7 to 1.2), whatever the input's scale."""
@@ -194,7 +252,7 @@ from test_optim import two_muon_steps
 dist.init_process_group("gloo")
 iterated = []  # the stack sizes this rank orthogonalised
 inner = O.orthogonalize
-O.orthogonalize = lambda g, dtype, kernel=False: iterated.append(g.shape[0]) or inner(g, dtype, kernel=kernel)
+O.orthogonalize = lambda g, dtype, **kw: iterated.append(g.shape[0]) or inner(g, dtype, **kw)
 torch.save({"params": two_muon_steps(), "iterated": iterated}, f"{sys.argv[3]}/rank{dist.get_rank()}.pt")
 # Both ranks leave together, the group closed: a rank that exits while gloo's threads still talk to the
 # other aborts it ("terminate called without an active exception", about once in 10 runs). Even so, a
