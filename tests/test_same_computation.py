@@ -1,4 +1,4 @@
-"""The house move (model.py the plain model, speed paths swapped in from fastpaths.py) changed no arithmetic:
+"""The house move (model.py the plain model, speed paths swapped in from their own file) must change no arithmetic:
 a few CPU steps of the tiny preset and of a small record-recipe config give bitwise the losses they gave at
 commit 21c10ff, the last before it (both compared on torch 2.13.0's CPU build)."""
 
