@@ -7,10 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attention as A
 import config as C
+import fastpaths as FP
+import fp8 as F8
 import model as M
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=32)
+
+
+def cached(model, idx, pos, window=None):
+    """model's logits for idx (B, T) at cache positions pos (T,), reading its first `window` positions (all)."""
+    return model(idx, masks=A.cache_masks(pos, window or model.cfg.context, model.cfg.windows()))
 
 
 def small_model(dtype=torch.float64, **overrides):
@@ -124,7 +132,7 @@ def test_block_matches_numpy_float64(recipe):
     ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
     T = x.shape[0]
     with torch.no_grad():
-        out = block(torch.from_numpy(x)[None], M.Attend(model.cos[:T], model.sin[:T]))[0].numpy()
+        out = block(torch.from_numpy(x)[None], None, (model.cos[:T], model.sin[:T]), A.Masks())[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
@@ -160,8 +168,9 @@ def test_record_block_matches_numpy_float64():
          "gate": a.gate.weight.detach().numpy(), "mask": mask, "freqs": freqs}
     ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
     with torch.no_grad():
-        at = M.Attend(model.cos[:T], model.sin[:T], doc_ids=torch.from_numpy(doc)[None], window=6)
-        out = block(torch.from_numpy(x)[None], at, x0=torch.from_numpy(x0)[None], ve=torch.from_numpy(ve)[None])[0].numpy()
+        masks = A.Masks(A.Mask(torch.from_numpy(doc)[None], 6))
+        out = block(torch.from_numpy(x)[None], torch.from_numpy(x0)[None], (model.cos[:T], model.sin[:T]), masks,
+                    torch.from_numpy(ve)[None])[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
@@ -171,7 +180,7 @@ def test_short_windows_halve_the_window_on_all_but_every_fourth_layer_from_eithe
     the long window."""
     cfg = M.ModelConfig(**{**SMALL, "n_layers": 12, "attn_window": 6, "short_windows": True})
     assert [i for i in range(12) if not cfg.short_layer(i)] == [0, 4, 7, 11]
-    assert [i for i in range(16) if not M.replace(cfg, n_layers=16).short_layer(i)] == [0, 4, 11, 15]
+    assert [i for i in range(16) if not replace(cfg, n_layers=16).short_layer(i)] == [0, 4, 11, 15]
     assert cfg.windows() == (6, 3) and cfg.windows(256) == (256, 128) and cfg.windows(1) == (1, 1)
     assert M.ModelConfig(**{**SMALL, "attn_window": 6}).windows() == (6, 0)
     with pytest.raises(ValueError, match="model.short_windows halves model.attn_window"):
@@ -181,11 +190,11 @@ def test_short_windows_halve_the_window_on_all_but_every_fourth_layer_from_eithe
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         out = model(idx)
-        assert torch.equal(out, model(idx, short_window=3))  # the short layer's window is half of 6
-        assert not torch.allclose(out, model(idx, short_window=6))
+        assert torch.equal(out, model(idx, masks=A.window_masks(20, (6, 3))))  # the short layer's window is half of 6
+        assert not torch.allclose(out, model(idx, masks=A.window_masks(20, (6, 6))))
         # and it is the short layer alone that sees 3 keys: the same model, its layer 1 told so directly
         seen = []
-        model.blocks[1].attn.register_forward_pre_hook(lambda m, args: seen.append(args[1].short_window))
+        model.blocks[1].attn.register_forward_pre_hook(lambda m, args: seen.append(args[2].short.window))
         model(idx)
     assert seen == [3]
 
@@ -200,15 +209,15 @@ def test_the_attention_scale_multiplies_the_scores_in_every_attention_path():
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 2, 9, 16, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(9, 9, dtype=torch.bool).tril()
-    written = M.textbook_attention(q, k, v, scale=0.4)  # its softmax in float32: agreement to float32's digits
+    written = A.textbook_attention(q, k, v, scale=0.4)  # its softmax in float32: agreement to float32's digits
     close = dict(rtol=1e-5, atol=1e-6)
     for kind in ("sdpa", "textbook"):
-        torch.testing.assert_close(M.attention(q, k, v, kind, scale=0.4), written, **close)
+        torch.testing.assert_close(A.attend(q, k, v, A.Mask(), 0.4, kind), written, **close)
     one_document = torch.zeros(2, 9, dtype=torch.long)  # the boolean-mask path
-    torch.testing.assert_close(M.attention(q, k, v, doc_ids=one_document, scale=0.4), written, **close)
-    torch.testing.assert_close(M.decode_attention_matmuls(q, k, v, mask, 0.4), written, **close)
-    torch.testing.assert_close(M.cached_attention(q, k, v, mask, 0.4), written, **close)
-    assert not torch.allclose(M.textbook_attention(q, k, v), written)
+    torch.testing.assert_close(A.attend(q, k, v, A.Mask(one_document), 0.4), written, **close)
+    torch.testing.assert_close(A.decode_attention_matmuls(q, k, v, mask, 0.4), written, **close)
+    torch.testing.assert_close(A.cached_attention(q, k, v, mask, 0.4), written, **close)
+    assert not torch.allclose(A.textbook_attention(q, k, v), written)
 
 
 def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
@@ -225,7 +234,7 @@ def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
         block.x0_mix.copy_(torch.tensor([0.75, 0.5]))
         x, x0 = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
         mixed = 0.75 * x + 0.5 * x0
-        torch.testing.assert_close(block(x, None, x0), mixed + block.mlp_branch(mixed), rtol=0, atol=0)
+        torch.testing.assert_close(block(x, x0, None, A.Masks()), mixed + block.mlp_branch(mixed), rtol=0, atol=0)
     full = M.flops_per_token(M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": -1}))
     # wqkv, wo, the gate, the q/k norm and attention norm gains, then the keys: 6N + 12 H hd T
     per_layer_attention = 6 * (64 * (64 + 2 * 32) + 64 * 64 + 4 * 12 + 2 * 16 + 64) + 12 * 4 * 16 * 32
@@ -242,7 +251,7 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
     survives that scaling where a bound of 1 would flush it; without gradients (evaluation) the plain
     head runs, bit for bit."""
     bounds = []
-    fp8_linear = M.fp8_linear
+    fp8_linear = F8.fp8_linear
     monkeypatch.setattr(M, "fp8_linear", lambda x, w, grad_bound=None, fast_accum=False:
                         bounds.append(grad_bound) or fp8_linear(x, w, grad_bound, fast_accum))
     parts = dict(tie_embeddings=False, logit_softcap=15.0)
@@ -318,7 +327,7 @@ def test_unet_skips_add_each_mirrored_output_with_its_weight():
     cos, sin = model.cos[:12], model.sin[:12]
     with torch.no_grad():
         x0 = M.rms_norm(model.embed(idx), model.cfg.norm_eps)
-        b = [lambda x, blk=blk: blk(x, M.Attend(cos, sin), x0=x0) for blk in model.blocks]
+        b = [lambda x, blk=blk: blk(x, x0, (cos, sin), A.Masks()) for blk in model.blocks]
         out0 = b[0](x0)
         out1 = b[1](out0)
         out2 = b[2](out1 + 0.7 * out1)
@@ -368,10 +377,10 @@ def test_value_scale_multiplies_the_values_of_the_layers_without_a_table():
     with torch.no_grad():
         scaled.blocks[1].attn.v_mix.fill_(0.3)
         x = torch.randn(2, 12, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-        at = M.Attend(plain.cos[:12], plain.sin[:12])
-        assert torch.allclose(scaled.blocks[1].attn(x, at), 0.3 * plain.blocks[1].attn(x, at), atol=1e-12)
+        at = (plain.cos[:12], plain.sin[:12]), A.Masks()
+        assert torch.allclose(scaled.blocks[1].attn(x, *at), 0.3 * plain.blocks[1].attn(x, *at), atol=1e-12)
         ve = torch.randn(2, 12, 32, dtype=torch.float64)  # (B, T, Hkv * hd)
-        assert torch.equal(scaled.blocks[0].attn(x, at, ve=ve), plain.blocks[0].attn(x, at, ve=ve))
+        assert torch.equal(scaled.blocks[0].attn(x, *at, ve=ve), plain.blocks[0].attn(x, *at, ve=ve))
 
 
 def test_without_norm_gains_every_norm_is_x_over_its_rms_and_no_optimizer_sees_a_gain():
@@ -399,8 +408,8 @@ def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
     assert M.mask_inputs(8, torch.device("cpu"), None, (3, 0)) == {"doc_ids": None, "attn_window": 3}
     i = np.arange(8)
     ref = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3) & (doc.numpy()[0][:, None] == doc.numpy()[0][None, :])
-    assert np.array_equal(M.doc_mask(doc, 3)[0].numpy(), ref)
-    assert np.array_equal(M.doc_mask(None, 3, 8)[0].numpy(), (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3))
+    assert np.array_equal(A.doc_mask(doc, 3)[0].numpy(), ref)
+    assert np.array_equal(A.doc_mask(None, 3, 8)[0].numpy(), (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3))
 
 
 def test_soft_cap_matches_numpy_and_bounds_the_logits():
@@ -426,7 +435,7 @@ def test_relu2_matches_swiglus_parameters_and_zero_init_starts_as_identity():
     model = small_model(zero_init=True)
     assert all(not b.attn.wo.weight.any() and not b.mlp.w2.weight.any() for b in model.blocks)
     x = torch.randn(1, 5, SMALL["d_model"], dtype=torch.float64)
-    assert torch.equal(model.blocks[0](x, M.Attend(model.cos[:5], model.sin[:5])), x)
+    assert torch.equal(model.blocks[0](x, None, (model.cos[:5], model.sin[:5]), A.Masks()), x)
 
 
 # --- Properties ----------------------------------------------------------------------------
@@ -459,7 +468,7 @@ def test_native_gqa_equals_repeated_kv():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 10, 16, generator=g, dtype=torch.float64)
     k, v = torch.randn(2, 2, 10, 16, generator=g, dtype=torch.float64), torch.randn(2, 2, 10, 16, generator=g, dtype=torch.float64)
-    native = M.attention(q, k, v)
+    native = A.attend(q, k, v, A.Mask())
     copied = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), is_causal=True)
     torch.testing.assert_close(native, copied, rtol=1e-12, atol=1e-12)
@@ -490,11 +499,11 @@ def test_kv_cache_decode_equals_full_forward(windowed, parts):
     with torch.no_grad():
         full = model(idx)  # a windowed model attends through its own window unless told otherwise
         if parts:
-            assert not torch.allclose(full, model(idx, attn_window=0))
+            assert not torch.allclose(full, model(idx, masks=A.window_masks(idx.shape[1], (0, 0))))
         model.setup_cache(2)
-        steps = [model(idx[:, :7], pos=torch.arange(7), window=window(7))]  # a prompt,
-        steps += [model(idx[:, 7:12], pos=torch.arange(7, 12), window=window(12))]  # a chunk after cached tokens,
-        steps += [model(idx[:, t:t + 1], pos=torch.tensor([t]), window=window(t + 1))
+        steps = [cached(model, idx[:, :7], torch.arange(7), window(7))]  # a prompt,
+        steps += [cached(model, idx[:, 7:12], torch.arange(7, 12), window(12))]  # a chunk after cached tokens,
+        steps += [cached(model, idx[:, t:t + 1], torch.tensor([t]), window(t + 1))
                   for t in range(12, 20)]  # then one at a time
     assert model.blocks[0].attn.cache.k.shape == (2, 2, 32, 16)  # the 2 kv heads, not the 4 query heads
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
@@ -507,12 +516,12 @@ def test_cache_is_never_read_past_the_current_length():
     idx = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         model.setup_cache(1)
-        clean = model(idx, pos=torch.arange(12))
+        clean = cached(model, idx, torch.arange(12))
         for block in model.blocks:
             block.attn.cache.k[:, :, 12:] = 1e4 * torch.randn_like(block.attn.cache.k[:, :, 12:])
             block.attn.cache.v[:, :, 12:] = 1e4 * torch.randn_like(block.attn.cache.v[:, :, 12:])
-        dirty = model(idx, pos=torch.arange(12))
-        next_clean = model(idx[:, -1:], pos=torch.tensor([12]))
+        dirty = cached(model, idx, torch.arange(12))
+        next_clean = cached(model, idx[:, -1:], torch.tensor([12]))
     torch.testing.assert_close(dirty, clean, rtol=0, atol=1e-12)
     assert torch.isfinite(next_clean).all()
 
@@ -524,9 +533,9 @@ def test_cached_attention_folds_query_groups_like_native_gqa():
     mask = torch.rand(5, 9, generator=g) > 0.3
     mask[:, 0] = True  # every query sees at least one key
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(M.cached_attention(q, k, v, mask), expected)
+    torch.testing.assert_close(A.cached_attention(q, k, v, mask), expected)
     folded = q.reshape(2, 2, 15, 8)  # the CUDA path, run here on the CPU
-    torch.testing.assert_close(M.decode_attention_matmuls(folded, k, v, mask.repeat(3, 1)).reshape(2, 6, 5, 8), expected)
+    torch.testing.assert_close(A.decode_attention_matmuls(folded, k, v, mask.repeat(3, 1)).reshape(2, 6, 5, 8), expected)
 
 
 @pytest.mark.parametrize("rows", [7, 64])  # several chunks with a short last one; one chunk
@@ -553,7 +562,7 @@ def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
     w = (torch.randn(48, 96, generator=g) * 0.05).requires_grad_()
     grad_out = torch.randn(64, 48, generator=g)
     results = []
-    for fn in (torch.nn.functional.linear, M.fp8_linear):
+    for fn in (torch.nn.functional.linear, F8.fp8_linear):
         y = fn(x, w)
         y.backward(grad_out)
         results.append((y.detach(), x.grad.clone(), w.grad.clone()))
@@ -597,7 +606,7 @@ def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatc
         logits.new_zeros(logits.shape, dtype=M.E5M2)))
     x, w = torch.randn(16, 32, requires_grad=True), torch.randn(97, 32, requires_grad=True)
     calls.clear()
-    M.fp8_head_cross_entropy(x, w, torch.zeros(16, dtype=torch.long), 15.0, fast_accum=fast).backward()
+    F8.fp8_head_cross_entropy(x, w, torch.zeros(16, dtype=torch.long), 15.0, fast_accum=fast).backward()
     assert calls == [fast, False, False]  # the forward product; the input's and the weight's gradients
 
 
@@ -609,7 +618,7 @@ def test_the_fp8_relu2_mlp_is_close_to_the_plain_one_and_evaluates_plainly():
     results = []
     for fp8 in (False, True):
         torch.manual_seed(0)
-        mlp = M.ReLU2(M.replace(cfg, fp8=fp8))
+        mlp = M.ReLU2(replace(cfg, fp8=fp8))
         xi = x.clone().requires_grad_()
         y = mlp(xi)
         y.float().backward(grad_out)
@@ -691,12 +700,12 @@ def test_sdpa_agrees_with_the_written_out_attention_on_cpu():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    written_out = M.textbook_attention(q, k, v)
-    torch.testing.assert_close(M.attention(q, k, v, "sdpa"), written_out)
-    torch.testing.assert_close(M.attention(q, k, v, "textbook"), written_out)
+    written_out = A.textbook_attention(q, k, v)
+    torch.testing.assert_close(A.attend(q, k, v, A.Mask()), written_out)
+    torch.testing.assert_close(A.attend(q, k, v, A.Mask(), backend="textbook"), written_out)
     future = v.clone()
     future[:, :, -1] += 1.0  # causal: changing the last value changes only the last position's output
-    changed = (M.attention(q, k, future, "sdpa") - written_out).abs().amax(dim=(0, 1, 3)) > 1e-3  # the textbook softmax runs in float32
+    changed = (A.attend(q, k, future, A.Mask()) - written_out).abs().amax(dim=(0, 1, 3)) > 1e-3  # the textbook softmax runs in float32
     assert changed.tolist() == [False] * 15 + [True]
 
 
@@ -748,8 +757,8 @@ def test_the_block_mask_from_document_boundaries_is_create_block_masks(with_docs
             ok = (q >= k) & (q - k < reach)
             return ok & (docs[b, q] == docs[b, k]) if with_docs else ok
         want = create_block_mask(allowed, B if with_docs else None, None, T, T, device="cpu")
-        got = M.flex_block_mask(docs, window, T, torch.device("cpu"))
-        assert int(want.full_kv_num_blocks.sum()) > 0 or window < 2 * M.FLEX_BLOCK  # full blocks are tested
+        got = A.flex_block_mask(docs, window, T, torch.device("cpu"))
+        assert int(want.full_kv_num_blocks.sum()) > 0 or window < 2 * A.FLEX_BLOCK  # full blocks are tested
         for count, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
                                ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
             n = getattr(want, count)
@@ -783,6 +792,6 @@ def test_compiled_flex_attention_with_the_document_block_mask_is_the_boolean_mas
     k, v = (torch.randn(2, 2, 384, 16, generator=g) for _ in range(2))
     doc = torch.cumsum(torch.rand(2, 384, generator=g) < 0.01, dim=1).int()
     for window in (0, 100, 200):
-        mask = M.flex_block_mask(doc, window, 384, torch.device("cpu"))
+        mask = A.flex_block_mask(doc, window, 384, torch.device("cpu"))
         out = flex(q, k, v, block_mask=mask, enable_gqa=True)
-        torch.testing.assert_close(out, M.attention(q, k, v, doc_ids=doc, window=window), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, A.attend(q, k, v, A.Mask(doc, window)), rtol=1e-5, atol=1e-5)
