@@ -146,7 +146,12 @@ def apply(model: M.Llama, speed: SpeedConfig, device: torch.device) -> list[str]
     """Swap into `model` every training fast path speed turns on that applies to it and runs on `device`
     (for_device), once, after the model is on its device. Returns the paths swapped in, in
     TRAINING_FAST_PATHS' order: what the run header prints."""
-    speed, _ = for_device(speed, device)
+    return swap_in(model, for_device(speed, device)[0])
+
+
+def swap_in(model: M.Llama, speed: SpeedConfig) -> list[str]:
+    """apply() without asking the device: every path speed turns on that applies to the model (the CPU tests
+    run the FP8 paths so, emulated)."""
     on = [n for n in TRAINING_FAST_PATHS if getattr(speed, n) and fast_path_applies(n, model.cfg, speed)]
     fast_accum = "fp8_fast_accum" in on
     for module in list(model.modules()):

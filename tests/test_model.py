@@ -245,49 +245,6 @@ def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
             M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": layer})
 
 
-def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypatch):
-    """fp8_head: the training loss and gradients stay within FP8 rounding of the plain head; the head's
-    gradient is scaled by its bound 1/n, n the tokens of the mean, and a gradient far below e5m2's range
-    survives that scaling where a bound of 1 would flush it; without gradients (evaluation) the plain
-    head runs, bit for bit."""
-    bounds = []
-    fp8_linear = F8.fp8_linear
-    monkeypatch.setattr(M, "fp8_linear", lambda x, w, grad_bound=None, fast_accum=False:
-                        bounds.append(grad_bound) or fp8_linear(x, w, grad_bound, fast_accum))
-    parts = dict(tie_embeddings=False, logit_softcap=15.0)
-    plain, fp8 = small_model(torch.float32, **parts), small_model(torch.float32, **parts, fp8_head=True)
-    with torch.no_grad():
-        for model in (plain, fp8):
-            model.head.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
-    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert torch.equal(plain(idx, targets), fp8(idx, targets))
-    grads = []
-    for model in (plain, fp8):
-        model.train()
-        loss = model(idx, targets)
-        loss.backward()
-        grads.append((loss.detach(), model.head.weight.grad, model.embed.weight.grad))
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-    (l0, h0, e0), (l1, h1, e1) = grads
-    assert abs(l1 - l0) < 0.02 and rel(h1, h0) < 0.12 and rel(e1, e0) < 0.12
-    assert l1 != l0 and bounds == [1 / 128]  # it really ran in FP8, its gradient bounded by 1 / (4 x 32 tokens)
-    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(16, 32)
-    tiny = 1e-11 * torch.randn(64, 16)  # far below e5m2's smallest subnormal, 1.5e-5, unless scaled up
-    for bound, close in ((1e-10, True), (1.0, False)):
-        x.grad = None
-        fp8_linear(x, w, grad_bound=bound).backward(tiny)
-        assert (rel(x.grad, tiny @ w) < 0.15) == close
-    # the bound: each logit's gradient within 1/n, and the scaled e5m2 values use the top of the range
-    g = torch.softmax(torch.randn(128, 97), -1) / 128
-    g8, scale = M.to_fp8_within(g, M.E5M2, 1 / 128)
-    assert g8.float().abs().max() <= torch.finfo(M.E5M2).max and rel(g8.float() * scale, g) < 0.15
-    with pytest.raises(ValueError, match="model.fp8_head runs the untied head"):
-        M.ModelConfig(**SMALL, fp8_head=True)
-
-
 def test_the_record_preset_has_the_record_holders_parameter_count():
     """configs/126m.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
     attention-free layer 7 and untied head included, and the module's tensors agree with param_count
@@ -343,7 +300,7 @@ def test_embed_norm_makes_the_embeddings_scale_irrelevant():
         before = model(idx)
         model.embed.weight.mul_(7.0)
         assert torch.allclose(model(idx), before, atol=1e-5)  # norm_eps apart
-        model.cfg.embed_norm = False
+        model.stream.norm = False
         assert not torch.allclose(model(idx), before, atol=1e-3)
 
 
@@ -404,8 +361,9 @@ def test_without_norm_gains_every_norm_is_x_over_its_rms_and_no_optimizer_sees_a
 
 def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
     doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
-    assert M.mask_inputs(8, torch.device("cpu"), None, (8, 0)) == {} and M.mask_inputs(8, torch.device("cpu")) == {}
-    assert M.mask_inputs(8, torch.device("cpu"), None, (3, 0)) == {"doc_ids": None, "attn_window": 3}
+    cpu = torch.device("cpu")
+    assert A.masks(8, cpu, None, (8, 0)) == A.Masks() == A.masks(8, cpu) == A.window_masks(8, (8, 8))
+    assert A.masks(8, cpu, None, (3, 0)) == A.Masks(A.Mask(window=3)) == A.window_masks(8, (3, 0))
     i = np.arange(8)
     ref = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3) & (doc.numpy()[0][:, None] == doc.numpy()[0][None, :])
     assert np.array_equal(A.doc_mask(doc, 3)[0].numpy(), ref)
@@ -419,9 +377,9 @@ def test_soft_cap_matches_numpy_and_bounds_the_logits():
     idx = torch.randint(0, SMALL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         capped = model(idx)
-        model.cfg.logit_softcap = 0.0
+        model.output.cap = 0.0
         raw = model(idx).numpy()
-        model.cfg.logit_softcap = 2.0
+        model.output.cap = 2.0
         loss = model(idx, idx)
     assert np.abs(capped.numpy() - 2.0 * np.tanh(raw / 2.0)).max() < 1e-12 and np.abs(raw).max() > 10
     assert capped.abs().max() <= 2.0  # the loss is taken on the capped logits too
@@ -538,161 +496,6 @@ def test_cached_attention_folds_query_groups_like_native_gqa():
     torch.testing.assert_close(A.decode_attention_matmuls(folded, k, v, mask.repeat(3, 1)).reshape(2, 6, 5, 8), expected)
 
 
-@pytest.mark.parametrize("rows", [7, 64])  # several chunks with a short last one; one chunk
-@pytest.mark.parametrize("cap", [0.0, 0.5])  # no soft-cap; one that bends most logits (they reach about +-1)
-def test_fused_loss_equals_plain_loss_and_gradients(rows, cap, monkeypatch):
-    monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", rows)
-    monkeypatch.setattr(M, "LOSS_MAX_CHUNKS", 1000)
-    idx, targets = torch.randint(0, 97, (2, 2, 30), generator=torch.Generator().manual_seed(7))
-    results = []
-    for fused in (False, True):
-        model = small_model(fused_loss=fused, logit_softcap=cap)
-        model.train()
-        loss = model(idx, targets)
-        loss.backward()
-        results.append((loss.detach(), [p.grad for p in model.parameters()]))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-12)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
-def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(64, 96, generator=g, requires_grad=True)
-    w = (torch.randn(48, 96, generator=g) * 0.05).requires_grad_()
-    grad_out = torch.randn(64, 48, generator=g)
-    results = []
-    for fn in (torch.nn.functional.linear, F8.fp8_linear):
-        y = fn(x, w)
-        y.backward(grad_out)
-        results.append((y.detach(), x.grad.clone(), w.grad.clone()))
-        x.grad, w.grad = None, None
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-    (y0, gx0, gw0), (y1, gx1, gw1) = results
-    assert rel(y1, y0) < 0.06 and rel(gx1, gx0) < 0.06  # e4m3 rounding, a scale a row
-    assert rel(y1, y0) > 1e-3 and rel(gx1, gx0) > 1e-3  # both really ran in FP8
-    assert rel(gw1, gw0) < 0.01  # the weight gradient in bf16
-
-
-@pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
-@pytest.mark.parametrize("fast", [False, True])
-def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatch, fast, mlp):
-    """ModelConfig.fp8_fast_accum reaches each FP8 forward product of a training step (the MLP's, through
-    FP8Rows or FP8ReLU2MLP, and the head's) and no gradient's: a CPU computes them alike either way, so the
-    flag is read from the calls. The head with the loss kernel (fp8_head_cross_entropy) runs on CUDA alone,
-    and takes it as a keyword here."""
-    calls = []
-    real = torch._scaled_mm
-
-    def scaled_mm(*args, **kwargs):
-        calls.append(kwargs.get("use_fast_accum", False))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    model = small_model(torch.float32, mlp=mlp, tie_embeddings=False, fp8=True, fp8_head=True, fp8_fast_accum=fast)
-    idx, targets = torch.randint(0, 97, (2, 2, 32), generator=torch.Generator().manual_seed(9))
-    model.train()
-    loss = model(idx, targets)
-    forwards = calls[:]
-    loss.backward()
-    backwards = calls[len(forwards):]
-    products = 2 * 2 + 1  # two layers' MLPs of two products each (SwiGLU's w13 and w2, ReLU²'s w1 and w2), the head
-    assert forwards == [fast] * products
-    assert len(backwards) == products and not any(backwards)  # each one's input gradient
-    # The head with the loss kernel: the kernel (CUDA alone) stood in for by zero gradients of the right types.
-    monkeypatch.setattr(M.K, "cross_entropy_and_gradient", lambda logits, targets, cap, scale, fp8_only: (
-        logits.new_zeros(len(logits), dtype=torch.float32), logits.new_empty(0),
-        logits.new_zeros(logits.shape, dtype=M.E5M2)))
-    x, w = torch.randn(16, 32, requires_grad=True), torch.randn(97, 32, requires_grad=True)
-    calls.clear()
-    F8.fp8_head_cross_entropy(x, w, torch.zeros(16, dtype=torch.long), 15.0, fast_accum=fast).backward()
-    assert calls == [fast, False, False]  # the forward product; the input's and the weight's gradients
-
-
-def test_the_fp8_relu2_mlp_is_close_to_the_plain_one_and_evaluates_plainly():
-    g = torch.Generator().manual_seed(8)
-    cfg = M.ModelConfig(d_model=96, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
-                        ffn_hidden=256)
-    x, grad_out = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)
-    results = []
-    for fp8 in (False, True):
-        torch.manual_seed(0)
-        mlp = M.ReLU2(replace(cfg, fp8=fp8))
-        xi = x.clone().requires_grad_()
-        y = mlp(xi)
-        y.float().backward(grad_out)
-        with torch.no_grad():
-            results.append((y.detach().float(), xi.grad, mlp.w1.weight.grad, mlp.w2.weight.grad, mlp(x)))
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-    plain, fp8 = results
-    assert all(1e-3 < rel(a, b) < 0.08 for a, b in zip(fp8[:4], plain[:4]))  # e4m3 forward and input gradients
-    assert torch.equal(fp8[4], plain[4])  # no gradients: the plain MLP
-
-
-def test_with_fp8_and_the_fused_relu2_both_set_the_fp8_matmuls_run_and_fast_path_applies_says_so():
-    """The MLP gives FP8 block matmuls the way over the fused ReLU²; the ladder, the kernels study and the
-    plans read fast_path_applies to know which runs, so it must say the same."""
-    cfg = M.ModelConfig(d_model=96, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
-                        ffn_hidden=256, fp8=True, fused_relu2=True)
-    mlp = M.ReLU2(cfg)
-    assert mlp.w1.fp8 and not mlp.fused
-    assert M.fast_path_applies("fp8", cfg) and not M.fast_path_applies("fused_relu2", cfg)
-
-
-def test_fast_accumulation_runs_only_beside_an_fp8_path():
-    """fp8_fast_accum changes how the FP8 products accumulate: without fp8 or fp8_head there is none, and a
-    ladder or plan rung of it alone would time the bf16 model under its name."""
-    base = M.ModelConfig(tie_embeddings=False, fp8_fast_accum=True)
-    assert not M.fast_path_applies("fp8_fast_accum", base)
-    assert M.fast_path_applies("fp8_fast_accum", replace(base, fp8=True))
-    assert M.fast_path_applies("fp8_fast_accum", replace(base, fp8_head=True))
-    assert M.fast_path_alone("fp8_fast_accum") == {"fp8_fast_accum": True, "fp8": True}
-    assert M.fast_path_alone("fp8") == {"fp8": True}
-
-
-def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
-    torch.manual_seed(0)
-    plain = M.Llama(M.ModelConfig(**SMALL))
-    fp8 = M.Llama(M.ModelConfig(**SMALL, fp8=True))
-    fp8.load_state_dict(plain.state_dict())  # same parameters, same names
-    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(9))
-    opt = torch.optim.AdamW(fp8.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(10):  # FP8 matmuls are slow on a CPU (about 0.7 s a step here): few steps, a high rate
-        loss = fp8(idx, targets)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert abs(losses[0] - plain(idx, targets).item()) < 0.05 and losses[-1] < losses[0] - 1.0
-
-
-def test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float32():
-    torch.manual_seed(0)
-    plain = M.Llama(M.ModelConfig(**SMALL, bf16_residual=False))
-    low = M.Llama(M.ModelConfig(**SMALL, bf16_residual=True))
-    low.load_state_dict(plain.state_dict())
-    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(3))
-    stream = []
-    low.blocks[0].register_forward_hook(lambda module, args, out: stream.append(out.dtype))
-    assert torch.equal(low(idx, targets), plain(idx, targets))  # no autocast: nothing changes
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # evaluation keeps float32's stream
-        assert torch.equal(low(idx, targets), plain(idx, targets))
-    losses, grads = [], []
-    for model in (plain, low):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx, targets)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert stream == [torch.float32, torch.float32, torch.bfloat16]
-    assert abs(losses[1] - losses[0]) < 1e-3 * losses[0]
-    assert ((grads[1] - grads[0]).norm() / grads[0].norm()).item() < 2e-2  # bf16 rounding: 0.5% here
-
-
 def test_sdpa_agrees_with_the_written_out_attention_on_cpu():
     """On CPU the SDPA backends cannot be pinned (they are CUDA kernels) and fall back to PyTorch's
     choice, so the one comparison that means something here is SDPA against the textbook formula,
@@ -768,16 +571,14 @@ def test_the_block_mask_from_document_boundaries_is_create_block_masks(with_docs
 
 
 def test_flex_attention_gets_the_kernel_options(monkeypatch):
-    """FLEX_OPTIONS reach FlexAttention in training (none: Inductor's own tiles); a call's own options win,
-    which is how `bench.py --attention-rate` times each of bench.FLEX_CANDIDATES."""
+    """A block mask goes to FlexAttention with the call's kernel options (none: Inductor's own tiles), which is
+    how `bench.py --attention-rate` times each of bench.FLEX_CANDIDATES."""
     seen = []
-    monkeypatch.setattr(M, "flex_attention_compiled", lambda: lambda q, k, v, **kw: seen.append(kw["kernel_options"]) or q)
+    monkeypatch.setattr(A, "flex_attention_compiled", lambda: lambda q, k, v, **kw: seen.append(kw["kernel_options"]) or q)
     q = torch.zeros(1, 2, 4, 8)
-    M.attention(q, q, q, block_mask="mask")
-    M.attention(q, q, q, block_mask="mask", kernel_options={"USE_TMA": True})
-    monkeypatch.setattr(M, "FLEX_OPTIONS", {"ROWS_GUARANTEED_SAFE": True})
-    M.attention(q, q, q, block_mask="mask")
-    assert seen == [None, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE": True}]
+    A.attend(q, q, q, A.Mask(block_mask="mask"))
+    A.attend(q, q, q, A.Mask(block_mask="mask"), flex_options={"USE_TMA": True})
+    assert seen == [None, {"USE_TMA": True}]
 
 
 @pytest.mark.slow
