@@ -120,12 +120,13 @@ def for_device(speed: SpeedConfig, device: torch.device) -> tuple[SpeedConfig, s
     """(speed for a model that will train on `device`, why it differs: "" where it does not). On a GPU
     Triton cannot run (older than Ampere) the Triton fast paths are off, and the FP8 matmuls wherever
     there are no FP8 units (compute capability 8.9: Ada, then Hopper), where the plain paths compute the
-    same functions in bf16. A CPU has none either: torch._scaled_mm emulates them there, far slower. On CPU
-    the Triton paths pick the plain path themselves (the tests run them through Triton's interpreter)."""
+    same functions in bf16. A CPU has none either: torch._scaled_mm emulates them there, far slower. On a CPU
+    the Triton paths run only under Triton's interpreter (TRITON_INTERPRET=1, as the tests run them)."""
     whys = []
-    if device.type == "cuda" and not K.device_supported(device):
+    if not K.device_supported(device) and any(getattr(speed, name) for name in TRITON_PATHS):
         speed = replace(speed, **dict.fromkeys(TRITON_PATHS, False))
-        whys.append("its Triton kernels need a GPU of compute capability 8.0 (Ampere) or newer")
+        whys.append("its Triton kernels need a GPU of compute capability 8.0 (Ampere) or newer"
+                    if device.type == "cuda" else "Triton's kernels run on a GPU (on a CPU only under its interpreter)")
     if (speed.fp8 or speed.fp8_head) and not fp8_units(device):
         speed = replace(speed, fp8=False, fp8_head=False, fp8_fast_accum=False)
         whys.append("a CPU has no FP8 matmul units (emulated, about 20x slower)" if device.type == "cpu" else

@@ -192,13 +192,13 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def build_model(cfg: C.Config, device: torch.device, seed: int):
+def build_model(cfg: C.Config, speed: FP.SpeedConfig, device: torch.device, seed: int):
     """(raw model, model to call, the fast paths swapped in): the plain model on `device`, then the speed paths
-    and recomputation its config turns on swapped in (fastpaths.apply); the second is compiled and/or
-    DDP-wrapped as configured."""
+    of `speed` (cfg.speed as this device runs it) and the recomputation cfg.train turns on, swapped in; the
+    second is compiled and/or DDP-wrapped as configured."""
     torch.manual_seed(seed)
     raw = M.Llama(cfg.model).to(device)
-    swapped = FP.apply(raw, cfg.speed, device)
+    swapped = FP.apply(raw, speed, device)
     FP.apply_recompute(raw, cfg.train.activation_checkpointing, cfg.train.recompute_mlp)
     run = raw
     if cfg.train.compile:
@@ -255,6 +255,8 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
                if getattr(speed, name) != getattr(cfg.speed, name)]
         say(f"note: {', '.join(off)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
             f"{why}; the plain paths compute the same functions")
+    if not tcfg.bf16 or tcfg.fp16:  # the bf16 stream needs bf16 autocast
+        speed = dataclasses.replace(speed, bf16_residual=False)
     if speed.fp8_head and tcfg.fp16:  # after for_device: a card without bf16 has no FP8 units either
         raise ValueError("speed.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
                          "overflow: use --no-fp8-head with --fp16")
@@ -296,7 +298,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
             whole_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
                                       stride=T - cfg.model.attn_window, **loader_args)
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
-    raw, model, swapped = build_model(cfg, device, tcfg.seed)
+    raw, model, swapped = build_model(cfg, speed, device, tcfg.seed)
     scaler = torch.amp.GradScaler(device.type) if tcfg.fp16 else None
     return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
                accum, steps, tok_path, tok_hash, source, plain_val, scaler, whole_val, swapped)

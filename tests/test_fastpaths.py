@@ -234,15 +234,16 @@ def test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float
 
 
 def test_apply_swaps_what_the_device_runs_and_keeps_the_state_dict():
-    """On a CPU the FP8 paths stay plain (for_device) and the Triton ones swap in (each falls back to its plain
-    forward where Triton does not run); every swap keeps the parameters' names; the recomputation settings swap
-    the blocks."""
+    """On a CPU the FP8 and Triton paths stay plain (for_device; swap_in is what the interpreter's checks use);
+    every swap keeps the parameters' names; the recomputation settings swap the blocks."""
     cfg = M.ModelConfig(**SMALL, mlp="relu2", qk_norm=True, tie_embeddings=False)
     model = M.Llama(cfg)
     keys = list(model.state_dict())
     speed = FP.SpeedConfig(fp8=True, fp8_head=True, loss_kernel=True, fused_relu2=True, fused_qk_norm_rope=True,
                            bf16_residual=True, attention="math")
-    on = FP.apply(model, speed, torch.device("cpu"))
+    assert FP.apply(model, speed, torch.device("cpu")) == ["bf16_residual"]
+    assert type(model.blocks[0].mlp) is M.ReLU2 and type(model.output) is M.Output
+    on = FP.swap_in(model, replace(speed, fp8=False, fp8_head=False))  # as the interpreter's checks swap them
     assert on == ["loss_kernel", "fused_relu2", "fused_qk_norm_rope", "bf16_residual"]
     assert type(model.blocks[0].mlp) is FP.FusedReLU2 and type(model.blocks[0].attn) is FP.FusedQKAttention
     assert type(model.output) is FP.TrainingLoss and not model.output.fp8_head and model.output.loss_kernel
@@ -250,7 +251,8 @@ def test_apply_swaps_what_the_device_runs_and_keeps_the_state_dict():
     assert list(model.state_dict()) == keys
     FP.apply_recompute(model, activation_checkpointing=False, recompute_mlp=True)
     assert all(type(b) is FP.RecomputedMLPBlock for b in model.blocks) and list(model.state_dict()) == keys
-    assert FP.for_device(speed, torch.device("cpu"))[0] == replace(speed, fp8=False, fp8_head=False)
+    assert FP.for_device(speed, torch.device("cpu"))[0] == replace(speed, fp8=False, fp8_head=False, loss_kernel=False,
+                                                                   fused_relu2=False, fused_qk_norm_rope=False)
 
 
 @pytest.mark.parametrize("setting", ["activation_checkpointing", "recompute_mlp"])
