@@ -158,20 +158,60 @@ def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Run
 
 
 PLAN_KEYS = {"preset", "steps", "rung"}
-RUNG_KEYS = {"name", "plain", "model", "data", "train"}
+RUNG_KEYS = {"name", "plain", "model", "speed", "data", "train"}
+
+
+def check_rung_table(table, where: str, configs: dict):
+    """Refuse in one line a [[rung]] table without a name of its own, with an unknown key, a section that is not
+    a table, or a plain = that is not true or false."""
+    if not isinstance(table, dict) or not isinstance(table.get("name"), str) or table["name"] in configs:
+        raise ValueError(f"{where}: each [[rung]] needs a name of its own (name = \"...\")")
+    extra = sorted(set(table) - RUNG_KEYS)
+    if extra:
+        raise ValueError(f"{where} ({table['name']}): unknown key(s) {extra}; a rung has {sorted(RUNG_KEYS)}")
+    for section in C.SECTIONS:
+        if not isinstance(table.get(section, {}), dict):
+            raise ValueError(f"{where} ({table['name']}): {section} = {table[section]!r} must be a table of "
+                             f"settings, e.g. {section} = {{ micro_batch = 32 }}")
+    if not isinstance(table.get("plain", False), bool):
+        raise ValueError(f"{where} ({table['name']}): plain = {table['plain']!r}: give true (every fast path "
+                         f"off, then this rung's settings) or false")
+
+
+def checked_config(rung: ME.Rung, table: dict, where: str, configs: dict) -> C.Config:
+    """The rung's config through the strict loader, refusing a fast path it names that cannot run for its model
+    (the rung would be timed without it under its name) and a config an earlier rung already times."""
+    try:
+        cfg = rung.config()
+        TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1)
+    except ValueError as e:
+        raise ValueError(f"{where} ({table['name']}): {e}") from None
+    asked = C.moved({s: table.get(s, {}) for s in ("model", "speed")}).get("speed", {})
+    idle = [s for s in asked if s in FP.TRAINING_FAST_PATHS and getattr(cfg.speed, s)
+            and not FP.fast_path_applies(s, cfg.model, cfg.speed)]
+    if idle:
+        raise ValueError(f"{where} ({table['name']}): speed.{idle[0]} = true does not run for this rung's model "
+                         f"(fastpaths.fast_path_applies: e.g. the fused ReLU² not beside fp8): drop it, or turn off "
+                         f"the setting it cannot run beside")
+    # --repeats is how a plan asks for a rung again; two rungs of one config time one thing under two names
+    same = next((name for name, other in configs.items() if other == cfg), None)
+    if same:
+        raise ValueError(f"{where} ({table['name']}): runs the same settings as rung '{same}' with preset "
+                         f"{rung.preset}: drop one, or change what it sets (the preset may already set it)")
+    return cfg
 
 
 def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) -> list[ME.Rung]:
     """The rungs of a plan file (`python bench.py --plan FILE`): a preset, timed steps, and named
-    rungs whose [model] / [data] / [train] tables override the preset, e.g.
+    rungs whose [model] / [speed] / [data] / [train] tables override the preset, e.g.
 
         preset = "88m"
         [[rung]]
         name = "plain compiled"
         train = { compile = true, micro_batch = 64 }
-        model = { fused_swiglu = false }
+        speed = { fused_swiglu = false }
 
-    `plain = true` turns every training fast path off first (PLAIN_KERNELS, from model.TRAINING_FAST_PATHS
+    `plain = true` turns every training fast path off first (PLAIN_KERNELS, from fastpaths.TRAINING_FAST_PATHS
     and optim.FAST_PATHS), so a plain rung stays plain when a preset gains a fast path; its own tables
     then switch on what it measures. Every rung's config goes through the strict loader here, so a
     misspelled key fails before any process starts. preset and steps given on the command line win over
@@ -185,47 +225,16 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
         raise ValueError(f"{path}: steps = {timed!r}: give the timed steps per rung as a whole number, 1 or more")
     if not isinstance(values.get("preset", "88m"), str):
         raise ValueError(f"{path}: preset = {values['preset']!r}: give a preset's name, e.g. preset = \"88m\"")
-    rungs, names, configs = [], set(), {}
+    rungs, configs = [], {}
     for i, table in enumerate(values.get("rung") or []):
         where = f"{path}: rung {i + 1}"
-        if not isinstance(table, dict) or not isinstance(table.get("name"), str) or table["name"] in names:
-            raise ValueError(f"{where}: each [[rung]] needs a name of its own (name = \"...\")")
-        extra = sorted(set(table) - RUNG_KEYS)
-        if extra:
-            raise ValueError(f"{where} ({table['name']}): unknown key(s) {extra}; a rung has {sorted(RUNG_KEYS)}")
-        names.add(table["name"])
-        for section in ("model", "data", "train"):
-            if not isinstance(table.get(section, {}), dict):
-                raise ValueError(f"{where} ({table['name']}): {section} = {table[section]!r} must be a table of "
-                                 f"settings, e.g. {section} = {{ micro_batch = 32 }}")
-        if not isinstance(table.get("plain", False), bool):
-            raise ValueError(f"{where} ({table['name']}): plain = {table['plain']!r}: give true (every fast path "
-                             f"off, then this rung's settings) or false")
+        check_rung_table(table, where, configs)
         overrides = {**(PLAIN_KERNELS if table.get("plain") else {}),
-                     **{f"{section}__{k}": v for section, values in C.moved(
-                         {s: table.get(s, {}) for s in C.SECTIONS}).items() for k, v in values.items()}}
+                     **{f"{section}__{k}": v for section, settings in C.moved(
+                         {s: table.get(s, {}) for s in C.SECTIONS}).items() for k, v in settings.items()}}
         rung = ME.Rung(table["name"], preset or values.get("preset", "88m"), overrides,
                        timed_steps=steps or values.get("steps", 3))
-        try:
-            cfg = rung.config()
-            TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1)
-        except ValueError as e:
-            raise ValueError(f"{where} ({table['name']}): {e}") from None
-        # A fast path the rung's model cannot run would time the rung without it under its name.
-        asked = C.moved({s: table.get(s, {}) for s in ("model", "speed")}).get("speed", {})
-        idle = [s for s in asked if s in FP.TRAINING_FAST_PATHS and getattr(cfg.speed, s)
-                and not FP.fast_path_applies(s, cfg.model, cfg.speed)]
-        if idle:
-            raise ValueError(f"{where} ({table['name']}): speed.{idle[0]} = true does not run for this rung's model "
-                             f"(fastpaths.fast_path_applies: e.g. the fused ReLU² not beside fp8): drop it, or turn off "
-                             f"the setting it cannot run beside")
-        # Two rungs of one config time the same thing under two names (a preset that gained the setting a rung
-        # adds, for one); --repeats is how a plan asks for a rung again.
-        same = next((name for name, other in configs.items() if other == cfg), None)
-        if same:
-            raise ValueError(f"{where} ({table['name']}): runs the same settings as rung '{same}' with preset "
-                             f"{rung.preset}: drop one, or change what it sets (the preset may already set it)")
-        configs[table["name"]] = cfg
+        configs[table["name"]] = checked_config(rung, table, where, configs)
         rungs.append(rung)
     if not rungs:
         raise ValueError(f"{path}: no [[rung]] tables: add one per configuration to measure")
@@ -858,7 +867,20 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
                        "them, what train.py runs with it (without: the compiled BF16 base); the flags below add to them")
     for switch in FP.TRAINING_FAST_PATHS:
         speed.add_argument(flag(switch), action="store_true", help=f"--profile with speed.{switch} on")
-    recipes = p.add_argument_group("--recipes")
+    add_recipe_flags(p.add_argument_group("--recipes"), here, cuda)
+    other = p.add_argument_group("--generate, --loss-curves and --budget")
+    other.add_argument("--new-tokens", type=int, default=500, metavar="N", help="--generate: tokens each run decodes "
+                       f"({here}: {500 if cuda else 40})")
+    other.add_argument("--curve-steps", type=int, default=None, metavar="N",
+                       help=f"--loss-curves: steps of each run ({here}: {200 if cuda else 4})")
+    other.add_argument("--no-transformers", action="store_true", help="--generate: measure onegpu only")
+    other.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="--budget: measured tokens/s per "
+                       "preset (default: an RTX 4060 Laptop GPU's, from \"What a Laptop Can Train\")")
+    return p
+
+
+def add_recipe_flags(recipes, here: str, cuda: bool):
+    """--recipes' flags (the time-to-loss ladder)."""
     recipes.add_argument("--versus", action="store_true", help="only the article recipe against the preset's default")
     recipes.add_argument("--muon", action="store_true", help="with --versus: against the Muon recipe, "
                          "configs/<preset>-muon.toml (the default until 2026-12-02), instead of the default")
@@ -875,15 +897,6 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
     recipes.add_argument("--corpus", default=None, metavar="NAME_OR_GLOB",
                          help=f"corpus ({here}: {'python' if cuda else 'stdlib'}); with --profile, profile on this "
                               f"prepared corpus, its documents as training masks them (default: random tokens)")
-    other = p.add_argument_group("--generate, --loss-curves and --budget")
-    other.add_argument("--new-tokens", type=int, default=500, metavar="N", help="--generate: tokens each run decodes "
-                       f"({here}: {500 if cuda else 40})")
-    other.add_argument("--curve-steps", type=int, default=None, metavar="N",
-                       help=f"--loss-curves: steps of each run ({here}: {200 if cuda else 4})")
-    other.add_argument("--no-transformers", action="store_true", help="--generate: measure onegpu only")
-    other.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="--budget: measured tokens/s per "
-                       "preset (default: an RTX 4060 Laptop GPU's, from \"What a Laptop Can Train\")")
-    return p
 
 
 def main(argv=None):

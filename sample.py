@@ -86,7 +86,7 @@ def speed_report(timer: G.Timer, prompt_tokens: int, batch: int, new_tokens: int
             f"{decode_rate:,.1f} tok/s decoding {new_tokens - 1} more per sample]")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate text from a checkpoint.")
     p.add_argument("--ckpt", required=True, help="run folder (runs/NAME) or a ckpt.pt file")
     p.add_argument("--prompt", default=None, help="text to continue (default: stdin if piped, else empty)")
@@ -108,7 +108,11 @@ def main(argv=None):
                            help=f"CUDA: the {label} fast path on or off (default: as the checkpoint's config)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
         check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.num_samples)

@@ -236,6 +236,22 @@ class Run:
     swapped: list = dataclasses.field(default_factory=list)  # the fast paths fastpaths.apply swapped in
 
 
+def device_speed(speed: FP.SpeedConfig, tcfg: C.TrainConfig, device: torch.device, say) -> FP.SpeedConfig:
+    """The speed paths this device runs of those asked for, saying in one line which it turns off and why. The
+    config keeps what was asked: a checkpoint resumes with the same command on any card."""
+    runs, why = FP.for_device(speed, device)
+    if runs != speed:
+        off = [f"--no-{name.replace('_', '-')}" for name in FP.SPEED_FIELDS if getattr(runs, name) != getattr(speed, name)]
+        say(f"note: {', '.join(off)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
+            f"{why}; the plain paths compute the same functions")
+    if not tcfg.bf16 or tcfg.fp16:  # the bf16 stream needs bf16 autocast
+        runs = dataclasses.replace(runs, bf16_residual=False)
+    if runs.fp8_head and tcfg.fp16:  # after for_device: a card without bf16 has no FP8 units either
+        raise ValueError("speed.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
+                         "overflow: use --no-fp8-head with --fp16")
+    return runs
+
+
 def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens_dir: Path | None = None) -> Run:
     """Device, data, model and optimizer for cfg. Rank 0 prepares the data (the others wait).
     random_tokens_dir: train on random token ids written there instead of the corpus (bench's
@@ -247,19 +263,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         torch.cuda.set_device(device)
     tcfg = half_precision(cpu_fallbacks(cfg.train, device, say), device, say)
     cfg = dataclasses.replace(cfg, train=tcfg)
-    # The config keeps the speed asked for (a checkpoint resumes with the same command on any card); what this
-    # device runs is decided when the model is built, and said here.
-    speed, why = FP.for_device(cfg.speed, device)
-    if speed != cfg.speed:
-        off = [f"--no-{name.replace('_', '-')}" for name in FP.SPEED_FIELDS
-               if getattr(speed, name) != getattr(cfg.speed, name)]
-        say(f"note: {', '.join(off)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
-            f"{why}; the plain paths compute the same functions")
-    if not tcfg.bf16 or tcfg.fp16:  # the bf16 stream needs bf16 autocast
-        speed = dataclasses.replace(speed, bf16_residual=False)
-    if speed.fp8_head and tcfg.fp16:  # after for_device: a card without bf16 has no FP8 units either
-        raise ValueError("speed.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
-                         "overflow: use --no-fp8-head with --fp16")
+    speed = device_speed(cfg.speed, tcfg, device, say)
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
@@ -820,8 +824,6 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
     prefetch = None if fixed is not None else r.train_loader.prefetch
-    eval_windows = max(1, tcfg.eval_tokens // r.cfg.model.context)  # the same tokens at any micro-batch and world
-    plain_windows = max(1, tcfg.eval_tokens // PLAIN_CONTEXT)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
     bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
@@ -836,20 +838,13 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
         while True:
             last_step, fresh = p.step == r.steps, p.step > session.first_step  # a resumed step was evaluated and saved
             if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
-                windows = window_at(p.step, r.steps, r.cfg)
-                session.last_eval = evaluate(r.model, r.val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
-                if r.whole_val_loader is not None:
-                    whole = evaluate(r.model, r.whole_val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
-                    session.last_eval |= {"val_loss_whole": whole["val_loss"], "val_bpb_whole": whole["val_bpb"]}
-                if r.plain_val_loader is not None:
-                    plain = evaluate(r.model, r.plain_val_loader, plain_windows, token_bytes, tcfg, r.device, windows)
-                    session.last_eval |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
-                say(f"step {p.step:>6} | val loss {session.last_eval['val_loss']:.4f} | "
-                    f"val bpb {session.last_eval['val_bpb']:.4f}"
-                    + (f" | with whole windows {whole['val_loss']:.4f}" if r.whole_val_loader else "")
-                    + (f" | on plain 1,024-token windows {plain['val_loss']:.4f}" if r.plain_val_loader else ""))
+                session.last_eval = evaluations(r, p.step, token_bytes)
+                last = session.last_eval
+                say(f"step {p.step:>6} | val loss {last['val_loss']:.4f} | val bpb {last['val_bpb']:.4f}"
+                    + (f" | with whole windows {last['val_loss_whole']:.4f}" if r.whole_val_loader else "")
+                    + (f" | on plain 1,024-token windows {last['val_loss_1024']:.4f}" if r.plain_val_loader else ""))
                 write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
-                                       **session.last_eval}, board)
+                                       **last}, board)
             if fresh and (p.step % tcfg.ckpt_every == 0 or last_step):
                 save_checkpoint(r, p, ckpt_path)
                 last_saved = p.step
@@ -863,16 +858,9 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                                   planned=not stopper.signal)
             row = timed_step(r, p, session, next_batch, prefetch, meter, ckpt_path, say)
             write_log(r, run_dir, row, board)
-            if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
-                size_steps(r, p, session, run_dir, say)
-                session.sized, bar.total = True, r.steps
-            elif session.sized and p.step == resize_step(tcfg, r.steps):
-                size_steps(r, p, session, run_dir, say, again=True)
-                session.sized, bar.total = False, r.steps
-            norm, mfu = row["grad_norm"], row["mfu"]
-            gnorm = f" | gnorm {norm:.3f}" if norm is not None else ""  # computed only to clip (train.grad_clip)
-            say(f"step {p.step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e}{gnorm} | {row['tok_s']:,.0f} tok/s | MFU "
-                f"{'n/a' if mfu is None else f'{mfu:.1%} of {meter.peak_name}'} | mem {row['peak_mem_gib']:.2f} GiB")
+            if sized_now(r, p, session, run_dir, say):
+                bar.total = r.steps
+            say(step_line(p.step, row, meter))
             bar.update(1)
     finally:
         bar.close()
@@ -885,6 +873,44 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
         finally:
             stopper.restore()
     return session
+
+
+def sized_now(r: Run, p: Progress, session: Session, run_dir: Path, say) -> bool:
+    """A train.seconds run sizes its steps after its probe steps, and again where its schedule's window has grown
+    (resize_step): whether it did so at this step."""
+    if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
+        size_steps(r, p, session, run_dir, say)
+        session.sized = True
+        return True
+    if session.sized and p.step == resize_step(r.cfg.train, r.steps):
+        size_steps(r, p, session, run_dir, say, again=True)
+        session.sized = False
+        return True
+    return False
+
+
+def step_line(step: int, row: dict, meter: "Meter") -> str:
+    norm, mfu = row["grad_norm"], row["mfu"]
+    gnorm = f" | gnorm {norm:.3f}" if norm is not None else ""  # computed only to clip (train.grad_clip)
+    return (f"step {step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e}{gnorm} | {row['tok_s']:,.0f} tok/s | MFU "
+            f"{'n/a' if mfu is None else f'{mfu:.1%} of {meter.peak_name}'} | mem {row['peak_mem_gib']:.2f} GiB")
+
+
+def evaluations(r: Run, step: int, token_bytes: torch.Tensor) -> dict:
+    """The validation loss and bits per byte at `step`, with the windows of that step: on the run's own
+    sequences, with whole windows (where the model has a sliding window) and on plain 1,024-token windows (where
+    it trains on something else), each over eval_tokens' worth of the same targets at any micro-batch and world."""
+    tcfg, windows = r.cfg.train, window_at(step, r.steps, r.cfg)
+    eval_windows = max(1, tcfg.eval_tokens // r.cfg.model.context)
+    found = evaluate(r.model, r.val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
+    if r.whole_val_loader is not None:
+        whole = evaluate(r.model, r.whole_val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
+        found |= {"val_loss_whole": whole["val_loss"], "val_bpb_whole": whole["val_bpb"]}
+    if r.plain_val_loader is not None:
+        plain = evaluate(r.model, r.plain_val_loader, max(1, tcfg.eval_tokens // PLAIN_CONTEXT), token_bytes, tcfg,
+                         r.device, windows)
+        found |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
+    return found
 
 
 def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, meter: Meter, ckpt_path: Path,
