@@ -92,14 +92,14 @@ def test_no_text_describes_the_old_defaults():
     found = [f"{p.name}: {m.group(0)}" for p in texts for pattern in OLD_DEFAULTS
              for m in re.finditer(pattern, p.read_text())]
     assert found == []
-    performance = (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    performance = "".join(p.read_text() for p in (ROOT / "docs" / "performance").glob("*.md"))
     assert "`python bench.py --ladder --preset 88m-gpt3`" in performance
 
 
 def test_performance_shows_each_tables_own_plot_and_names_what_it_measured():
     """The 88m table shows the plot of its two-seed runs, not the one-seed 30% probe; the profile's
     column of the 2026-11-30 SwiGLU model says so, instead of calling it "defaults"."""
-    text = (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    text = "".join(p.read_text() for p in (ROOT / "docs" / "performance").glob("*.md"))
     assert "recipes-88m-versus-30pct-probe.png)" not in text
     assert "2026-12-01_recipes-88m-fixed-budget_h200/recipes-88m-versus.png)" in text
     assert "| defaults (ms) |" not in text and "the presets' settings that day (ms)" in text
