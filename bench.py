@@ -34,8 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import attention as A
 import config as C
 import data as D
+import fastpaths as FP
+import fp8
 import measure as ME
 import model as M
 import onegpu_kernels as K
@@ -48,13 +51,13 @@ ROOT = Path(__file__).resolve().parent
 # ModelConfig's training fast-path switches. The studies' base has them all off: each study and each
 # ladder rung switches on what it measures, so every number compares with the same plain model.
 # The optimizer's (optim.FAST_PATHS) are train settings.
-PLAIN_KERNELS = {**{f"model__{s}": False for s in M.TRAINING_FAST_PATHS}, **{f"train__{s}": False for s in O.FAST_PATHS}}
+PLAIN_KERNELS = {**{f"speed__{s}": False for s in FP.TRAINING_FAST_PATHS}, **{f"train__{s}": False for s in O.FAST_PATHS}}
 
 
 def preset_kernels(preset: str) -> dict:
     """The fast paths the preset's file turns on: what train.py runs with it."""
     cfg = C.preset(preset)
-    return {**{f"model__{s}": getattr(cfg.model, s) for s in M.TRAINING_FAST_PATHS},
+    return {**{f"speed__{s}": getattr(cfg.speed, s) for s in FP.TRAINING_FAST_PATHS},
             **{f"train__{s}": getattr(cfg.train, s) for s in O.FAST_PATHS}}
 
 
@@ -84,8 +87,8 @@ def fast_paths(preset: str) -> dict:
     preset's model can run (model.fast_path_applies; with the path it refines, model.fast_path_alone), then
     Muon's kernel where the preset runs Muon: the ladder's and the kernels study's rungs."""
     cfg = C.preset(preset)
-    model = {f"+{M.TRAINING_FAST_PATHS[s]}": {f"model__{k}": on for k, on in M.fast_path_alone(s).items()}
-             for s in M.runnable_fast_paths(cfg.model)}
+    model = {f"+{FP.TRAINING_FAST_PATHS[s]}": {f"speed__{k}": on for k, on in FP.fast_path_alone(s).items()}
+             for s in FP.runnable_fast_paths(cfg.model)}
     optimizer = {f"+{name}": {f"train__{s}": True} for s, name in O.FAST_PATHS.items()} if cfg.train.muon else {}
     return {**model, **optimizer}
 
@@ -106,8 +109,9 @@ def stacked(preset: str, overrides: dict, settings) -> list[tuple[str, dict]]:
     and the loss kernel replace). settings: (name, overrides) pairs, in order."""
     out = []
     for name, setting in settings:
-        switch = next((k[len("model__"):] for k in setting if k.startswith("model__")), None)
-        if switch and not M.fast_path_applies(switch, ME.Rung(name, preset, overrides).config().model):
+        switch = next((k[len("speed__"):] for k in setting if k.startswith("speed__")), None)
+        cfg = ME.Rung(name, preset, overrides).config() if switch else None
+        if switch and not FP.fast_path_applies(switch, cfg.model, cfg.speed):
             continue
         overrides = {**overrides, **setting}
         out.append((name, overrides))
@@ -154,20 +158,60 @@ def compile_mode_rungs(preset: str, micro_batch: int, steps: int) -> list[ME.Run
 
 
 PLAN_KEYS = {"preset", "steps", "rung"}
-RUNG_KEYS = {"name", "plain", "model", "data", "train"}
+RUNG_KEYS = {"name", "plain", "model", "speed", "data", "train"}
+
+
+def check_rung_table(table, where: str, configs: dict):
+    """Refuse in one line a [[rung]] table without a name of its own, with an unknown key, a section that is not
+    a table, or a plain = that is not true or false."""
+    if not isinstance(table, dict) or not isinstance(table.get("name"), str) or table["name"] in configs:
+        raise ValueError(f"{where}: each [[rung]] needs a name of its own (name = \"...\")")
+    extra = sorted(set(table) - RUNG_KEYS)
+    if extra:
+        raise ValueError(f"{where} ({table['name']}): unknown key(s) {extra}; a rung has {sorted(RUNG_KEYS)}")
+    for section in C.SECTIONS:
+        if not isinstance(table.get(section, {}), dict):
+            raise ValueError(f"{where} ({table['name']}): {section} = {table[section]!r} must be a table of "
+                             f"settings, e.g. {section} = {{ micro_batch = 32 }}")
+    if not isinstance(table.get("plain", False), bool):
+        raise ValueError(f"{where} ({table['name']}): plain = {table['plain']!r}: give true (every fast path "
+                         f"off, then this rung's settings) or false")
+
+
+def checked_config(rung: ME.Rung, table: dict, where: str, configs: dict) -> C.Config:
+    """The rung's config through the strict loader, refusing a fast path it names that cannot run for its model
+    (the rung would be timed without it under its name) and a config an earlier rung already times."""
+    try:
+        cfg = rung.config()
+        TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1)
+    except ValueError as e:
+        raise ValueError(f"{where} ({table['name']}): {e}") from None
+    asked = C.moved({s: table.get(s, {}) for s in ("model", "speed")}).get("speed", {})
+    idle = [s for s in asked if s in FP.TRAINING_FAST_PATHS and getattr(cfg.speed, s)
+            and not FP.fast_path_applies(s, cfg.model, cfg.speed)]
+    if idle:
+        raise ValueError(f"{where} ({table['name']}): speed.{idle[0]} = true does not run for this rung's model "
+                         f"(fastpaths.fast_path_applies: e.g. the fused ReLU² not beside fp8): drop it, or turn off "
+                         f"the setting it cannot run beside")
+    # --repeats is how a plan asks for a rung again; two rungs of one config time one thing under two names
+    same = next((name for name, other in configs.items() if other == cfg), None)
+    if same:
+        raise ValueError(f"{where} ({table['name']}): runs the same settings as rung '{same}' with preset "
+                         f"{rung.preset}: drop one, or change what it sets (the preset may already set it)")
+    return cfg
 
 
 def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) -> list[ME.Rung]:
     """The rungs of a plan file (`python bench.py --plan FILE`): a preset, timed steps, and named
-    rungs whose [model] / [data] / [train] tables override the preset, e.g.
+    rungs whose [model] / [speed] / [data] / [train] tables override the preset, e.g.
 
         preset = "88m"
         [[rung]]
         name = "plain compiled"
         train = { compile = true, micro_batch = 64 }
-        model = { fused_swiglu = false }
+        speed = { fused_swiglu = false }
 
-    `plain = true` turns every training fast path off first (PLAIN_KERNELS, from model.TRAINING_FAST_PATHS
+    `plain = true` turns every training fast path off first (PLAIN_KERNELS, from fastpaths.TRAINING_FAST_PATHS
     and optim.FAST_PATHS), so a plain rung stays plain when a preset gains a fast path; its own tables
     then switch on what it measures. Every rung's config goes through the strict loader here, so a
     misspelled key fails before any process starts. preset and steps given on the command line win over
@@ -181,46 +225,16 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
         raise ValueError(f"{path}: steps = {timed!r}: give the timed steps per rung as a whole number, 1 or more")
     if not isinstance(values.get("preset", "88m"), str):
         raise ValueError(f"{path}: preset = {values['preset']!r}: give a preset's name, e.g. preset = \"88m\"")
-    rungs, names, configs = [], set(), {}
+    rungs, configs = [], {}
     for i, table in enumerate(values.get("rung") or []):
         where = f"{path}: rung {i + 1}"
-        if not isinstance(table, dict) or not isinstance(table.get("name"), str) or table["name"] in names:
-            raise ValueError(f"{where}: each [[rung]] needs a name of its own (name = \"...\")")
-        extra = sorted(set(table) - RUNG_KEYS)
-        if extra:
-            raise ValueError(f"{where} ({table['name']}): unknown key(s) {extra}; a rung has {sorted(RUNG_KEYS)}")
-        names.add(table["name"])
-        for section in ("model", "data", "train"):
-            if not isinstance(table.get(section, {}), dict):
-                raise ValueError(f"{where} ({table['name']}): {section} = {table[section]!r} must be a table of "
-                                 f"settings, e.g. {section} = {{ micro_batch = 32 }}")
-        if not isinstance(table.get("plain", False), bool):
-            raise ValueError(f"{where} ({table['name']}): plain = {table['plain']!r}: give true (every fast path "
-                             f"off, then this rung's settings) or false")
+        check_rung_table(table, where, configs)
         overrides = {**(PLAIN_KERNELS if table.get("plain") else {}),
-                     **{f"{section}__{k}": v for section in ("model", "data", "train")
-                        for k, v in table.get(section, {}).items()}}
+                     **{f"{section}__{k}": v for section, settings in C.moved(
+                         {s: table.get(s, {}) for s in C.SECTIONS}).items() for k, v in settings.items()}}
         rung = ME.Rung(table["name"], preset or values.get("preset", "88m"), overrides,
                        timed_steps=steps or values.get("steps", 3))
-        try:
-            cfg = rung.config()
-            TR.accumulation_steps(cfg.train.batch_tokens, cfg.train.micro_batch, cfg.model.context, 1)
-        except ValueError as e:
-            raise ValueError(f"{where} ({table['name']}): {e}") from None
-        # A fast path the rung's model cannot run would time the rung without it under its name.
-        idle = [s for s in table.get("model", {}) if s in M.TRAINING_FAST_PATHS and getattr(cfg.model, s)
-                and not M.fast_path_applies(s, cfg.model)]
-        if idle:
-            raise ValueError(f"{where} ({table['name']}): model.{idle[0]} = true does not run for this rung's model "
-                             f"(model.fast_path_applies: e.g. the fused ReLU² not beside fp8): drop it, or turn off "
-                             f"the setting it cannot run beside")
-        # Two rungs of one config time the same thing under two names (a preset that gained the setting a rung
-        # adds, for one); --repeats is how a plan asks for a rung again.
-        same = next((name for name, other in configs.items() if other == cfg), None)
-        if same:
-            raise ValueError(f"{where} ({table['name']}): runs the same settings as rung '{same}' with preset "
-                             f"{rung.preset}: drop one, or change what it sets (the preset may already set it)")
-        configs[table["name"]] = cfg
+        configs[table["name"]] = checked_config(rung, table, where, configs)
         rungs.append(rung)
     if not rungs:
         raise ValueError(f"{path}: no [[rung]] tables: add one per configuration to measure")
@@ -369,11 +383,6 @@ def optimizer_study(preset: str, cuda: bool) -> list[dict]:
     return rows
 
 
-# loss_study's row with the loss kernel's gradient pass through float16 (onegpu_kernels.CE_HALF_GRADIENT); every
-# other row runs it in float32.
-HALF_GRADIENT_CASE = "FP8 head + loss kernel, one function, FP8 weight gradient, its gradient pass through float16"
-
-
 def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     """Milliseconds of one micro-batch's training loss (micro_batch x context tokens against the
     preset's vocabulary and soft-cap, median of 20 after 5 warm-ups): forward alone and forward plus
@@ -384,6 +393,7 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     onegpu_kernels.transposed, and with the kernel once more with the loss kernel's gradient pass through
     float16; its forward also writes the logits' gradient, so its forward_ms is not comparable with the
     others')."""
+    speed = C.preset(preset).speed
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
     n, dtype = micro_batch * mcfg.context, torch.bfloat16 if cuda else torch.float32
@@ -394,8 +404,9 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     w = (0.02 * torch.randn(mcfg.vocab_size, mcfg.d_model, device=device, generator=g)).requires_grad_()
     cap = mcfg.logit_softcap
     # (name, loss of its input, the input, whether only CUDA runs it)
+    kernel_loss = lambda z: K.cross_entropy(z, targets, cap)[0].mean()  # noqa: E731
     cases = [("plain loss", lambda z: M.cross_entropy(z, targets, cap), logits, False),
-             ("loss kernel", lambda z: M.cross_entropy(z, targets, cap, kernel=True), logits, True)]
+             ("loss kernel", kernel_loss, logits, True)]
 
     def under_autocast(loss):  # the FP8 head's cases start from x, as the model hands it over
         def run(x):
@@ -403,12 +414,12 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
                 return loss(x)
         return run
 
-    if M.fast_path_applies("fp8_head", mcfg):  # an untied head, its forward product as the preset runs it
-        accum = mcfg.fp8_fast_accum
-        head = lambda x: M.fp8_linear(x, w, grad_bound=1.0 / n, fast_accum=accum)  # noqa: E731
+    if FP.fast_path_applies("fp8_head", mcfg, speed):  # an untied head, its forward product as the preset runs it
+        accum = speed.fp8_fast_accum
+        head = lambda x: fp8.fp8_linear(x, w, grad_bound=1.0 / n, fast_accum=accum)  # noqa: E731
         cases += [(name, under_autocast(loss), x, True) for name, loss in (
             ("FP8 head + plain loss", lambda x: M.cross_entropy(head(x), targets, cap)),
-            ("FP8 head + loss kernel, apart", lambda x: M.cross_entropy(head(x), targets, cap, kernel=True)),
+            ("FP8 head + loss kernel, apart", lambda x: kernel_loss(head(x))),
             ("FP8 head + loss kernel, one function, bf16 weight gradient",
              lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=False, fast_accum=accum)),
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by Inductor",
@@ -416,25 +427,16 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
                                                 fast_accum=accum)),
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by our kernel",
              lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True,
-                                                fast_accum=accum)),
-            (HALF_GRADIENT_CASE,
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True,
                                                 fast_accum=accum)))]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
-    half = K.CE_HALF_GRADIENT
-    try:
-        for name, fn, inp, cuda_only in cases:
-            if cuda_only and not cuda:
-                rows.append({"rung": name, "skipped": "a Triton kernel or an FP8 matmul: measured on CUDA only"})
-                continue
-            # The switch is read when the loss kernel launches, so it holds for every call of this case alone.
-            K.CE_HALF_GRADIENT = name == HALF_GRADIENT_CASE
-            fn = torch.compile(fn) if cuda else fn
-            forward_backward = ME.backward_from_scratch(lambda: fn(inp), (inp, w))
-            rows.append({"rung": name, "forward_ms": round(1000 * ME.median_seconds(lambda: fn(inp), device, **timing), 3),
-                         "ms": round(1000 * ME.median_seconds(forward_backward, device, **timing), 3)})
-    finally:
-        K.CE_HALF_GRADIENT = half
+    for name, fn, inp, cuda_only in cases:
+        if cuda_only and not cuda:
+            rows.append({"rung": name, "skipped": "a Triton kernel or an FP8 matmul: measured on CUDA only"})
+            continue
+        fn = torch.compile(fn) if cuda else fn
+        forward_backward = ME.backward_from_scratch(lambda: fn(inp), (inp, w))
+        rows.append({"rung": name, "forward_ms": round(1000 * ME.median_seconds(lambda: fn(inp), device, **timing), 3),
+                     "ms": round(1000 * ME.median_seconds(forward_backward, device, **timing), 3)})
     return rows
 
 
@@ -456,15 +458,18 @@ def parts_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     cos, sin = (t.float().to(device) for t in M.rope_tables(hd, T, mcfg.rope_theta, mcfg.rope_truncate))
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     for fused in (False, True):
-        cfg = M.replace(mcfg, fused_relu2=fused, fused_qk_norm_rope=fused)
         parts = []
         if mcfg.mlp == "relu2":
-            mlp = M.ReLU2(cfg).to(device)
-            parts.append((f"ReLU² MLP ({mcfg.d_model} -> {cfg.ffn_hidden} -> {mcfg.d_model})", "fused_relu2",
+            mlp = M.ReLU2(mcfg).to(device)
+            if fused:
+                FP.swap(mlp, FP.FusedReLU2)
+            parts.append((f"ReLU² MLP ({mcfg.d_model} -> {mcfg.ffn_hidden} -> {mcfg.d_model})", "fused_relu2",
                           lambda: mlp(x), x))
         if mcfg.qk_norm:
-            attn = M.Attention(cfg, layer=0).to(device)
-            parts.append(("QK-norm + RoPE", "fused_qk_norm_rope", lambda: torch.cat(attn.heads(qkv, cos, sin), 2), qkv))
+            attn = M.Attention(mcfg, layer=0).to(device)
+            if fused:
+                FP.swap(attn, FP.FusedQKAttention)
+            parts.append(("QK-norm + RoPE", "fused_qk_norm_rope", lambda: torch.cat(attn.heads(qkv, (cos, sin)), 2), qkv))
         for name, switch, part, inp in parts:
             if fused and not cuda:
                 rows.append({"rung": f"{name}, fused", "skipped": "a Triton kernel: measured on CUDA only"})
@@ -533,13 +538,13 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
     doc = torch.cumsum(starts, dim=1, dtype=torch.int32)
     causal = torch.zeros_like(doc)
     windows = sorted({w for step in (0, 1) for w in TR.window_at(step, 1, cfg) if 0 < w < T}) or [0]
-    cases = [("cuDNN, dense causal", dict(kind="cudnn"), causal, 0),
-             ("FlexAttention, causal", dict(block_mask=M.flex_block_mask(None, 0, T, device)), causal, 0)]
-    masks = {w: M.flex_block_mask(doc, w, T, device) for w in windows}
-    cases += [(f"FlexAttention, documents, window {w or T}", dict(block_mask=masks[w]), doc, w) for w in windows]
+    cases = [("cuDNN, dense causal", dict(mask=A.Mask(), backend="cudnn"), causal, 0),
+             ("FlexAttention, causal", dict(mask=A.Mask(block_mask=A.flex_block_mask(None, 0, T, device))), causal, 0)]
+    masks = {w: A.Mask(block_mask=A.flex_block_mask(doc, w, T, device)) for w in windows}
+    cases += [(f"FlexAttention, documents, window {w or T}", dict(mask=masks[w]), doc, w) for w in windows]
     long = max(windows)
     cases += [(f"FlexAttention, documents, window {long or T}, {name}",
-               dict(block_mask=masks[long], kernel_options=options), doc, long) for name, options in FLEX_CANDIDATES]
+               dict(mask=masks[long], flex_options=options), doc, long) for name, options in FLEX_CANDIDATES]
     # one compiled flex_attention, recompiled for each candidate's options: past dynamo's limit (8) it would
     # fall back to the eager, unfused attention and time that
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(cases))
@@ -553,7 +558,7 @@ def attention_rate_study(preset: str, micro_batch: int, cuda: bool) -> list[dict
         if how is None:
             run = varlen[name, window]
         else:
-            run = ME.backward_from_scratch(lambda: M.attention(q, k, v, scale=scale, **how).sum(), (q, k, v))
+            run = ME.backward_from_scratch(lambda: A.attend(q, k, v, scale=scale, **how).sum(), (q, k, v))
         try:
             seconds = ME.median_seconds(run, device, repeats=20, warmup=5)
         except Exception as e:  # cuDNN refuses some shapes, an option may not build here: say so, go on
@@ -607,7 +612,7 @@ def profile_switches(preset: str, args) -> dict:
     """--profile's switches: the preset's fast paths with --defaults (preset_kernels), then each fast-path flag
     given (--fp8, --loss-kernel, ...) on."""
     return {**(preset_kernels(preset) if args.defaults else {}),
-            **{f"model__{m}": True for m in M.TRAINING_FAST_PATHS if getattr(args, m)}}
+            **{f"speed__{m}": True for m in FP.TRAINING_FAST_PATHS if getattr(args, m)}}
 
 
 def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None,
@@ -860,9 +865,22 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
                        help="--attention: the variants to run (default: all)")
     speed.add_argument("--defaults", action="store_true", help="--profile the preset's fast paths as its file sets "
                        "them, what train.py runs with it (without: the compiled BF16 base); the flags below add to them")
-    for switch in M.TRAINING_FAST_PATHS:
-        speed.add_argument(flag(switch), action="store_true", help=f"--profile with model.{switch} on")
-    recipes = p.add_argument_group("--recipes")
+    for switch in FP.TRAINING_FAST_PATHS:
+        speed.add_argument(flag(switch), action="store_true", help=f"--profile with speed.{switch} on")
+    add_recipe_flags(p.add_argument_group("--recipes"), here, cuda)
+    other = p.add_argument_group("--generate, --loss-curves and --budget")
+    other.add_argument("--new-tokens", type=int, default=500, metavar="N", help="--generate: tokens each run decodes "
+                       f"({here}: {500 if cuda else 40})")
+    other.add_argument("--curve-steps", type=int, default=None, metavar="N",
+                       help=f"--loss-curves: steps of each run ({here}: {200 if cuda else 4})")
+    other.add_argument("--no-transformers", action="store_true", help="--generate: measure onegpu only")
+    other.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="--budget: measured tokens/s per "
+                       "preset (default: an RTX 4060 Laptop GPU's, from \"What a Laptop Can Train\")")
+    return p
+
+
+def add_recipe_flags(recipes, here: str, cuda: bool):
+    """--recipes' flags (the time-to-loss ladder)."""
     recipes.add_argument("--versus", action="store_true", help="only the article recipe against the preset's default")
     recipes.add_argument("--muon", action="store_true", help="with --versus: against the Muon recipe, "
                          "configs/<preset>-muon.toml (the default until 2026-12-02), instead of the default")
@@ -879,15 +897,6 @@ def build_parser(cuda: bool | None = None) -> argparse.ArgumentParser:
     recipes.add_argument("--corpus", default=None, metavar="NAME_OR_GLOB",
                          help=f"corpus ({here}: {'python' if cuda else 'stdlib'}); with --profile, profile on this "
                               f"prepared corpus, its documents as training masks them (default: random tokens)")
-    other = p.add_argument_group("--generate, --loss-curves and --budget")
-    other.add_argument("--new-tokens", type=int, default=500, metavar="N", help="--generate: tokens each run decodes "
-                       f"({here}: {500 if cuda else 40})")
-    other.add_argument("--curve-steps", type=int, default=None, metavar="N",
-                       help=f"--loss-curves: steps of each run ({here}: {200 if cuda else 4})")
-    other.add_argument("--no-transformers", action="store_true", help="--generate: measure onegpu only")
-    other.add_argument("--tok-s", nargs="+", default=[], metavar="PRESET=TOK_S", help="--budget: measured tokens/s per "
-                       "preset (default: an RTX 4060 Laptop GPU's, from \"What a Laptop Can Train\")")
-    return p
 
 
 def main(argv=None):

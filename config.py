@@ -1,10 +1,14 @@
 """Reading configs: TOML files and command-line flags into checked dataclasses.
 
-The one place settings are read. A config file has three sections a person edits by hand:
+The one place settings are read. A config file has four sections a person edits by hand:
 
-    [model]   ModelConfig (model.py): the shape of the network and which kernels it runs
+    [model]   ModelConfig (model.py): what the network computes, its shape and recipe
+    [speed]   SpeedConfig (fastpaths.py): how fast: the fast paths swapped in and the attention kernel
     [data]    DataConfig (here): corpus, tokenizer and shard cache
-    [train]   TrainConfig (here): batch, schedule, speed flags
+    [train]   TrainConfig (here): batch, schedule, precision and compile flags
+
+A key that moved between sections still loads from older files and checkpoints: the speed switches were
+[model] keys until 2026-12-06 (MOVED).
 
 Defaults come from the dataclasses, the file overrides them, flags override the file. One rule for
 every default: the dataclass holds the plain path (the article's recipe, FP32, no compile, no fused
@@ -15,7 +19,7 @@ what is allowed, and every number has its range checked in the dataclass it belo
 Every field is also a flag (`--micro-batch 32`, `--no-compile`) whose help is the field's comment.
 
 DataConfig and TrainConfig live here rather than in data.py and train.py so that every module
-reads settings from one place, and imports run one way: config.py imports only model.py.
+reads settings from one place, and imports run one way: config.py imports only model.py and fastpaths.py.
 """
 
 import argparse
@@ -32,6 +36,7 @@ from typing import Literal
 
 import torch
 
+import fastpaths as FP
 import model as M
 
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
@@ -176,8 +181,10 @@ class Config:
     model: M.ModelConfig
     data: DataConfig
     train: TrainConfig
+    speed: FP.SpeedConfig = dataclasses.field(default_factory=FP.SpeedConfig)
 
     def __post_init__(self):
+        FP.check(self.model, self.speed)
         start, end = self.train.window_start, self.model.attn_window
         if start and not 0 < start <= end:
             raise ValueError(f"train.window_start={start} grows the window to model.attn_window={end}, so it must "
@@ -187,7 +194,23 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"model": M.ModelConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS = {"model": M.ModelConfig, "speed": FP.SpeedConfig, "data": DataConfig, "train": TrainConfig}
+# Keys that moved: old section.key -> the section it lives in now. Files and checkpoints that name the old place
+# load as if they named the new one.
+MOVED = {("model", name): "speed" for name in FP.SPEED_FIELDS}
+
+
+def moved(values: dict) -> dict:
+    """values (section -> {key: value}) with every MOVED key in its section of today; a key given in both
+    places keeps the new section's value."""
+    out = {section: dict(table) if isinstance(table, dict) else table for section, table in values.items()}
+    for (old, key), new in MOVED.items():
+        if isinstance(out.get(old), dict) and key in out[old]:
+            value = out[old].pop(key)
+            out.setdefault(new, {})
+            if isinstance(out[new], dict):
+                out[new].setdefault(key, value)
+    return out
 
 
 # --- The strict loader ---------------------------------------------------------------------
@@ -298,9 +321,11 @@ def load_config(path: str | Path | None = None, *, values: dict | None = None, s
         values = read_toml(path) if path is not None else {}
         source = source or (str(path) if path is not None else "defaults")
     source = source or "config"
+    values = moved(values)
     merged = {s: dict(values.get(s) or {}) for s in SECTIONS}
     for key, value in overrides.items():
         section, _, name = key.partition("__")
+        section = MOVED.get((section, name), section)
         if section not in SECTIONS or not name:
             raise ValueError(f"override {key!r}: write it as <section>__<name>, section one of {list(SECTIONS)}")
         merged[section][name] = value

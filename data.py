@@ -359,16 +359,8 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     check_vocabulary(tok, tok_path, vocab_size, manifest, log)
     tok_hash = tk.tokenizer_hash(tok_path)
     if manifest is not None and manifest["tokenizer_hash"] == tok_hash and manifest["val_fraction"] == cfg.val_fraction:
-        broken = []
-        for name in manifest["train"] + manifest["val"]:
-            try:
-                read_header(folder / name, vocab_size, tok_hash)
-            except (ShardError, OSError) as e:
-                broken.append(str(e).split(":")[0] if isinstance(e, ShardError) else f"{folder / name} (missing)")
-        if not broken:
-            log(f"shards: reusing {folder} ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens)")
+        if reusable(folder, manifest, vocab_size, tok_hash, log):
             return folder
-        log(f"shards: {len(broken)} shard(s) failed their checks ({', '.join(broken[:3])}): writing the shards again")
     manifest_path.unlink(missing_ok=True)
     eot = tok.token_to_id(tk.EOT)
     writers = {s: _ShardWriter(folder, s, cfg, vocab_size, tok_hash) for s in ("train", "val")}
@@ -394,7 +386,29 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     bar.close()
     for w in writers.values():
         w.flush()
-    seconds = time.perf_counter() - t0
+    write_manifest(folder, cfg, key, vocab_size, writers, index, total_bytes, time.perf_counter() - t0, log)
+    return folder
+
+
+def reusable(folder: Path, manifest: dict, vocab_size: int, tok_hash: str, log) -> bool:
+    """Whether every shard the manifest lists passes its header's checks (else say which failed)."""
+    broken = []
+    for name in manifest["train"] + manifest["val"]:
+        try:
+            read_header(folder / name, vocab_size, tok_hash)
+        except (ShardError, OSError) as e:
+            broken.append(str(e).split(":")[0] if isinstance(e, ShardError) else f"{folder / name} (missing)")
+    if not broken:
+        log(f"shards: reusing {folder} ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens)")
+        return True
+    log(f"shards: {len(broken)} shard(s) failed their checks ({', '.join(broken[:3])}): writing the shards again")
+    return False
+
+
+def write_manifest(folder: Path, cfg: DataConfig, key: dict, vocab_size: int, writers: dict, index: int,
+                   total_bytes: int, seconds: float, log):
+    """The finished shards' manifest.json (atomically), once both splits have some; the tokenizing's summary."""
+    source, tok_hash, manifest_path = key["source"], key["tokenizer_hash"], folder / "manifest.json"
     manifest = {"corpus": cfg.corpus, "source": source, "tokenizer_hash": tok_hash, "vocab_size": vocab_size,
                 "val_fraction": cfg.val_fraction, "documents": index,
                 "train_tokens": _count(folder, writers["train"].files), "val_tokens": _count(folder, writers["val"].files),
@@ -413,7 +427,6 @@ def _prepare(cfg: DataConfig, vocab_size: int, folder: Path, log, rebuild: bool)
     log(f"shards: {index:,} documents, {total_bytes / 1e6:.1f} MB -> {manifest['train_tokens']:,} train + "
         f"{manifest['val_tokens']:,} val tokens in {seconds:.1f} s ({manifest['mb_per_s']} MB/s, "
         f"{total_bytes / (manifest['train_tokens'] + manifest['val_tokens']):.2f} bytes/token)")
-    return folder
 
 
 def _count(folder: Path, files: list[str]) -> int:

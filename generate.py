@@ -5,8 +5,9 @@ decode_one, which writes that token's keys and values into the preallocated cach
 (model.KVCache) and attends over the positions written so far. Without the cache
 (use_cache=False) every step re-reads the whole sequence: the slow reference.
 
-The fast path, GraphDecoder, replays the decode step as CUDA graphs; decoder(fast=False) is the
-plain step it is tested against. Greedy decoding runs greedy_step, which also picks the token and
+Its fast paths: GraphDecoder replays the decode step as CUDA graphs (decoder(fast=False) is the plain step
+it is tested against), and apply() swaps the decode kernels of speed's generation switches (onegpu_kernels.py)
+into a model, as fastpaths.apply() swaps training's. Greedy decoding runs greedy_step, which also picks the token and
 advances the position, so that a replay is the whole of a token's work. sample.py (the command) and
 bench.py --generate use this module.
 """
@@ -14,8 +15,13 @@ bench.py --generate use this module.
 import time
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
+import attention as A
+import fastpaths as FP
 import model as M
+import onegpu_kernels as K
 
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator=None):
@@ -39,7 +45,7 @@ def decode_one(model: M.Llama, token, pos, window: int | None = None):
     """Logits (B, vocab) for the next token after token (B, 1) at position pos (1,), through the
     cache, reading its first `window` positions (all when None). Eager decoding passes the length
     so far; GraphDecoder passes the whole context, so that every replay has the same shapes."""
-    return model(token, pos=pos, window=window)[:, -1]
+    return model(token, masks=A.cache_masks(pos, window or model.cfg.context, model.cfg.windows()))[:, -1]
 
 
 def greedy_step(model: M.Llama, token, pos, window: int | None = None, recent=None):
@@ -83,7 +89,7 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
             dtype = torch.get_autocast_dtype(idx.device.type)
         model.setup_cache(B, dtype)
         decode = decode or decode_one
-        logits = model(idx, pos=torch.arange(T, device=idx.device), window=T)[:, -1]
+        logits = model(idx, masks=A.cache_masks(torch.arange(T, device=idx.device), T, cfg.windows()))[:, -1]
         pos = torch.full((1,), T, device=idx.device)  # on the device: no host-to-device copy per token
         if temperature == 0:  # the pick inside each step: a graph replays all of a token's work
             token = sample_next(logits, temperature=0)
@@ -146,7 +152,7 @@ class GraphDecoder:
     def step(self, batch: int, fn=decode_one):
         """fn (decode_one or greedy_step) compiled with this decoder's mode for `batch` sequences."""
         mode = self.mode or ("max-autotune-no-cudagraphs" if batch == 1 else "default")
-        pdl = self.model.dependent_launches  # set by setup_cache, which capture_all and generate call first
+        pdl = getattr(self.model, "dependent_launches", False)  # set by apply()
         if (mode, pdl, fn) not in self.steps:
             self.steps[mode, pdl, fn] = torch.compile(fn, options=compile_options(mode, pdl), fullgraph=True,
                                                       dynamic=False)
@@ -270,3 +276,106 @@ def generate_batch(model: M.Llama, ids: list[int], batch: int, max_new_tokens: i
     timer.mark()
     tokens = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(batch)]
     return tokens, timer
+
+
+# --- The decode fast paths ------------------------------------------------------------------
+# Swaps as fastpaths.py's (a subclass with the same parameters, its plain forward where the kernel does not
+# run), applied once by apply() to a model on its device. Each runs with gradients off only.
+
+def apply(model: M.Llama, speed: FP.SpeedConfig, device: torch.device) -> list[str]:
+    """Swap into `model` the generation fast paths speed turns on (GENERATION_FAST_PATHS) where their kernels run
+    (an Ampere or newer GPU; dependent launches from Hopper on). Returns the paths swapped in."""
+    if not K.device_supported(device):
+        return []
+    on = [n for n in FP.GENERATION_FAST_PATHS if getattr(speed, n) and FP.fast_path_applies(n, model.cfg, speed)]
+    pdl = "decode_pdl" in on and K.dependent_launch(device)
+    small = "decode_matmuls" in on
+    for module in list(model.modules()):
+        if isinstance(module, M.Attention) and "fused_decode" in on:
+            FP.swap(module, FusedDecodeAttention, split="split_decode" in on, pdl=pdl)
+        elif isinstance(module, M.ReLU2) and ("decode_mlp" in on or small):
+            FP.swap(module, DecodeReLU2, kernel="decode_mlp" in on, small=small, pdl=pdl)
+        elif isinstance(module, nn.Linear) and small and type(module) is nn.Linear:
+            FP.swap(module, SmallLinear)
+    if small:
+        FP.swap(model.output, SmallOutput)
+    model.dependent_launches = pdl
+    return [n for n in on if n != "decode_pdl" or pdl]
+
+
+def small_linear(x, weight, relu2: bool = False):
+    """F.linear without a bias (relu2: then relu(.)^2). A decode step's product, one new token for each of at
+    most 16 sequences (x: (B, 1, d)), runs as onegpu_kernels.small_matmul, the square in its epilogue, tested
+    against these lines. Not the prompt's: its kernel is autotuned per shape, once, and the compiled decode
+    step's warm-up is where that costs nothing a user waits for."""
+    one_token = x.dim() == 3 and x.shape[1] == 1
+    if one_token and not torch.is_grad_enabled() and K.small_matmul_supported(x, weight):
+        return K.small_matmul(x, weight, relu2)
+    y = F.linear(x, weight)
+    return F.relu(y).square() if relu2 else y
+
+
+class SmallLinear(nn.Linear):
+    """decode_matmuls: a bias-free nn.Linear through small_linear."""
+
+    def forward(self, x):
+        return small_linear(x, self.weight)
+
+
+class SmallOutput(M.Output):
+    """decode_matmuls: the head's product through small_linear."""
+
+    def logits(self, x, weight):
+        return M.softcap(small_linear(x, weight), self.cap)
+
+
+class DecodeReLU2(M.ReLU2):
+    """decode_mlp: a decode step's ReLU² MLP as one kernel (onegpu_kernels.decode_mlp); decode_matmuls: its two
+    matmuls through small_linear, the square in the first one's epilogue."""
+    kernel = small = pdl = False
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            return super().forward(x)
+        if self.kernel and K.decode_mlp_supported(x, self.w1.weight, self.w2.weight):
+            # (P, B, T, d) float32 partial sums, one per 32 hidden units: their sum is the MLP's output
+            return K.decode_mlp(x, self.w1.weight, self.w2.weight, self.pdl).sum(0).to(x.dtype)
+        if self.small:
+            return small_linear(small_linear(x, self.w1.weight, relu2=True), self.w2.weight)
+        return super().forward(x)
+
+
+class FusedDecodeAttention(M.Attention):
+    """fused_decode: one new token's QK-norm, RoPE, value mix, cache write, attention over positions 0..pos and
+    gate in one Triton kernel (onegpu_kernels.decode_step), tested against the plain path. split: each head's
+    cached positions over many programs (split_decode); pdl: launched as a dependent (decode_pdl)."""
+    split = pdl = False
+
+    def new_cache(self, batch: int, device, dtype) -> M.KVCache:
+        cache = super().new_cache(batch, device, dtype)
+        # split_decode's count of each head's finished programs, zero between steps
+        cache.register_buffer("counts", torch.zeros(batch, self.n_kv_heads, device=device, dtype=torch.int32),
+                              persistent=False)
+        return cache
+
+    def forward(self, x, rope, masks: A.Masks, ve=None):
+        B, T, _ = x.shape
+        if masks.pos is None or torch.is_grad_enabled() or T != 1:
+            return super().forward(x, rope, masks, ve)
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        if not K.decode_step_supported(qkv, self.cache.k):
+            return self.wo(self.gated(self.attend(qkv, rope, masks, ve), x).reshape(B, T, -1))
+        parts = {}
+        if self.q_norm is not None:
+            parts.update(q_gain=self.q_norm.weight, k_gain=self.k_norm.weight, eps=self.q_norm.eps)
+        if self.v_mix is not None:
+            parts.update(v_mix=self.v_mix, ve=ve)
+        if self.gate is not None:
+            parts.update(gate_x=x, gate_w=self.gate.weight)
+        if self.split:
+            parts.update(counts=self.cache.counts)
+        if self.pdl:
+            parts.update(pdl=True)
+        y = K.decode_step(qkv, rope[0][0], rope[1][0], self.cache.k, self.cache.v, masks.pos,
+                          self.scale or self.head_dim ** -0.5, window=self.window, **parts)  # (B, 1, H, hd)
+        return self.wo(y.reshape(B, T, -1))

@@ -33,11 +33,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import attention as A
 import checkpoint as CK
 import config as C
+import fastpaths as FP
 import generate as G
-import onegpu_kernels as K
 import model as M
+import onegpu_kernels as K
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
@@ -588,7 +590,7 @@ def cpu_skip(rung: Rung) -> str | None:
     """Why a rung is not measured on CPU, or None. CPU numbers are a smoke test of the code
     (setup() turns the CUDA-only settings off on CPU, and says so)."""
     o = rung.overrides
-    if o.get("model__attention") in M.SDPA_BACKENDS:
+    if o.get("speed__attention", o.get("model__attention")) in A.SDPA_BACKENDS:
         return "SDPA backends are CUDA kernels"
     if o.get("train__compile"):  # the ladder is cumulative: every rung from compile on carries it
         return "a GPU rung (torch.compile and what is added after it): the CPU smoke test does not time it"
@@ -617,9 +619,9 @@ DECODE_VARIANTS = [("CUDA graph, Inductor default", "default", (), G.TOKENS_PER_
                     "max-autotune-no-cudagraphs", PRESET_DECODE, G.TOKENS_PER_REPLAY)]
 
 
-def decode_variant(cfg: M.ModelConfig, switches: tuple) -> M.ModelConfig:
-    """`cfg` with the generation fast paths named in `switches` on and every other one off."""
-    return dataclasses.replace(cfg, **(dict.fromkeys(M.GENERATION_FAST_PATHS, False) | dict.fromkeys(switches, True)))
+def decode_variant(switches: tuple) -> FP.SpeedConfig:
+    """Speed settings with the generation fast paths named in `switches` on and every other one off."""
+    return FP.SpeedConfig(**dict.fromkeys(switches, True))
 
 
 def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), prompt_len: int = 16,
@@ -631,7 +633,7 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     device = torch.device("cuda" if cuda else "cpu")
     cfg = C.preset(preset).model
     torch.manual_seed(0)
-    model = M.Llama(decode_variant(cfg, ())).to(device).eval()
+    model = M.Llama(cfg).to(device).eval()
     dtype = torch.bfloat16 if cuda else torch.float32
     model = model.to(dtype)
     prompt = torch.randint(1, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -639,8 +641,9 @@ def generate_study(preset: str, cuda: bool, new_tokens: int, batches=(1, 8), pro
     nets = {(): model}
     for _, _, switches, _ in variants:  # the same weights with Triton's decode paths switched on
         if switches not in nets:
-            nets[switches] = M.Llama(decode_variant(cfg, switches)).to(device, dtype).eval()
+            nets[switches] = M.Llama(cfg).to(device, dtype).eval()
             nets[switches].load_state_dict(model.state_dict())
+            G.apply(nets[switches], decode_variant(switches), device)
     rows, ours = [], {}
     for batch in batches:
         for label, mode, switches, tokens_per_replay in variants:
@@ -774,7 +777,7 @@ def decode_parts_study(preset: str, cuda: bool, batches=(1, 8), units=DECODE_MLP
                         row["max_abs_diff"] = max(row.get("max_abs_diff", 0.0), round(err, 5))
                         assert not counts.any(), "decode_step left its split counters set"
             rows.append(row)
-        if not M.fast_path_applies("decode_mlp", cfg):
+        if not FP.fast_path_applies("decode_mlp", cfg, FP.SpeedConfig()):
             continue
         rows += decode_mlp_rows(torch.randn(B, 1, cfg.d_model, device=dev, generator=g).to(bf), w1, w2, units)
     return rows

@@ -95,14 +95,6 @@ DECODE_MLP_HIDDEN = 32
 DECODE_MLP_TILES = ((128, 128, 4, 3), (256, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2), (256, 256, 4, 3),
                     (512, 512, 8, 2), (1024, 1024, 8, 1))
 CE_BLOCK, CE_WARPS = 2048, 8  # logits per loop step and warps per row in cross_entropy (32,768: 16 steps)
-# The loss kernel's gradient pass, where it writes the gradient in e5m2 alone (the FP8 head's default), takes the
-# cap's tanh and the exponential two logits an instruction in float16 (PTX's f16x2 forms) where True; False keeps
-# both in float32, the reference: see _row_gradient. Off: on one H100 it was slower, 26.76 ms a micro-batch for the
-# FP8 head's one function against 26.32 in float32 (`python bench.py --loss --preset 88m --micro-batch 16`, its last
-# two rows; docs/LOG.md, 2026-12-05). The same run's "loss kernel" row, 9.05 ms for about 26 GB of reads and writes,
-# is 2.9 TB/s, near that card's 3.35: there the kernel waits on memory, which float16 does not relieve. An H200, with
-# more bandwidth a logit, has not timed it.
-CE_HALF_GRADIENT = False
 # transposed's candidate tiles (rows, columns of the source, in bytes) and warps, autotuned once per shape; the
 # interpreter takes the first. 128 bytes is one cache line: the widest tiles read and write whole lines.
 TRANSPOSE_TILES = ((64, 64, 4), (128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 64, 4), (256, 128, 8))
@@ -449,35 +441,6 @@ if AVAILABLE:
             return cap * t, 1.0 - t * t
         return z, z * 0.0 + 1.0
 
-    # The gradient pass in float16 (CE_HALF_GRADIENT): the tanh and the exponential are most of the loss kernel's
-    # work on the special-function units (4.25 results a logit in float32, at about two thirds of their rate: see
-    # _cross_entropy_and_gradient_kernel), and their f16x2 forms give two results an instruction: 3.25 a logit.
-    # The gradient goes out in e5m2, whose steps are 1/4 apart where float16's are 1/2,048. p = exp(y - lse) is
-    # taken as 2^(P_SHIFT + (y - lse) log2 e) 2^-P_SHIFT, so that p from 1 (2^14, under float16's 65,504) down to
-    # 2^-28 stays in float16's normal range; at 32,768 words the probabilities it drops sum to under 2^-13.
-    # The interpreter has no PTX: there the same values are rounded to float16 in float32 arithmetic.
-    P_SHIFT, P_UNSHIFT = tl.constexpr(14.0), tl.constexpr(2.0 ** -14)
-
-    @triton.jit
-    def _half_tanh(u):
-        """tanh(u) for float32 u, through float16."""
-        if _PTX:
-            t = tl.inline_asm_elementwise("tanh.approx.f16x2 $0, $1;", "=r,r", [u.to(tl.float16)],
-                                          dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            t = (2.0 * tl.sigmoid(2.0 * u.to(tl.float16).to(tl.float32)) - 1.0).to(tl.float16)
-        return t.to(tl.float32)
-
-    @triton.jit
-    def _half_exp2(v):
-        """2^v for float32 v, through float16."""
-        if _PTX:
-            e = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [v.to(tl.float16)],
-                                          dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            e = tl.exp2(v.to(tl.float16).to(tl.float32)).to(tl.float16)
-        return e.to(tl.float32)
-
     @triton.jit
     def _row_logsumexp(z_row, vocab, cap, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
         """The logsumexp of softcap(z) over one row of vocab logits, read once."""
@@ -513,11 +476,10 @@ if AVAILABLE:
 
     @triton.jit
     def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, fp8_scale, fp8_max, BLOCK: tl.constexpr,
-                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr, DZ: tl.constexpr = True,
-                      HALF: tl.constexpr = False):
+                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr, DZ: tl.constexpr = True):
         """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype (DZ: else not
         written); with FP8 also times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's
-        blocks last to first. HALF: the tanh and the exponential through float16 (CE_HALF_GRADIENT)."""
+        blocks last to first."""
         steps = tl.cdiv(vocab, BLOCK)
         for step in range(0, steps):
             if BACKWARDS:
@@ -526,16 +488,8 @@ if AVAILABLE:
                 cols = step * BLOCK + tl.arange(0, BLOCK)
             keep = cols < vocab
             z = tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32)
-            if HALF:
-                if CAPPED:
-                    t = _half_tanh(z * (1.0 / cap))
-                    y, slope = cap * t, 1.0 - t * t
-                else:
-                    y, slope = z, 1.0
-                p = _half_exp2((y - lse) * 1.4426950408889634 + P_SHIFT) * P_UNSHIFT
-            else:
-                y, slope = _capped(z, cap, CAPPED)
-                p = tl.exp(y - lse)
+            y, slope = _capped(z, cap, CAPPED)
+            p = tl.exp(y - lse)
             d = (p - tl.where(cols == target, 1.0, 0.0)) * slope * g
             if DZ:
                 tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
@@ -573,15 +527,14 @@ if AVAILABLE:
     @triton.jit
     def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
                                            fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
-                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr, DZ: tl.constexpr,
-                                           HALF: tl.constexpr = False):
+                                           FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr, DZ: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
         lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
         y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, CAPPED)
         tl.store(loss_ptr + row, lse - y_t)
         _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap,
-                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True, DZ, HALF)
+                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True, DZ)
 
     @torch.library.custom_op("onegpu::cross_entropy", mutates_args=())
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -629,7 +582,7 @@ if AVAILABLE:
                                    fp8_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cross_entropy's per-row loss and, from the same launch, cross_entropy_backward's two gradients
         of the mean loss (each row's incoming gradient 1 / N); fp8_only (with fp8_scale): the e5m2 one alone,
-        dz empty, its pass through float16 where CE_HALF_GRADIENT. Returns (loss (N,), dz, dz8)."""
+        dz empty. Returns (loss (N,), dz, dz8)."""
         n, vocab = logits.shape
         loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale, fp8_only)
         _cross_entropy_and_gradient_kernel[(n,)](logits, targets, loss, dz, dz8 if fp8_scale else dz, vocab,
@@ -637,7 +590,6 @@ if AVAILABLE:
                                                  torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK, CAPPED=cap > 0,
                                                  FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0,
                                                  DZ=not (fp8_only and fp8_scale),
-                                                 HALF=CE_HALF_GRADIENT and fp8_only and fp8_scale > 0,
                                                  num_warps=CE_WARPS)
         return loss, dz, dz8
 

@@ -51,6 +51,7 @@ import torch
 
 import config as C
 import data as D
+import fastpaths as FP
 import model as M
 import train as TR
 
@@ -162,10 +163,10 @@ RECORD_CHAIN = (
     # the head's matmul coarser, the others compute the same numbers): one rung, so the ladder's 150-s runs go
     # to changes in what is learned. Generation's split decode, decode MLP and dependent launches ride along:
     # training never runs them, and the rung then is the preset whole.
-    ("+ FP8 head, loss kernel, pinned copies (speed alone)", {"model__fp8_head": True, "model__fp8_fast_accum": True,
-                                                              "model__loss_kernel": True,
-                                                              "train__pin": True, "model__split_decode": True,
-                                                              "model__decode_mlp": True, "model__decode_pdl": True}),
+    ("+ FP8 head, loss kernel, pinned copies (speed alone)", {"speed__fp8_head": True, "speed__fp8_fast_accum": True,
+                                                              "speed__loss_kernel": True,
+                                                              "train__pin": True, "speed__split_decode": True,
+                                                              "speed__decode_mlp": True, "speed__decode_pdl": True}),
     # modded's: it clips nothing, steps its up-projection (stored wide, 768 x 3,072) at Muon's lr where
     # the tall-matrix scale doubles ours, and scales attention logits by 0.12, not 1/sqrt(128)
     ("+ no clipping, no tall-matrix scale, attention scale 0.12", {"train__grad_clip": 0.0,
@@ -677,11 +678,11 @@ def curves_plan(preset: str) -> list[Recipe]:
     """The plain model (every training fast path off), each fast path that applies to the preset's model
     alone on it (with the one it refines: model.fast_path_alone), then the preset as its file has it: a fast
     path may change speed, not what the model learns beyond bfloat16 noise."""
-    plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
+    plain = {f"speed__{s}": False for s in FP.TRAINING_FAST_PATHS}
     return [Recipe("plain", preset, "curves", plain),
-            *[Recipe(M.TRAINING_FAST_PATHS[s], preset, "curves",
-                     {**plain, **{f"model__{k}": on for k, on in M.fast_path_alone(s).items()}})
-              for s in M.runnable_fast_paths(C.preset(preset).model)],
+            *[Recipe(FP.TRAINING_FAST_PATHS[s], preset, "curves",
+                     {**plain, **{f"speed__{k}": on for k, on in FP.fast_path_alone(s).items()}})
+              for s in FP.runnable_fast_paths(C.preset(preset).model)],
             Recipe("defaults", preset, "curves")]
 
 

@@ -25,6 +25,7 @@ import torch
 
 import checkpoint as CK
 import config as C
+import fastpaths as FP
 import generate as G
 import model as M
 import tokenizer as tk
@@ -85,7 +86,7 @@ def speed_report(timer: G.Timer, prompt_tokens: int, batch: int, new_tokens: int
             f"{decode_rate:,.1f} tok/s decoding {new_tokens - 1} more per sample]")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate text from a checkpoint.")
     p.add_argument("--ckpt", required=True, help="run folder (runs/NAME) or a ckpt.pt file")
     p.add_argument("--prompt", default=None, help="text to continue (default: stdin if piped, else empty)")
@@ -101,23 +102,28 @@ def main(argv=None):
                    help="CUDA: plain PyTorch attention and matmuls for each new token, launched plainly, not the "
                         "Triton kernels (onegpu_kernels.py: decode_step, and small_matmul or decode_mlp where the "
                         "model has decode_matmuls or decode_mlp) nor dependent launches (decode_pdl)")
-    for name, label in M.GENERATION_FAST_PATHS.items():  # generation's own switches: the weights stay the same
+    for name, label in FP.GENERATION_FAST_PATHS.items():  # generation's own switches: the weights stay the same
         if name != "fused_decode":  # its off switch is --no-fused-decode, which turns all of them off
             p.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
                            help=f"CUDA: the {label} fast path on or off (default: as the checkpoint's config)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the run trained with)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
         check_settings(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.num_samples)
         device = C.pick_device(args.device)
-        chosen = {f"model__{s}": getattr(args, s) for s in M.GENERATION_FAST_PATHS if getattr(args, s, None) is not None}
+        chosen = {f"speed__{s}": getattr(args, s) for s in FP.GENERATION_FAST_PATHS if getattr(args, s, None) is not None}
         if args.no_fused_decode:
-            chosen = {f"model__{s}": False for s in M.GENERATION_FAST_PATHS}
+            chosen = {f"speed__{s}": False for s in FP.GENERATION_FAST_PATHS}
         ckpt = CK.load(args.ckpt, device, **chosen)  # the Triton paths run on CUDA only; on a CPU the plain ones
         tok, _ = CK.tokenizer_for(ckpt, args.tokenizer)
         model = ckpt.build_model().to(device).eval()
+        G.apply(model, ckpt.config.speed, device)  # the decode kernels its [speed] section turns on
         if args.prompt is not None:
             prompt = args.prompt
         elif sys.stdin.isatty():

@@ -38,9 +38,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import attention as A
 import checkpoint as CK
 import config as C
 import data as D
+import fastpaths as FP
 import generate as G
 import model as M
 import optim as O
@@ -190,18 +192,20 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def build_model(mcfg: M.ModelConfig, cfg: C.TrainConfig, device: torch.device, seed: int):
-    """(raw model, model to call): the second is compiled and/or DDP-wrapped as configured."""
+def build_model(cfg: C.Config, speed: FP.SpeedConfig, device: torch.device, seed: int):
+    """(raw model, model to call, the fast paths swapped in): the plain model on `device`, then the speed paths
+    of `speed` (cfg.speed as this device runs it) and the recomputation cfg.train turns on, swapped in; the
+    second is compiled and/or DDP-wrapped as configured."""
     torch.manual_seed(seed)
-    raw = M.Llama(mcfg).to(device)
-    raw.activation_checkpointing = cfg.activation_checkpointing
-    raw.recompute_mlp = cfg.recompute_mlp
+    raw = M.Llama(cfg.model).to(device)
+    swapped = FP.apply(raw, speed, device)
+    FP.apply_recompute(raw, cfg.train.activation_checkpointing, cfg.train.recompute_mlp)
     run = raw
-    if cfg.compile:
-        run = torch.compile(raw, **compile_args(cfg.compile_mode))
+    if cfg.train.compile:
+        run = torch.compile(raw, **compile_args(cfg.train.compile_mode))
     if dist.is_initialized():
         run = torch.nn.parallel.DistributedDataParallel(run, device_ids=[device.index] if device.type == "cuda" else None)
-    return raw, run
+    return raw, run, swapped
 
 
 @dataclass
@@ -229,6 +233,23 @@ class Run:
     # window before it (ShardLoader.scored_targets), as in one long sequence (modded-nanogpt evaluates on
     # sequences of 262,144 tokens, where few documents are cut).
     whole_val_loader: D.ShardLoader | None = None
+    swapped: list = dataclasses.field(default_factory=list)  # the fast paths fastpaths.apply swapped in
+
+
+def device_speed(speed: FP.SpeedConfig, tcfg: C.TrainConfig, device: torch.device, say) -> FP.SpeedConfig:
+    """The speed paths this device runs of those asked for, saying in one line which it turns off and why. The
+    config keeps what was asked: a checkpoint resumes with the same command on any card."""
+    runs, why = FP.for_device(speed, device)
+    if runs != speed:
+        off = [f"--no-{name.replace('_', '-')}" for name in FP.SPEED_FIELDS if getattr(runs, name) != getattr(speed, name)]
+        say(f"note: {', '.join(off)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
+            f"{why}; the plain paths compute the same functions")
+    if not tcfg.bf16 or tcfg.fp16:  # the bf16 stream needs bf16 autocast
+        runs = dataclasses.replace(runs, bf16_residual=False)
+    if runs.fp8_head and tcfg.fp16:  # after for_device: a card without bf16 has no FP8 units either
+        raise ValueError("speed.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
+                         "overflow: use --no-fp8-head with --fp16")
+    return runs
 
 
 def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens_dir: Path | None = None) -> Run:
@@ -242,16 +263,7 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         torch.cuda.set_device(device)
     tcfg = half_precision(cpu_fallbacks(cfg.train, device, say), device, say)
     cfg = dataclasses.replace(cfg, train=tcfg)
-    model_cfg, why = M.for_device(cfg.model, device)
-    if model_cfg != cfg.model:
-        off = [f"--no-{f.name.replace('_', '-')}" for f in dataclasses.fields(model_cfg)
-               if getattr(model_cfg, f.name) != getattr(cfg.model, f.name)]
-        say(f"note: {', '.join(off)} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
-            f"{why}; the plain paths compute the same functions")
-        cfg = dataclasses.replace(cfg, model=model_cfg)
-    if cfg.model.fp8_head and tcfg.fp16:  # after for_device: a card without bf16 has no FP8 units either
-        raise ValueError("model.fp8_head scales the head's gradient by a fixed bound, which fp16's loss scale would "
-                         "overflow: use --no-fp8-head with --fp16")
+    speed = device_speed(cfg.speed, tcfg, device, say)
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
@@ -290,29 +302,32 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
             whole_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
                                       stride=T - cfg.model.attn_window, **loader_args)
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
-    raw, model = build_model(cfg.model, tcfg, device, tcfg.seed)
+    raw, model, swapped = build_model(cfg, speed, device, tcfg.seed)
     scaler = torch.amp.GradScaler(device.type) if tcfg.fp16 else None
     return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
-               accum, steps, tok_path, tok_hash, source, plain_val, scaler, whole_val)
+               accum, steps, tok_path, tok_hash, source, plain_val, scaler, whole_val, swapped)
 
 
 # --- The step ------------------------------------------------------------------------------
 
-def masks_for(batch, device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
-    """The model's attention-mask arguments for a micro-batch (x, y[, doc_ids]): its documents when
-    the loader gives their ids (train.doc_mask), and the sliding windows (long, short) (0: none)."""
-    return M.mask_inputs(batch[0].shape[1], device, batch[2] if len(batch) > 2 else None, windows)
+def masks_for(batch, device: torch.device, windows: tuple[int, int] | None = None) -> A.Masks | None:
+    """The attention masks of a micro-batch (x, y[, doc_ids]): its documents when the loader gives their ids
+    (train.doc_mask), and the sliding windows (long, short) (window_at; None: the model's own, applied by it)."""
+    doc_ids = batch[2] if len(batch) > 2 else None
+    if windows is None and doc_ids is None:
+        return None
+    return A.masks(batch[0].shape[1], device, doc_ids, windows or (0, 0))
 
 
-def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] = (0, 0)):
+def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] | None = None):
     """Mean loss of one micro-batch (x, y[, doc_ids])."""
     masks = masks_for(batch, device, windows)
     with autocast(cfg, device):
-        return model(batch[0], batch[1], **masks)
+        return model(batch[0], batch[1], masks)
 
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
-               momentum: float | None = None, windows: tuple[int, int] = (0, 0), scaler=None, prefetch=None):
+               momentum: float | None = None, windows: tuple[int, int] | None = None, scaler=None, prefetch=None):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
@@ -374,7 +389,7 @@ EVAL_LOSS_ROWS = 8192
 
 @torch.no_grad()
 def evaluate(model, loader: D.ShardLoader, n_windows: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
-             device: torch.device, windows: tuple[int, int] = (0, 0)) -> dict:
+             device: torch.device, windows: tuple[int, int] | None = None) -> dict:
     """Mean validation loss and bits per byte over the targets of the val split's first n_windows windows
     of loader.T tokens (over all ranks), whatever the micro-batch: the last batch's rows past them are
     not scored, so two runs with different micro-batches or ranks score the same tokens. The model runs
@@ -390,7 +405,7 @@ def evaluate(model, loader: D.ShardLoader, n_windows: int, token_bytes: torch.Te
         batch = loader.next_batch()
         x, y = batch[0], batch[1]
         with autocast(cfg, device):
-            logits = model(x, **masks_for(batch, device, windows)).flatten(0, 1)
+            logits = model(x, masks=masks_for(batch, device, windows)).flatten(0, 1)
         losses = torch.cat([torch.nn.functional.cross_entropy(rows.float(), targets, reduction="none") for rows, targets
                             in zip(logits.split(EVAL_LOSS_ROWS), y.flatten().split(EVAL_LOSS_ROWS))])
         keep = loader.scored_targets(n_windows).flatten().to(losses.dtype)
@@ -713,10 +728,10 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
     # What runs, not only what was asked: the fused SwiGLU is a CUDA kernel, for the SwiGLU MLP only.
     say(f"model: {M.param_count(m):,} parameters, head size {m.head_dim}, {m.mlp} {m.ffn_hidden} wide, "
         f"QK-norm {m.qk_norm}, {'tied' if m.tie_embeddings else 'untied'} head, soft-cap {m.logit_softcap or 'off'}, "
-        f"{meter.flops_tok / 1e6:,.1f} MFLOPs/token, attention {m.attention}, fused loss {m.fused_loss}, fused SwiGLU "
-        f"{m.fused_swiglu and M.fast_path_applies('fused_swiglu', m) and device.type == 'cuda'}, bf16 residual "
-        f"{m.bf16_residual and tcfg.bf16}, fp8 {m.fp8}, fp8 head {m.fp8_head}, fp8 fast accumulation "
-        f"{m.fp8_fast_accum and M.fast_path_applies('fp8_fast_accum', m)}")
+        f"{meter.flops_tok / 1e6:,.1f} MFLOPs/token")
+    # What runs, read from what was swapped in, not from what was asked
+    say(f"speed: attention {cfg.speed.attention}; fast paths swapped in: "
+        f"{', '.join(FP.TRAINING_FAST_PATHS[n] for n in r.swapped) or 'none (the plain model)'}")
     parts = [name for name, on in (("embed-norm", m.embed_norm), (f"{m.value_embeds} value embeddings", m.value_embeds),
                                     ("U-net skips", m.unet_skips), ("x0 mix", m.x0_mix), ("truncated RoPE", m.rope_truncate),
                                     ("attention gate", m.attn_gate),
@@ -809,8 +824,6 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
     prefetch = None if fixed is not None else r.train_loader.prefetch
-    eval_windows = max(1, tcfg.eval_tokens // r.cfg.model.context)  # the same tokens at any micro-batch and world
-    plain_windows = max(1, tcfg.eval_tokens // PLAIN_CONTEXT)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
     bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
@@ -825,20 +838,13 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
         while True:
             last_step, fresh = p.step == r.steps, p.step > session.first_step  # a resumed step was evaluated and saved
             if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
-                windows = window_at(p.step, r.steps, r.cfg)
-                session.last_eval = evaluate(r.model, r.val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
-                if r.whole_val_loader is not None:
-                    whole = evaluate(r.model, r.whole_val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
-                    session.last_eval |= {"val_loss_whole": whole["val_loss"], "val_bpb_whole": whole["val_bpb"]}
-                if r.plain_val_loader is not None:
-                    plain = evaluate(r.model, r.plain_val_loader, plain_windows, token_bytes, tcfg, r.device, windows)
-                    session.last_eval |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
-                say(f"step {p.step:>6} | val loss {session.last_eval['val_loss']:.4f} | "
-                    f"val bpb {session.last_eval['val_bpb']:.4f}"
-                    + (f" | with whole windows {whole['val_loss']:.4f}" if r.whole_val_loader else "")
-                    + (f" | on plain 1,024-token windows {plain['val_loss']:.4f}" if r.plain_val_loader else ""))
+                session.last_eval = evaluations(r, p.step, token_bytes)
+                last = session.last_eval
+                say(f"step {p.step:>6} | val loss {last['val_loss']:.4f} | val bpb {last['val_bpb']:.4f}"
+                    + (f" | with whole windows {last['val_loss_whole']:.4f}" if r.whole_val_loader else "")
+                    + (f" | on plain 1,024-token windows {last['val_loss_1024']:.4f}" if r.plain_val_loader else ""))
                 write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
-                                       **session.last_eval}, board)
+                                       **last}, board)
             if fresh and (p.step % tcfg.ckpt_every == 0 or last_step):
                 save_checkpoint(r, p, ckpt_path)
                 last_saved = p.step
@@ -852,16 +858,9 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                                   planned=not stopper.signal)
             row = timed_step(r, p, session, next_batch, prefetch, meter, ckpt_path, say)
             write_log(r, run_dir, row, board)
-            if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
-                size_steps(r, p, session, run_dir, say)
-                session.sized, bar.total = True, r.steps
-            elif session.sized and p.step == resize_step(tcfg, r.steps):
-                size_steps(r, p, session, run_dir, say, again=True)
-                session.sized, bar.total = False, r.steps
-            norm, mfu = row["grad_norm"], row["mfu"]
-            gnorm = f" | gnorm {norm:.3f}" if norm is not None else ""  # computed only to clip (train.grad_clip)
-            say(f"step {p.step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e}{gnorm} | {row['tok_s']:,.0f} tok/s | MFU "
-                f"{'n/a' if mfu is None else f'{mfu:.1%} of {meter.peak_name}'} | mem {row['peak_mem_gib']:.2f} GiB")
+            if sized_now(r, p, session, run_dir, say):
+                bar.total = r.steps
+            say(step_line(p.step, row, meter))
             bar.update(1)
     finally:
         bar.close()
@@ -874,6 +873,44 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
         finally:
             stopper.restore()
     return session
+
+
+def sized_now(r: Run, p: Progress, session: Session, run_dir: Path, say) -> bool:
+    """A train.seconds run sizes its steps after its probe steps, and again where its schedule's window has grown
+    (resize_step): whether it did so at this step."""
+    if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
+        size_steps(r, p, session, run_dir, say)
+        session.sized = True
+        return True
+    if session.sized and p.step == resize_step(r.cfg.train, r.steps):
+        size_steps(r, p, session, run_dir, say, again=True)
+        session.sized = False
+        return True
+    return False
+
+
+def step_line(step: int, row: dict, meter: "Meter") -> str:
+    norm, mfu = row["grad_norm"], row["mfu"]
+    gnorm = f" | gnorm {norm:.3f}" if norm is not None else ""  # computed only to clip (train.grad_clip)
+    return (f"step {step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e}{gnorm} | {row['tok_s']:,.0f} tok/s | MFU "
+            f"{'n/a' if mfu is None else f'{mfu:.1%} of {meter.peak_name}'} | mem {row['peak_mem_gib']:.2f} GiB")
+
+
+def evaluations(r: Run, step: int, token_bytes: torch.Tensor) -> dict:
+    """The validation loss and bits per byte at `step`, with the windows of that step: on the run's own
+    sequences, with whole windows (where the model has a sliding window) and on plain 1,024-token windows (where
+    it trains on something else), each over eval_tokens' worth of the same targets at any micro-batch and world."""
+    tcfg, windows = r.cfg.train, window_at(step, r.steps, r.cfg)
+    eval_windows = max(1, tcfg.eval_tokens // r.cfg.model.context)
+    found = evaluate(r.model, r.val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
+    if r.whole_val_loader is not None:
+        whole = evaluate(r.model, r.whole_val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
+        found |= {"val_loss_whole": whole["val_loss"], "val_bpb_whole": whole["val_bpb"]}
+    if r.plain_val_loader is not None:
+        plain = evaluate(r.model, r.plain_val_loader, max(1, tcfg.eval_tokens // PLAIN_CONTEXT), token_bytes, tcfg,
+                         r.device, windows)
+        found |= {"val_loss_1024": plain["val_loss"], "val_bpb_1024": plain["val_bpb"]}
+    return found
 
 
 def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, meter: Meter, ckpt_path: Path,
@@ -1084,7 +1121,8 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     may change, each reported."""
     overrides = C.flag_overrides(args)
     from_file = C.read_toml(args.config) if args.config else {}
-    given = {f"{s}__{k}": v for s, table in from_file.items() for k, v in table.items()} | overrides
+    given = {f"{s}__{k}": v for s, table in C.moved(from_file).items() for k, v in table.items()}
+    given |= {f"{C.MOVED.get(tuple(k.split('__')), k.split('__')[0])}__{k.split('__')[1]}": v for k, v in overrides.items()}
     if not (args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists()):
         if given.get("train__init_from"):
             return init_config(args.config, given, log), None
@@ -1105,7 +1143,7 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
         if now != then:
             differ[key] = (then, now)
     fixed = [f"{k.replace('__', '.')} (checkpoint {a!r}, asked {b!r})" for k, (a, b) in differ.items()
-             if not k.startswith("train__")]
+             if not k.startswith(("train__", "speed__"))]
     if fixed:
         raise ValueError(f"--resume continues {run_dir / 'ckpt.pt'}, whose model and data cannot change, but "
                          f"{'; '.join(fixed)}: drop those flags or settings, or start a new run with --name NAME")

@@ -8,9 +8,12 @@ from unittest import mock
 
 import torch
 
+import attention as A
+import fastpaths as FP
+import fp8 as F8
 import generate as G
-import onegpu_kernels as K
 import model as M
+import onegpu_kernels as K
 
 
 @contextlib.contextmanager
@@ -31,32 +34,42 @@ RECORD = {"mlp": "relu2", "qk_norm": True, "attn_window": 8, "short_windows": Tr
 SMALL = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, context=64)
 
 
+def built(cfg: dict, **speed) -> M.Llama:
+    """The plain model of cfg with the fast paths `speed` names swapped in: training's (fastpaths) and
+    decoding's (generate), as a run and sample.py swap them."""
+    model = M.Llama(M.ModelConfig(**cfg))
+    FP.swap_in(model, FP.SpeedConfig(**speed))
+    G.apply(model, FP.SpeedConfig(**speed), torch.device("cpu"))  # the interpreter runs the kernels on CPU
+    return model
+
+
 def decoded(model, idx, step=None):
     """Logits (1 + 3, B, vocab): a prefill of idx's first 10 tokens (B = 2), then one decode step for each of
     tokens 10-12 through the cache, eagerly or through `step` (decode_one compiled), which reads the whole
     cache as GraphDecoder's does."""
     with torch.no_grad():
         model.setup_cache(2)
-        steps = [model(idx[:, :10], pos=torch.arange(10), window=10)[:, -1]]
+        windows = model.cfg.windows()
+        steps = [model(idx[:, :10], masks=A.cache_masks(torch.arange(10), 10, windows))[:, -1]]
         for t in range(10, 13):
             token, pos = idx[:, t:t + 1], torch.tensor([t])
             if step:
                 steps.append(step(model, token, pos, model.cfg.context))
             else:
-                steps.append(model(token, pos=pos, window=t + 1)[:, -1])
+                steps.append(model(token, masks=A.cache_masks(pos, t + 1, windows))[:, -1])
     return torch.stack(steps).float()
 
 
 def record_pair(g, **switches):
     """(the record recipe's model with the fused decode, the same weights with `switches` on, token ids
     (2, 16)), float16; the zero-initialised output projections and head given values first."""
-    cfg = dict(**SMALL, **RECORD, fused_decode=True)
-    plain = M.Llama(M.ModelConfig(**cfg)).eval().half()
+    cfg = dict(**SMALL, **RECORD)
+    plain = built(cfg, fused_decode=True).eval().half()
     with torch.no_grad():
         for name, p in plain.named_parameters():
             if name.endswith(("wo.weight", "w2.weight", "head.weight")):
                 p.normal_(0.0, 0.05, generator=g)
-    fast = M.Llama(M.ModelConfig(**cfg, **switches)).eval().half()
+    fast = built(cfg, fused_decode=True, **switches).eval().half()
     fast.load_state_dict(plain.state_dict())
     return plain, fast, torch.randint(0, 512, (2, 16), generator=g)
 
@@ -104,7 +117,7 @@ def decode_check():
         k_ref[:, :, pos], v_ref[:, :, pos] = k[:, 0], v[:, 0].half()
         keys = torch.arange(S)
         mask = ((keys <= pos) & ((pos - keys < window) if window else True))[None, :]
-        reference = M.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask,
+        reference = A.decode_attention_matmuls(q.float().reshape(B, Hkv, H // Hkv, 64), k_ref.float(), v_ref.float(), mask,
                                                scale)
         if gate:
             reference = reference * torch.sigmoid(gate_x[:, 0, :M.GATE_CHANNELS].float() @ gate_w.float().t()).view(
@@ -143,14 +156,14 @@ def decode_check():
     kernel = K.decode_step
     for recipe in ({}, RECORD, {"mlp": "relu2", "qk_norm": True}):  # the Muon one last: it is compiled below
         cfg = dict(**SMALL, **recipe)
-        plain = M.Llama(M.ModelConfig(**cfg, fused_decode=False)).eval().half()
+        plain = built(cfg).eval().half()
         with torch.no_grad():
             for name, p in plain.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight", "v_mix")):
                     p.uniform_(0.5, 1.5, generator=g)
                 elif name.endswith("gate.weight"):
                     p.normal_(0.0, 1.0, generator=g)
-        fused = M.Llama(M.ModelConfig(**cfg, fused_decode=True, split_decode=recipe is RECORD)).eval().half()
+        fused = built(cfg, fused_decode=True, split_decode=recipe is RECORD).eval().half()
         fused.load_state_dict(plain.state_dict())
         calls = []
         K.decode_step = lambda *a, **k: calls.append(sorted(k)) or kernel(*a, **k)
@@ -227,7 +240,7 @@ def swiglu_check():
     runs = []
     for fused, compiled in ((False, False), (True, False), (True, True)):
         torch.manual_seed(0)
-        model = M.Llama(M.ModelConfig(**cfg, fused_swiglu=fused))
+        model = built(cfg, fused_swiglu=fused)
         K.swiglu = (lambda h: calls.append(1) or kernel(h)) if not compiled else kernel
         loss = (torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model)(idx, targets)
         loss.backward()
@@ -267,15 +280,13 @@ def cross_entropy_check():
         assert logits.grad.dtype == logits.dtype
 
 
-@mock.patch.object(K, "CE_HALF_GRADIENT", False)
 def fp8_head_loss_check():
     """model.fp8_head_cross_entropy (the FP8 head and the loss kernel as one function, whose backward
     writes the gradient's FP8 copy in the loss kernel) against the two apart, fp8_linear then the loss
     kernel: the same loss; the same weight gradient with the bf16 one, within FP8's rounding of it with
     FP8's (its product alone a tenth as close: a weight gradient in bf16 there fails); an input gradient
     within FP8's rounding of theirs; and the kernel's FP8 copy within one e5m2 step (a quarter) of the
-    gradient it scales. Its gradient pass in float32 (CE_HALF_GRADIENT off), where the paths must agree to the bit:
-    the pass through float16 is half_gradient_check's."""
+    gradient it scales; the paths agree to the bit."""
     g = torch.Generator().manual_seed(1)
     n, d, vocab, cap = 48, 64, 2500, 15.0
     x0, w0 = torch.randn(n, d, generator=g).half(), (torch.randn(vocab, d, generator=g) * 0.5).half()
@@ -283,8 +294,8 @@ def fp8_head_loss_check():
     out = []
     for fused, fp8_weight_grad in ((True, False), (True, True), (False, False)):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        loss = (M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad) if fused else
-                M.cross_entropy(M.fp8_linear(x, w, grad_bound=1.0 / n), targets, cap, kernel=True))
+        loss = (F8.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad) if fused else
+                K.cross_entropy(F8.fp8_linear(x, w, grad_bound=1.0 / n), targets, cap)[0].mean())
         (loss / 4).backward()  # as with four micro-batches: the fused backward scales its products by 1/4
         out.append((loss.detach(), x.grad, w.grad))
     (l1, gx1, gw1), (l8, gx8, gw8), (l2, gx2, gw2) = out
@@ -318,51 +329,19 @@ def fp8_head_loss_check():
     # The model takes the one function where fp8_head and loss_kernel are both on: its loss and head gradient
     # as the FP8 head with the plain loss, within FP8's rounding (a wrong target or cap there fails).
     cfg = dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300, context=16, tie_embeddings=False,
-               logit_softcap=cap, fp8_head=True)
+               logit_softcap=cap)
     idx, targets = torch.randint(0, 300, (2, 2, 16), generator=g)
     grads = []
-    with counted(M, "fp8_head_cross_entropy") as calls:
+    with counted(FP, "fp8_head_cross_entropy") as calls:
         for kernel in (True, False):
             torch.manual_seed(0)
-            model = M.Llama(M.ModelConfig(**cfg, loss_kernel=kernel)).train()
+            model = built(cfg, fp8_head=True, loss_kernel=kernel).train()
             torch.nn.init.normal_(model.head.weight, std=0.2)
             loss = model(idx, targets)
             loss.backward()
             grads.append((loss.detach(), model.head.weight.grad))
     (l1, h1), (l2, h2) = grads
     assert calls == [1] and abs(l1 - l2) < 1e-4 and ((h1 - h2).norm() / h2.norm()) < 0.05, (l1, l2)
-
-
-def half_gradient_check():
-    """The loss kernel's gradient pass through float16 (CE_HALF_GRADIENT, where it writes the e5m2 gradient alone)
-    against float64 and against the pass in float32: the same loss (its pass is float32's either way); the e5m2
-    gradient within e5m2's rounding of float64's, as fp8_head_loss_check asks of the float32 pass, and at most a
-    step from the float32 pass's where the two round apart (one of them at half under the interpreter; on a GPU,
-    tests/test_gpu.py asks for a step). Logits from -30 to 30 without the cap: probabilities
-    down to e^-60, under float16's smallest, so a missing shift or scale of the exponential fails."""
-    g = torch.Generator().manual_seed(9)
-    for n, vocab, cap in ((6, 4096, 15.0), (4, 2500, 0.0)):
-        logits = (torch.randn(n, vocab, generator=g) * 6 + torch.linspace(-20, 20, vocab)).half()
-        targets = torch.randint(0, vocab, (n,), generator=g)
-        scale = torch.finfo(torch.float8_e5m2).max * n
-        out = []
-        for half in (False, True):
-            with mock.patch.object(K, "CE_HALF_GRADIENT", half):
-                out.append(K.cross_entropy_and_gradient(logits, targets, cap, scale, fp8_only=True))
-        (loss32, _, g32), (loss16, _, g16) = out
-        z = logits.double().requires_grad_()
-        torch.nn.functional.cross_entropy(M.softcap(z, cap), targets).backward()
-        assert torch.equal(loss16, loss32)
-        got, want, plain = g16.double() / scale, z.grad, g32.double() / scale
-        # as fp8_head_loss_check's, the interpreter's dropped carry included, with float16's error before the
-        # rounding: 1.99 comes out at 1 where 2.002 would have come out at 2 (seen at this seed)
-        err = (got - want).abs()
-        assert ((err <= 0.25 * want.abs() + 2 ** -16 / scale) | (err <= 0.51 * want.abs())).all(), (n, vocab, cap)
-        assert (got * want >= 0).all()
-        apart = got != plain
-        assert apart.double().mean() < 0.05, apart.double().mean()
-        # a step apart, or one of them at half of its value by the dropped carry
-        assert ((got - plain).abs() <= 0.51 * torch.maximum(got.abs(), plain.abs()) + 2 ** -15 / scale).all()
 
 
 def relu2_check():
@@ -381,7 +360,9 @@ def relu2_check():
                         ffn_hidden=hidden)
     out = []
     for fused in (True, False):
-        mlp = M.ReLU2(M.replace(cfg, fused_relu2=fused)).half()
+        mlp = M.ReLU2(cfg).half()
+        if fused:
+            FP.swap(mlp, FP.FusedReLU2)
         with torch.no_grad():
             mlp.w1.weight.copy_(w1)
             mlp.w2.weight.copy_(w2)
@@ -404,7 +385,7 @@ def relu2_fp8_check():
 
     def same_fp8(got, want):  # the same e4m3 casts, as values and as inverse scales
         (g8, gs), (w8, ws) = got, want
-        assert g8.dtype == w8.dtype == M.E4M3 and gs.shape == ws.shape == (150, 1)
+        assert g8.dtype == w8.dtype == F8.E4M3 and gs.shape == ws.shape == (150, 1)
         assert torch.allclose(gs, ws, rtol=1e-6, atol=0) and torch.isfinite(gs).all()
         # The interpreter's cast to e4m3 is not the GPU's: it may land one step off (20 for 22, 0 for the
         # smallest subnormal, 2^-9), and halves a value whose rounding carries into the next power of two (31.35
@@ -414,8 +395,8 @@ def relu2_fp8_check():
         power = (want != 0) & (want.abs() == 2.0 ** torch.log2(want.abs().clamp(min=2.0 ** -9)).round())
         assert (step | (power & (got == want / 2))).all() and (got != want).float().mean() < 0.05
 
-    same_fp8(K.relu2_fp8(u), M.relu2_fp8_plain(u))
-    (a, du, *cast), (want_a, want_du, *want_cast) = K.relu2_fp8_backward(dh, u), M.relu2_fp8_backward_plain(dh, u)
+    same_fp8(K.relu2_fp8(u), F8.relu2_fp8_plain(u))
+    (a, du, *cast), (want_a, want_du, *want_cast) = K.relu2_fp8_backward(dh, u), F8.relu2_fp8_backward_plain(dh, u)
     assert torch.equal(a, want_a) and torch.equal(du, want_du)
     same_fp8(cast, want_cast)
 
@@ -437,7 +418,7 @@ def transposed_check():
     shifted = torch.randn(4 * 72 + 1, generator=g).to(torch.float8_e5m2)[1:].view(4, 72)  # starts off a word:
     with mock.patch.object(K, "_transpose_kernel", None):  # the op copies it plainly, never reaching the kernel
         for t in (odd, shifted):
-            assert torch.equal(M.transposed(t, True).view(torch.uint8), t.t().contiguous().view(torch.uint8))
+            assert torch.equal(F8.transposed(t, True).view(torch.uint8), t.t().contiguous().view(torch.uint8))
     n, d, vocab, cap = 16, 32, 300, 15.0
     x0, w0 = torch.randn(n, d, generator=g).half(), (torch.randn(vocab, d, generator=g) * 0.5).half()
     targets = torch.randint(0, vocab, (n,), generator=g)
@@ -445,7 +426,7 @@ def transposed_check():
     with counted(K, "transposed") as calls:
         for kernel in (True, False):
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-            M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=kernel).backward()
+            F8.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=kernel).backward()
             grads.append((x.grad, w.grad))
     assert calls == [1, 1, 1]  # with the kernel only: the gradient transposed, and w8 and x8 column-major
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
@@ -454,8 +435,8 @@ def transposed_check():
     with counted(K, "transposed") as calls:
         for kernel in (True, False):
             x = x0.clone().requires_grad_()
-            with mock.patch.object(M, "TRANSPOSE_KERNEL", kernel):
-                M.fp8_linear(x, w0, grad_bound=1.0 / n).float().mean().backward()
+            with mock.patch.object(K, "transposed_supported", K.transposed_supported if kernel else lambda t: False):
+                F8.fp8_linear(x, w0, grad_bound=1.0 / n).float().mean().backward()
             grads.append(x.grad)
     assert calls == [1] and torch.equal(grads[0], grads[1])
 
@@ -511,7 +492,7 @@ def qk_norm_rope_check():
             qkv = qkv0.clone().float().requires_grad_() if not fused else qkv0.clone().requires_grad_()
             gains = [x.clone().requires_grad_() for x in gains0]
             if fused:
-                out = torch.cat(M.QKNormRope.apply(qkv, cos, sin, gains[0], gains[1], H, 1e-5), 2)  # its gradients: views
+                out = torch.cat(FP.QKNormRope.apply(qkv, cos, sin, gains[0], gains[1], H, 1e-5), 2)  # its gradients: views
             else:  # in float32, the reference
                 q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
                 q, k = M.rms_norm(q, 1e-5) * gains[0], M.rms_norm(k, 1e-5) * gains[1]
@@ -527,12 +508,12 @@ def qk_norm_rope_check():
         apart = [K.qk_norm_rope_backward(*(f(x) for x in grads), qkv0, cos, sin, gains0[0], gains0[1], H, 1e-5)
                  for f in (torch.Tensor.contiguous, lambda x: x.transpose(1, 2).contiguous().transpose(1, 2))]
         assert all(torch.equal(x, y) for x, y in zip(*apart))
-    cfg = M.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True)
+    cfg = dict(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True)
     losses = []
     with counted(K, "qk_norm_rope_backward") as calls:
         for on in (True, False):
             torch.manual_seed(0)
-            model = M.Llama(M.replace(cfg, fused_qk_norm_rope=on)).train()
+            model = built(cfg, fused_qk_norm_rope=on).train()
             for gain in (model.blocks[0].attn.q_norm.weight, model.blocks[0].attn.k_norm.weight):
                 torch.nn.init.uniform_(gain, 0.5, 1.5)  # off one, so that a gain gradient left out would show
             idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
@@ -581,16 +562,16 @@ def decode_mlp_check():
     assert (again - logits[1]).abs().max() < 1e-3
 
 
-def compiled_against_eager(cfg: "M.ModelConfig", ops: tuple[str, ...], rel: float):
-    """cfg's model in training, compiled by Inductor for the CPU, against the same model eager, with an incoming
+def compiled_against_eager(cfg: dict, speed: dict, ops: tuple[str, ...], rel: float):
+    """cfg's model with speed's paths in training, compiled by Inductor for the CPU, against the same model eager, with an incoming
     gradient of 1/4, as under gradient accumulation: the loss and every gradient within rel of the eager one's
     largest magnitude. Each of ops (onegpu_kernels' custom ops) must have run in the eager pass; counted eagerly
     only, since a counting wrapper's side effect inside an autograd.Function stops Dynamo."""
-    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+    idx = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7))
     runs = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = M.Llama(cfg).train()
+        model = built(cfg, **speed).train()
         with contextlib.ExitStack() as stack:
             calls = [stack.enter_context(counted(K, op)) for op in ([] if compiled else ops)]
             # fullgraph: a graph break around a fast path runs it eagerly, where this check still agreed
@@ -608,13 +589,12 @@ def compiled_custom_ops_check():
     apart), compiled against eager:
     their fake implementations and autograd registrations are what compiling exercises, which the eager
     checks above do not."""
-    cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
-                        value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8_head=True, loss_kernel=True,
-                        fused_qk_norm_rope=True)  # 100 words and 32 tokens: sides the transpose kernel takes
-    with mock.patch.object(M, "TRANSPOSE_KERNEL", True):  # on, whatever the default says
-        compiled_against_eager(cfg, ("qk_norm_rope_backward", "cross_entropy_and_gradient", "transposed"), 1e-5)
-        # the FP8 head without the loss kernel (model.FP8Matmul), its w8 made column-major by the same kernel
-        compiled_against_eager(M.replace(cfg, loss_kernel=False), ("transposed",), 1e-5)
+    cfg = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
+               value_embeds=1, tie_embeddings=False, logit_softcap=15.0)  # 100 words, 32 tokens: the transpose's sides
+    speed = dict(fp8_head=True, loss_kernel=True, fused_qk_norm_rope=True)
+    compiled_against_eager(cfg, speed, ("qk_norm_rope_backward", "cross_entropy_and_gradient", "transposed"), 1e-5)
+    # the FP8 head without the loss kernel (fp8.FP8Matmul), its w8 made column-major by the same kernel
+    compiled_against_eager(cfg, {**speed, "loss_kernel": False}, ("transposed",), 1e-5)
 
 
 def one_graph_check():
@@ -623,19 +603,17 @@ def one_graph_check():
     graph break inside an autograd function runs the whole function eagerly (the FP8 head's did: docs/LOG.md,
     2026-12-05)."""
     base = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
-                mlp="relu2", ffn_hidden=128, value_embeds=1, tie_embeddings=False, logit_softcap=15.0, fp8=True,
-                fp8_head=True, fused_qk_norm_rope=True)
+                mlp="relu2", ffn_hidden=128, value_embeds=1, tie_embeddings=False, logit_softcap=15.0)
     idx = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
-    with mock.patch.object(M, "TRANSPOSE_KERNEL", True):
-        for loss_kernel in (True, False):
-            model = M.Llama(M.ModelConfig(**base, loss_kernel=loss_kernel)).train()
-            torch.compile(model, backend="eager", fullgraph=True)(idx, idx).backward()
+    for loss_kernel in (True, False):
+        model = built(base, fp8=True, fp8_head=True, fused_qk_norm_rope=True, loss_kernel=loss_kernel).train()
+        torch.compile(model, backend="eager", fullgraph=True)(idx, idx).backward()
 
 
 def compiled_fp8_mlp_check():
     """model.FP8ReLU2MLP with its two row kernels (custom ops) compiled against eager. Inductor fuses the casts
     around them into other kernels, where a value is rounded to bf16 at other points than eagerly, and e4m3's
     steps are 1/8: the two agree within a few percent, not to the last bit."""
-    cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True,
-                        mlp="relu2", ffn_hidden=128, tie_embeddings=False, fp8=True)
-    compiled_against_eager(cfg, ("relu2_fp8", "relu2_fp8_backward"), 0.06)
+    cfg = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=16, qk_norm=True,
+               mlp="relu2", ffn_hidden=128, tie_embeddings=False)
+    compiled_against_eager(cfg, {"fp8": True}, ("relu2_fp8", "relu2_fp8_backward"), 0.06)

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import attention as A
 import bench as B
 import config as C
+import fastpaths as FP
 import measure as ME
 import model as M
 import recipes as RE
@@ -22,20 +24,20 @@ def test_ladder_plan_adds_one_setting_per_rung():
     rungs = B.ladder_rungs("88m-muon", 16, 3) + B.ladder_tail("88m-muon", 64, 3)
     names = [r.name for r in rungs]
     # 88m-muon is ReLU² with a tied head: no fused SwiGLU rung, no FP8 head rung, and no fused ReLU² once the
-    # FP8 matmuls run the MLP their own way (model.fast_path_applies); fast accumulation right after them
+    # FP8 matmuls run the MLP their own way (fastpaths.fast_path_applies); fast accumulation right after them
     assert names == ["fp32 eager", "+tf32", "+bf16 autocast", "+torch.compile", "+fused AdamW", "+pinned memory",
                      "+loss kernel", "+fp8 matmuls", "+fp8 fast accumulation", "+fused QK-norm + RoPE",
                      "+bf16 residual", "+muon kernel", "+coordinate descent", "+max-autotune (no CUDA graphs)"]
     configs = [r.config() for r in rungs]  # every rung passes the strict loader
     assert [c.train.bf16 for c in configs[:3]] == [False, False, True]
     # The fast paths are off until their own rung, whatever the preset's file turns on.
-    kernels = [(c.model.loss_kernel, c.model.fp8, c.model.fp8_fast_accum, c.model.fused_qk_norm_rope,
-                c.model.bf16_residual) for c in configs]
+    kernels = [(c.speed.loss_kernel, c.speed.fp8, c.speed.fp8_fast_accum, c.speed.fused_qk_norm_rope,
+                c.speed.bf16_residual) for c in configs]
     assert kernels == [(False,) * 5] * 6 + [(True, False, False, False, False), (True, True, False, False, False),
                                             (True, True, True, False, False), (True, True, True, True, False)] + \
         [(True,) * 5] * 4
     assert [c.train.muon_kernel for c in configs] == [False] * 11 + [True] * 3
-    assert not any(c.model.fused_relu2 for c in configs)
+    assert not any(c.speed.fused_relu2 for c in configs)
     assert [c.train.compile_mode for c in configs[-4:]] == ["default", "default", "coordinate-descent",
                                                              "max-autotune-no-cudagraphs"]
     assert configs[-1].train.micro_batch == 64 and configs[-6].train.pin
@@ -53,16 +55,16 @@ def test_each_ladder_rung_changes_only_what_its_name_says():
     configs = [r.config() for r in rungs]
     first = configs[0].train
     assert (first.tf32, first.bf16, first.compile, first.optimizer, first.pin) == (False, False, False, "foreach", False)
-    assert not any(getattr(configs[0].model, s) for s in M.TRAINING_FAST_PATHS)
+    assert not any(getattr(configs[0].speed, s) for s in FP.TRAINING_FAST_PATHS)
 
     def changed(a, b):
-        return {f"{part}.{f.name}" for part in ("model", "data", "train") for f in dataclasses.fields(getattr(a, part))
+        return {f"{part}.{f.name}" for part in ("model", "speed", "data", "train") for f in dataclasses.fields(getattr(a, part))
                 if getattr(getattr(a, part), f.name) != getattr(getattr(b, part), f.name)}
     names = {"+tf32": "train.tf32", "+bf16 autocast": "train.bf16", "+torch.compile": "train.compile",
-             "+fused AdamW": "train.optimizer", "+pinned memory": "train.pin", "+loss kernel": "model.loss_kernel",
-             "+fp8 matmuls": "model.fp8", "+fp8 fast accumulation": "model.fp8_fast_accum",
-             "+fused QK-norm + RoPE": "model.fused_qk_norm_rope",
-             "+bf16 residual": "model.bf16_residual", "+muon kernel": "train.muon_kernel",
+             "+fused AdamW": "train.optimizer", "+pinned memory": "train.pin", "+loss kernel": "speed.loss_kernel",
+             "+fp8 matmuls": "speed.fp8", "+fp8 fast accumulation": "speed.fp8_fast_accum",
+             "+fused QK-norm + RoPE": "speed.fused_qk_norm_rope",
+             "+bf16 residual": "speed.bf16_residual", "+muon kernel": "train.muon_kernel",
              "+coordinate descent": "train.compile_mode", "+max-autotune (no CUDA graphs)": "train.compile_mode"}
     assert [(r.name, changed(a, b)) for r, a, b in zip(rungs[1:], configs, configs[1:])] == \
         [(r.name, {names[r.name]}) for r in rungs[1:]]
@@ -106,10 +108,10 @@ def test_the_ladder_skips_a_micro_batch_its_memory_line_says_will_not_fit(monkey
 def test_kernel_plan_switches_on_one_kernel_at_a_time():
     base, *others = [r.config() for r in B.kernel_rungs("88m-muon", 64, 3)]
     assert base.train.compile and base.train.bf16 and base.train.optimizer == "fused" and base.train.micro_batch == 64
-    assert (base.model.loss_kernel, base.model.fused_loss, base.model.bf16_residual) == (False, False, False)
+    assert (base.speed.loss_kernel, base.speed.fused_loss, base.speed.bf16_residual) == (False, False, False)
     F, T = False, True
-    assert [(c.model.loss_kernel, c.model.fused_loss, c.model.fp8, c.model.fp8_fast_accum, c.model.fused_relu2,
-             c.model.fused_qk_norm_rope, c.model.bf16_residual, c.train.muon_kernel, c.train.compile_mode)
+    assert [(c.speed.loss_kernel, c.speed.fused_loss, c.speed.fp8, c.speed.fp8_fast_accum, c.speed.fused_relu2,
+             c.speed.fused_qk_norm_rope, c.speed.bf16_residual, c.train.muon_kernel, c.train.compile_mode)
             for c in others] == [
         (F, F, F, F, F, F, T, F, "default"),  # the preset's defaults
         (T, F, T, T, F, T, T, T, "default"),  # and every other fast path (not the fused loss: the loss kernel,
@@ -119,15 +121,15 @@ def test_kernel_plan_switches_on_one_kernel_at_a_time():
         (F, F, F, F, T, F, F, F, "default"), (F, F, F, F, F, T, F, F, "default"), (F, F, F, F, F, F, T, F, "default"),
         (F, F, F, F, F, F, F, T, "default"), (F, F, F, F, F, F, F, F, "coordinate-descent"),
         (F, F, F, F, F, F, F, F, "max-autotune-no-cudagraphs")]
-    assert not any(c.model.fused_swiglu for c in others)  # ReLU²: no SwiGLU to fuse
+    assert not any(c.speed.fused_swiglu for c in others)  # ReLU²: no SwiGLU to fuse
     defaults = others[0]  # what train.py runs with the preset: its file's fast paths, whatever they are
-    preset = B.C.preset("88m").model
-    assert (defaults.model.fused_swiglu, defaults.model.bf16_residual) == (preset.fused_swiglu, preset.bf16_residual)
+    preset = B.C.preset("88m").speed
+    assert (defaults.speed.fused_swiglu, defaults.speed.bf16_residual) == (preset.fused_swiglu, preset.bf16_residual)
 
 
 def test_the_kernel_plan_stacks_nothing_onto_defaults_that_already_run_every_fast_path(monkeypatch):
     every = B.kernel_rungs("88m", 16, 3)[2].config()
-    on = {**{f"model__{s}": getattr(every.model, s) for s in B.M.TRAINING_FAST_PATHS},
+    on = {**{f"speed__{s}": getattr(every.speed, s) for s in FP.TRAINING_FAST_PATHS},
           **{f"train__{s}": getattr(every.train, s) for s in B.O.FAST_PATHS}}
     monkeypatch.setattr(B, "preset_kernels", lambda preset: on)
     assert "the defaults + every other fast path" not in [r.name for r in B.kernel_rungs("88m", 16, 3)]
@@ -238,7 +240,7 @@ def test_a_timed_backward_starts_each_call_with_its_leaves_gradients_unset():
 def test_attention_plan_is_a_model_setting():
     rungs = B.attention_rungs("tiny", 4, 1, only=["textbook", "doc-mask"])
     assert [r.name for r in rungs] == ["textbook eager", "textbook compiled", "doc-mask eager", "doc-mask compiled"]
-    assert rungs[0].config().model.attention == "textbook" and rungs[2].config().train.doc_mask
+    assert rungs[0].config().speed.attention == "textbook" and rungs[2].config().train.doc_mask
     assert ME.cpu_skip(B.attention_rungs("tiny", 4, 1, only=["flash"])[0]) == "SDPA backends are CUDA kernels"
 
 
@@ -298,11 +300,10 @@ def test_budget_command_prints_table(capsys):
 # --- Measuring -----------------------------------------------------------------------------
 
 def test_each_decode_variant_turns_on_its_own_fast_paths_and_no_other():
-    cfg = B.C.preset("88m").model  # a preset that turns fused_decode on: a variant without it must turn it off
     for _, _, switches, _ in ME.DECODE_VARIANTS:
-        variant = ME.decode_variant(cfg, switches)
-        assert {n for n in M.GENERATION_FAST_PATHS if getattr(variant, n)} == set(switches)
-        assert dataclasses.replace(variant, **{n: getattr(cfg, n) for n in M.GENERATION_FAST_PATHS}) == cfg
+        variant = ME.decode_variant(switches)
+        assert {n for n in FP.GENERATION_FAST_PATHS if getattr(variant, n)} == set(switches)
+        assert not any(getattr(variant, n) for n in FP.TRAINING_FAST_PATHS)
 
 
 def test_generate_skips_transformers_for_a_model_no_class_computes():
@@ -460,10 +461,10 @@ def test_bench_trains_through_recipes_alone_and_shares_train_py_flag_names():
     plan = RE.curves_plan("tiny")  # ReLU², tied: neither the fused SwiGLU nor the FP8 head runs for it
     assert [r.name for r in plan] == ["plain", "loss kernel", "fused loss", "fp8 matmuls", "fp8 fast accumulation",
                                       "fused ReLU²", "fused QK-norm + RoPE", "bf16 residual", "defaults"]
-    plain = {f"model__{s}": False for s in M.TRAINING_FAST_PATHS}
-    assert plan[0].overrides == plain and plan[7].overrides == {**plain, "model__bf16_residual": True}
+    plain = {f"speed__{s}": False for s in FP.TRAINING_FAST_PATHS}
+    assert plan[0].overrides == plain and plan[7].overrides == {**plain, "speed__bf16_residual": True}
     # fast accumulation's curve is the FP8 matmuls' with it, to set beside theirs
-    assert plan[4].overrides == {**plain, "model__fp8": True, "model__fp8_fast_accum": True}
+    assert plan[4].overrides == {**plain, "speed__fp8": True, "speed__fp8_fast_accum": True}
     assert [r.name for r in RE.curves_plan("126m")] == ["plain", "fp8 head", "loss kernel", "fused loss",
                                                                "fp8 matmuls", "fp8 fast accumulation", "fused ReLU²",
                                                                "fused QK-norm + RoPE", "bf16 residual", "defaults"]
@@ -559,10 +560,10 @@ def test_a_plain_rung_turns_every_fast_path_off_before_its_own_settings(tmp_path
                     '[[rung]]\nname = "plain + fp8"\nplain = true\nmodel = { fp8 = true }\n'
                     '[[rung]]\nname = "the defaults"\n')
     plain, fp8, defaults = (r.config() for r in B.plan_rungs(plan))
-    assert any(getattr(defaults.model, s) for s in M.TRAINING_FAST_PATHS)  # the preset has some to turn off
-    assert not any(getattr(plain.model, s) for s in M.TRAINING_FAST_PATHS)
+    assert any(getattr(defaults.speed, s) for s in FP.TRAINING_FAST_PATHS)  # the preset has some to turn off
+    assert not any(getattr(plain.speed, s) for s in FP.TRAINING_FAST_PATHS)
     assert not any(getattr(plain.train, s) for s in B.O.FAST_PATHS)
-    assert fp8.model.fp8 and not fp8.model.fp8_head
+    assert fp8.speed.fp8 and not fp8.speed.fp8_head
     plan.write_text('preset = "88m"\n[[rung]]\nname = "p"\nplain = "yes"\n')
     with pytest.raises(ValueError, match=r"rung 1 \(p\): plain = 'yes': give true"):
         B.plan_rungs(plan)
@@ -576,10 +577,10 @@ def test_the_shipped_plans_load():
 def test_a_plan_rung_whose_fast_path_cannot_run_is_refused(tmp_path):
     plan = tmp_path / "idle.toml"
     plan.write_text('preset = "88m"\n[[rung]]\nname = "relu2 beside fp8"\nmodel = { fused_relu2 = true }\n')
-    with pytest.raises(ValueError, match=r"rung 1 \(relu2 beside fp8\): model.fused_relu2 = true does not run"):
+    with pytest.raises(ValueError, match=r"rung 1 \(relu2 beside fp8\): speed.fused_relu2 = true does not run"):
         B.plan_rungs(plan)
     plan.write_text('preset = "88m"\n[[rung]]\nname = "relu2"\nmodel = { fused_relu2 = true, fp8 = false }\n')
-    assert B.plan_rungs(plan)[0].config().model.fused_relu2
+    assert B.plan_rungs(plan)[0].config().speed.fused_relu2
 
 
 @pytest.mark.slow
@@ -604,11 +605,11 @@ def test_the_profile_runs_the_presets_fast_paths_with_defaults_and_the_flags_on_
     off), without it the compiled BF16 base; each fast-path flag adds its path to either."""
     args = B.build_parser().parse_args(["--profile", "--preset", "88m", "--defaults"])
     assert B.profile_switches("88m", args) == B.preset_kernels("88m")
-    assert B.profile_switches("88m", args)["model__fp8_fast_accum"] and B.profile_switches("88m", args)["model__fp8"]
+    assert B.profile_switches("88m", args)["speed__fp8_fast_accum"] and B.profile_switches("88m", args)["speed__fp8"]
     args = B.build_parser().parse_args(["--profile", "--preset", "88m", "--fused-relu2"])
-    assert B.profile_switches("88m", args) == {"model__fused_relu2": True}
+    assert B.profile_switches("88m", args) == {"speed__fused_relu2": True}
     args = B.build_parser().parse_args(["--profile", "--preset", "88m-muon", "--defaults", "--fp8"])
-    assert B.profile_switches("88m-muon", args) == {**B.preset_kernels("88m-muon"), "model__fp8": True}
+    assert B.profile_switches("88m-muon", args) == {**B.preset_kernels("88m-muon"), "speed__fp8": True}
 
 
 def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(data_cfg, monkeypatch):
@@ -638,7 +639,7 @@ def test_attended_pairs_count_what_the_document_and_window_mask_lets_through():
     """The attention rate study's FLOP count: (query, key) pairs equal the boolean mask's trues."""
     doc = torch.cumsum(torch.rand(3, 300, generator=torch.Generator().manual_seed(0)) < 0.02, dim=1).int()
     for window in (0, 1, 17, 64, 300):
-        assert B.attended_pairs(doc, window) == int(M.doc_mask(doc, window, 300).sum()), window
+        assert B.attended_pairs(doc, window) == int(A.doc_mask(doc, window, 300).sum()), window
     assert B.attended_pairs(torch.zeros(1, 8, dtype=torch.int32), 0) == 36  # dense causal: T (T + 1) / 2
 
 

@@ -85,15 +85,18 @@ def test_misspelled_key_in_a_checkpoints_config_is_named(trained, tmp_path):
 
 
 def test_a_checkpoint_from_before_a_switch_existed_runs_the_plain_path(trained, tmp_path):
-    """Every ModelConfig switch defaults to its plain path, so a checkpoint whose saved config
-    lacks a switch (written before it existed) computes what it trained with."""
+    """Every switch defaults to its plain path, so a checkpoint whose saved config lacks a switch (written
+    before it existed) computes what it trained with; one written before the [speed] section, its switches
+    under [model], loads them where they live now."""
     state = torch.load(trained / "ckpt.pt", weights_only=True)
-    for switch in ("fused_swiglu", "bf16_residual", "fused_decode", "mlp", "qk_norm", "zero_init", "logit_softcap"):
+    for switch in ("mlp", "qk_norm", "zero_init", "logit_softcap"):
         del state["config"]["model"][switch]
+    del state["config"]["speed"]
+    state["config"]["model"].update(fused_loss=True, bf16_residual=False)  # as the code before [speed] saved them
     torch.save(state, tmp_path / "ckpt.pt")
-    model = CK.load(tmp_path).config.model
-    assert (model.fused_swiglu, model.bf16_residual, model.fused_decode) == (False, False, False)
-    assert (model.mlp, model.qk_norm, model.zero_init, model.logit_softcap) == ("swiglu", False, False, 0.0)
+    cfg = CK.load(tmp_path).config
+    assert (cfg.speed.fused_loss, cfg.speed.bf16_residual, cfg.speed.fused_decode) == (True, False, False)
+    assert (cfg.model.mlp, cfg.model.qk_norm, cfg.model.zero_init, cfg.model.logit_softcap) == ("swiglu", False, False, 0.0)
 
 
 def test_full_disk_keeps_the_old_checkpoint_and_leaves_no_temp_file(trained, tmp_path, monkeypatch):

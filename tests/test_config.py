@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 import config as C
+import fastpaths as FP
 import model as M
 import train as TR
 
@@ -34,7 +35,7 @@ def test_config_file_unknown_key_and_wrong_type(tmp_path, text, message):
     (dict(data__val_fraction=0.0), r"data\.val_fraction=0\.0 is out of range: it must be in \(0, 1\), the share of"),
     (dict(data__val_fraction=1.0), r"data\.val_fraction=1\.0 is out of range: it must be in \(0, 1\)"),
     (dict(model__norm_eps=0.0), r"model\.rope_theta .* and model\.norm_eps .* must be positive"),
-    (dict(model__attention="fast"), r"model\.attention='fast': choose one of 'sdpa'"),
+    (dict(speed__attention="fast"), r"speed\.attention='fast': choose one of 'sdpa'"),
 ])
 def test_every_number_is_range_checked(override, message):
     with pytest.raises(ValueError, match=message):
@@ -44,11 +45,12 @@ def test_every_number_is_range_checked(override, message):
 def test_the_defaults_are_the_plain_path_each_setting_turns_something_on():
     """Defaults, then the file, then flags: with nothing set a run is fp32, eager, the AdamW recipe, with no speed
     setting and no fast path, so a config names everything it turns on and `--no-X` means the plain path."""
-    train, model = C.TrainConfig(steps=1), M.ModelConfig()
+    train, speed = C.TrainConfig(steps=1), FP.SpeedConfig()
     inert = {"muon_tall_scale", "muon_shared"}  # how Muon runs, where muon is on
     on = sorted(f.name for f in dataclasses.fields(train) if f.name not in inert and getattr(train, f.name) is True)
     assert on == [] and (train.optimizer, train.compile_mode, train.window_start) == ("foreach", "default", 0)
-    assert not any(getattr(model, s) for s in (*M.TRAINING_FAST_PATHS, *M.GENERATION_FAST_PATHS))
+    assert not any(getattr(speed, s) for s in (*FP.TRAINING_FAST_PATHS, *FP.GENERATION_FAST_PATHS))
+    assert speed.attention == "sdpa"
 
 
 def test_misspelled_override_is_an_error():
@@ -150,9 +152,8 @@ def test_each_muon_preset_is_its_article_preset_plus_the_one_shared_muon_recipe(
 # width and its micro-batch (tests/test_recipes.py checks their values against recipes.record_recipe), and
 # the speed settings a preset turns on only where they were measured to pay (and, for FP8 block matmuls, to learn
 # as well): configs/88m.toml.
-OWN_SETTINGS = {"model": {"n_layers", "n_heads", "n_kv_heads", "value_embeds", "skip_attn_layer", "fp8",
-                          "fused_qk_norm_rope"},
-                "train": {"micro_batch"}}
+OWN_SETTINGS = {"model": {"n_layers", "n_heads", "n_kv_heads", "value_embeds", "skip_attn_layer"},
+                "speed": {"fp8", "fused_qk_norm_rope"}, "train": {"micro_batch"}}
 
 
 @pytest.mark.parametrize("name", ["22m", "47m", "88m", "126m"])
@@ -161,7 +162,7 @@ def test_each_default_preset_is_its_muon_preset_plus_the_one_shared_record_recip
     import tomllib
     raw = tomllib.loads((C.PRESETS_DIR / f"{name}.toml").read_text())
     assert raw.pop("extends") == [f"{name}-muon", "recipes/record.toml"]
-    assert set(raw) == set(OWN_SETTINGS) and all(set(raw[s]) <= OWN_SETTINGS[s] for s in raw)
+    assert set(raw) <= set(OWN_SETTINGS) and all(set(raw[s]) <= OWN_SETTINGS[s] for s in raw)
     assert_holds(C.preset(name), "record.toml")
 
 
@@ -178,3 +179,17 @@ def assert_holds(cfg: C.Config, recipe: str):
         for key, value in table.items():
             assert getattr(getattr(cfg, section), key) == value or (key == "ffn_hidden" and value == 0), key
 
+
+
+def test_a_speed_key_under_model_loads_from_old_files_and_checkpoints(tmp_path):
+    """The speed switches were [model] keys until the [speed] section: a file or a saved config that names them
+    there loads as if it named them under [speed], a flag in either spelling lands there, and [speed] wins."""
+    old = tmp_path / "old.toml"
+    old.write_text('extends = "tiny"\n[model]\nfp8 = true\nloss_kernel = true\n[speed]\nloss_kernel = false\n')
+    cfg = C.load_config(old)
+    assert (cfg.speed.fp8, cfg.speed.loss_kernel) == (True, False) and not hasattr(cfg.model, "fp8")
+    assert C.load_config(old, model__bf16_residual=True).speed.bf16_residual
+    saved = dataclasses.asdict(C.preset("tiny"))
+    saved["model"]["fused_loss"] = True
+    del saved["speed"]
+    assert C.load_config(values=saved).speed.fused_loss

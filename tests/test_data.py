@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
+import attention as A
 import data as D
 import model as M
 import tokenizer as tk
@@ -513,7 +514,7 @@ def test_doc_ids_follow_the_document_index(shards):
 
 def test_doc_mask_is_block_diagonal_and_causal():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2]])
-    mask = M.doc_mask(doc)[0]
+    mask = A.doc_mask(doc)[0]
     blocks = torch.block_diag(torch.ones(3, 3), torch.ones(2, 2), torch.ones(1, 1)).bool()
     assert torch.equal(mask, blocks & torch.ones(6, 6, dtype=torch.bool).tril())
 
@@ -530,7 +531,7 @@ def test_doc_mask_stops_attention_across_documents():
     changed_a[:-1] = (changed_a[:-1] + 5) % VOCAB
     doc = torch.tensor([[0] * 10 + [1] * 12])
     with torch.no_grad():
-        masked = [model(torch.cat([x, b])[None], doc_ids=doc)[0, 10:] for x in (a, changed_a)]
+        masked = [model(torch.cat([x, b])[None], masks=A.masks(doc.shape[1], doc.device, doc))[0, 10:] for x in (a, changed_a)]
         unmasked = [model(torch.cat([x, b])[None])[0, 10:] for x in (a, changed_a)]
     assert torch.equal(masked[0], masked[1])
     assert not torch.allclose(unmasked[0], unmasked[1])

@@ -467,11 +467,12 @@ def test_a_bad_flag_value_is_blamed_on_the_flag_not_the_file(tmp_path):
 def test_the_cpu_run_header_reports_what_runs(finished, tmp_path):
     said = []
     cfg = with_train(finished[0], steps=1)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fused_swiglu=True, bf16_residual=True))
-    assert cfg.model.fused_swiglu  # asked for, but a CUDA kernel
+    cfg = dataclasses.replace(cfg, speed=dataclasses.replace(cfg.speed, fused_swiglu=True, bf16_residual=True))
+    assert cfg.speed.fused_swiglu  # asked for, but a GPU kernel, and the stream in bf16 needs bf16 autocast
     TR.train(cfg, tmp_path / "r", log=said.append)
-    header = next(line for line in said if line.startswith("model: "))
-    assert "fused SwiGLU False" in header and "bf16 residual False" in header and "swiglu 256 wide" in header
+    assert "swiglu 256 wide" in next(line for line in said if line.startswith("model: "))
+    assert "speed: attention sdpa; fast paths swapped in: none (the plain model)" in said
+    assert any(line.startswith("note: --no-fused-swiglu on CPU: Triton's kernels run on a GPU") for line in said)
     assert any(line.startswith("optimizer: AdamW (peak lr by group: matrices 0.003, embed 0.003, scalars 0.003), "
                                "cosine schedule, clipping 1.0") for line in said)
 

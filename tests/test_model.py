@@ -7,10 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attention as A
 import config as C
+import fastpaths as FP
+import fp8 as F8
 import model as M
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=32)
+
+
+def cached(model, idx, pos, window=None):
+    """model's logits for idx (B, T) at cache positions pos (T,), reading its first `window` positions (all)."""
+    return model(idx, masks=A.cache_masks(pos, window or model.cfg.context, model.cfg.windows()))
 
 
 def small_model(dtype=torch.float64, **overrides):
@@ -124,7 +132,7 @@ def test_block_matches_numpy_float64(recipe):
     ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
     T = x.shape[0]
     with torch.no_grad():
-        out = block(torch.from_numpy(x)[None], M.Attend(model.cos[:T], model.sin[:T]))[0].numpy()
+        out = block(torch.from_numpy(x)[None], None, (model.cos[:T], model.sin[:T]), A.Masks())[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
@@ -160,8 +168,9 @@ def test_record_block_matches_numpy_float64():
          "gate": a.gate.weight.detach().numpy(), "mask": mask, "freqs": freqs}
     ref = numpy_block(x, w, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps)
     with torch.no_grad():
-        at = M.Attend(model.cos[:T], model.sin[:T], doc_ids=torch.from_numpy(doc)[None], window=6)
-        out = block(torch.from_numpy(x)[None], at, x0=torch.from_numpy(x0)[None], ve=torch.from_numpy(ve)[None])[0].numpy()
+        masks = A.Masks(A.Mask(torch.from_numpy(doc)[None], 6))
+        out = block(torch.from_numpy(x)[None], torch.from_numpy(x0)[None], (model.cos[:T], model.sin[:T]), masks,
+                    torch.from_numpy(ve)[None])[0].numpy()
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-10
 
 
@@ -171,7 +180,7 @@ def test_short_windows_halve_the_window_on_all_but_every_fourth_layer_from_eithe
     the long window."""
     cfg = M.ModelConfig(**{**SMALL, "n_layers": 12, "attn_window": 6, "short_windows": True})
     assert [i for i in range(12) if not cfg.short_layer(i)] == [0, 4, 7, 11]
-    assert [i for i in range(16) if not M.replace(cfg, n_layers=16).short_layer(i)] == [0, 4, 11, 15]
+    assert [i for i in range(16) if not replace(cfg, n_layers=16).short_layer(i)] == [0, 4, 11, 15]
     assert cfg.windows() == (6, 3) and cfg.windows(256) == (256, 128) and cfg.windows(1) == (1, 1)
     assert M.ModelConfig(**{**SMALL, "attn_window": 6}).windows() == (6, 0)
     with pytest.raises(ValueError, match="model.short_windows halves model.attn_window"):
@@ -181,11 +190,11 @@ def test_short_windows_halve_the_window_on_all_but_every_fourth_layer_from_eithe
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         out = model(idx)
-        assert torch.equal(out, model(idx, short_window=3))  # the short layer's window is half of 6
-        assert not torch.allclose(out, model(idx, short_window=6))
+        assert torch.equal(out, model(idx, masks=A.window_masks(20, (6, 3))))  # the short layer's window is half of 6
+        assert not torch.allclose(out, model(idx, masks=A.window_masks(20, (6, 6))))
         # and it is the short layer alone that sees 3 keys: the same model, its layer 1 told so directly
         seen = []
-        model.blocks[1].attn.register_forward_pre_hook(lambda m, args: seen.append(args[1].short_window))
+        model.blocks[1].attn.register_forward_pre_hook(lambda m, args: seen.append(args[2].short.window))
         model(idx)
     assert seen == [3]
 
@@ -200,15 +209,15 @@ def test_the_attention_scale_multiplies_the_scores_in_every_attention_path():
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 2, 9, 16, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(9, 9, dtype=torch.bool).tril()
-    written = M.textbook_attention(q, k, v, scale=0.4)  # its softmax in float32: agreement to float32's digits
+    written = A.textbook_attention(q, k, v, scale=0.4)  # its softmax in float32: agreement to float32's digits
     close = dict(rtol=1e-5, atol=1e-6)
     for kind in ("sdpa", "textbook"):
-        torch.testing.assert_close(M.attention(q, k, v, kind, scale=0.4), written, **close)
+        torch.testing.assert_close(A.attend(q, k, v, A.Mask(), 0.4, kind), written, **close)
     one_document = torch.zeros(2, 9, dtype=torch.long)  # the boolean-mask path
-    torch.testing.assert_close(M.attention(q, k, v, doc_ids=one_document, scale=0.4), written, **close)
-    torch.testing.assert_close(M.decode_attention_matmuls(q, k, v, mask, 0.4), written, **close)
-    torch.testing.assert_close(M.cached_attention(q, k, v, mask, 0.4), written, **close)
-    assert not torch.allclose(M.textbook_attention(q, k, v), written)
+    torch.testing.assert_close(A.attend(q, k, v, A.Mask(one_document), 0.4), written, **close)
+    torch.testing.assert_close(A.decode_attention_matmuls(q, k, v, mask, 0.4), written, **close)
+    torch.testing.assert_close(A.cached_attention(q, k, v, mask, 0.4), written, **close)
+    assert not torch.allclose(A.textbook_attention(q, k, v), written)
 
 
 def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
@@ -225,7 +234,7 @@ def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
         block.x0_mix.copy_(torch.tensor([0.75, 0.5]))
         x, x0 = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
         mixed = 0.75 * x + 0.5 * x0
-        torch.testing.assert_close(block(x, None, x0), mixed + block.mlp_branch(mixed), rtol=0, atol=0)
+        torch.testing.assert_close(block(x, x0, None, A.Masks()), mixed + block.mlp_branch(mixed), rtol=0, atol=0)
     full = M.flops_per_token(M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": -1}))
     # wqkv, wo, the gate, the q/k norm and attention norm gains, then the keys: 6N + 12 H hd T
     per_layer_attention = 6 * (64 * (64 + 2 * 32) + 64 * 64 + 4 * 12 + 2 * 16 + 64) + 12 * 4 * 16 * 32
@@ -234,49 +243,6 @@ def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
                            (3, "mixes a value embedding")):
         with pytest.raises(ValueError, match=message):
             M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": layer})
-
-
-def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypatch):
-    """fp8_head: the training loss and gradients stay within FP8 rounding of the plain head; the head's
-    gradient is scaled by its bound 1/n, n the tokens of the mean, and a gradient far below e5m2's range
-    survives that scaling where a bound of 1 would flush it; without gradients (evaluation) the plain
-    head runs, bit for bit."""
-    bounds = []
-    fp8_linear = M.fp8_linear
-    monkeypatch.setattr(M, "fp8_linear", lambda x, w, grad_bound=None, fast_accum=False:
-                        bounds.append(grad_bound) or fp8_linear(x, w, grad_bound, fast_accum))
-    parts = dict(tie_embeddings=False, logit_softcap=15.0)
-    plain, fp8 = small_model(torch.float32, **parts), small_model(torch.float32, **parts, fp8_head=True)
-    with torch.no_grad():
-        for model in (plain, fp8):
-            model.head.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
-    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert torch.equal(plain(idx, targets), fp8(idx, targets))
-    grads = []
-    for model in (plain, fp8):
-        model.train()
-        loss = model(idx, targets)
-        loss.backward()
-        grads.append((loss.detach(), model.head.weight.grad, model.embed.weight.grad))
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-    (l0, h0, e0), (l1, h1, e1) = grads
-    assert abs(l1 - l0) < 0.02 and rel(h1, h0) < 0.12 and rel(e1, e0) < 0.12
-    assert l1 != l0 and bounds == [1 / 128]  # it really ran in FP8, its gradient bounded by 1 / (4 x 32 tokens)
-    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(16, 32)
-    tiny = 1e-11 * torch.randn(64, 16)  # far below e5m2's smallest subnormal, 1.5e-5, unless scaled up
-    for bound, close in ((1e-10, True), (1.0, False)):
-        x.grad = None
-        fp8_linear(x, w, grad_bound=bound).backward(tiny)
-        assert (rel(x.grad, tiny @ w) < 0.15) == close
-    # the bound: each logit's gradient within 1/n, and the scaled e5m2 values use the top of the range
-    g = torch.softmax(torch.randn(128, 97), -1) / 128
-    g8, scale = M.to_fp8_within(g, M.E5M2, 1 / 128)
-    assert g8.float().abs().max() <= torch.finfo(M.E5M2).max and rel(g8.float() * scale, g) < 0.15
-    with pytest.raises(ValueError, match="model.fp8_head runs the untied head"):
-        M.ModelConfig(**SMALL, fp8_head=True)
 
 
 def test_the_record_preset_has_the_record_holders_parameter_count():
@@ -318,7 +284,7 @@ def test_unet_skips_add_each_mirrored_output_with_its_weight():
     cos, sin = model.cos[:12], model.sin[:12]
     with torch.no_grad():
         x0 = M.rms_norm(model.embed(idx), model.cfg.norm_eps)
-        b = [lambda x, blk=blk: blk(x, M.Attend(cos, sin), x0=x0) for blk in model.blocks]
+        b = [lambda x, blk=blk: blk(x, x0, (cos, sin), A.Masks()) for blk in model.blocks]
         out0 = b[0](x0)
         out1 = b[1](out0)
         out2 = b[2](out1 + 0.7 * out1)
@@ -334,7 +300,7 @@ def test_embed_norm_makes_the_embeddings_scale_irrelevant():
         before = model(idx)
         model.embed.weight.mul_(7.0)
         assert torch.allclose(model(idx), before, atol=1e-5)  # norm_eps apart
-        model.cfg.embed_norm = False
+        model.stream.norm = False
         assert not torch.allclose(model(idx), before, atol=1e-3)
 
 
@@ -368,10 +334,10 @@ def test_value_scale_multiplies_the_values_of_the_layers_without_a_table():
     with torch.no_grad():
         scaled.blocks[1].attn.v_mix.fill_(0.3)
         x = torch.randn(2, 12, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-        at = M.Attend(plain.cos[:12], plain.sin[:12])
-        assert torch.allclose(scaled.blocks[1].attn(x, at), 0.3 * plain.blocks[1].attn(x, at), atol=1e-12)
+        at = (plain.cos[:12], plain.sin[:12]), A.Masks()
+        assert torch.allclose(scaled.blocks[1].attn(x, *at), 0.3 * plain.blocks[1].attn(x, *at), atol=1e-12)
         ve = torch.randn(2, 12, 32, dtype=torch.float64)  # (B, T, Hkv * hd)
-        assert torch.equal(scaled.blocks[0].attn(x, at, ve=ve), plain.blocks[0].attn(x, at, ve=ve))
+        assert torch.equal(scaled.blocks[0].attn(x, *at, ve=ve), plain.blocks[0].attn(x, *at, ve=ve))
 
 
 def test_without_norm_gains_every_norm_is_x_over_its_rms_and_no_optimizer_sees_a_gain():
@@ -395,12 +361,13 @@ def test_without_norm_gains_every_norm_is_x_over_its_rms_and_no_optimizer_sees_a
 
 def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
     doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
-    assert M.mask_inputs(8, torch.device("cpu"), None, (8, 0)) == {} and M.mask_inputs(8, torch.device("cpu")) == {}
-    assert M.mask_inputs(8, torch.device("cpu"), None, (3, 0)) == {"doc_ids": None, "attn_window": 3}
+    cpu = torch.device("cpu")
+    assert A.masks(8, cpu, None, (8, 0)) == A.Masks() == A.masks(8, cpu) == A.window_masks(8, (8, 8))
+    assert A.masks(8, cpu, None, (3, 0)) == A.Masks(A.Mask(window=3)) == A.window_masks(8, (3, 0))
     i = np.arange(8)
     ref = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3) & (doc.numpy()[0][:, None] == doc.numpy()[0][None, :])
-    assert np.array_equal(M.doc_mask(doc, 3)[0].numpy(), ref)
-    assert np.array_equal(M.doc_mask(None, 3, 8)[0].numpy(), (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3))
+    assert np.array_equal(A.doc_mask(doc, 3)[0].numpy(), ref)
+    assert np.array_equal(A.doc_mask(None, 3, 8)[0].numpy(), (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3))
 
 
 def test_soft_cap_matches_numpy_and_bounds_the_logits():
@@ -410,9 +377,9 @@ def test_soft_cap_matches_numpy_and_bounds_the_logits():
     idx = torch.randint(0, SMALL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         capped = model(idx)
-        model.cfg.logit_softcap = 0.0
+        model.output.cap = 0.0
         raw = model(idx).numpy()
-        model.cfg.logit_softcap = 2.0
+        model.output.cap = 2.0
         loss = model(idx, idx)
     assert np.abs(capped.numpy() - 2.0 * np.tanh(raw / 2.0)).max() < 1e-12 and np.abs(raw).max() > 10
     assert capped.abs().max() <= 2.0  # the loss is taken on the capped logits too
@@ -426,7 +393,7 @@ def test_relu2_matches_swiglus_parameters_and_zero_init_starts_as_identity():
     model = small_model(zero_init=True)
     assert all(not b.attn.wo.weight.any() and not b.mlp.w2.weight.any() for b in model.blocks)
     x = torch.randn(1, 5, SMALL["d_model"], dtype=torch.float64)
-    assert torch.equal(model.blocks[0](x, M.Attend(model.cos[:5], model.sin[:5])), x)
+    assert torch.equal(model.blocks[0](x, None, (model.cos[:5], model.sin[:5]), A.Masks()), x)
 
 
 # --- Properties ----------------------------------------------------------------------------
@@ -459,7 +426,7 @@ def test_native_gqa_equals_repeated_kv():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 10, 16, generator=g, dtype=torch.float64)
     k, v = torch.randn(2, 2, 10, 16, generator=g, dtype=torch.float64), torch.randn(2, 2, 10, 16, generator=g, dtype=torch.float64)
-    native = M.attention(q, k, v)
+    native = A.attend(q, k, v, A.Mask())
     copied = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), is_causal=True)
     torch.testing.assert_close(native, copied, rtol=1e-12, atol=1e-12)
@@ -490,11 +457,11 @@ def test_kv_cache_decode_equals_full_forward(windowed, parts):
     with torch.no_grad():
         full = model(idx)  # a windowed model attends through its own window unless told otherwise
         if parts:
-            assert not torch.allclose(full, model(idx, attn_window=0))
+            assert not torch.allclose(full, model(idx, masks=A.window_masks(idx.shape[1], (0, 0))))
         model.setup_cache(2)
-        steps = [model(idx[:, :7], pos=torch.arange(7), window=window(7))]  # a prompt,
-        steps += [model(idx[:, 7:12], pos=torch.arange(7, 12), window=window(12))]  # a chunk after cached tokens,
-        steps += [model(idx[:, t:t + 1], pos=torch.tensor([t]), window=window(t + 1))
+        steps = [cached(model, idx[:, :7], torch.arange(7), window(7))]  # a prompt,
+        steps += [cached(model, idx[:, 7:12], torch.arange(7, 12), window(12))]  # a chunk after cached tokens,
+        steps += [cached(model, idx[:, t:t + 1], torch.tensor([t]), window(t + 1))
                   for t in range(12, 20)]  # then one at a time
     assert model.blocks[0].attn.cache.k.shape == (2, 2, 32, 16)  # the 2 kv heads, not the 4 query heads
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
@@ -507,12 +474,12 @@ def test_cache_is_never_read_past_the_current_length():
     idx = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         model.setup_cache(1)
-        clean = model(idx, pos=torch.arange(12))
+        clean = cached(model, idx, torch.arange(12))
         for block in model.blocks:
             block.attn.cache.k[:, :, 12:] = 1e4 * torch.randn_like(block.attn.cache.k[:, :, 12:])
             block.attn.cache.v[:, :, 12:] = 1e4 * torch.randn_like(block.attn.cache.v[:, :, 12:])
-        dirty = model(idx, pos=torch.arange(12))
-        next_clean = model(idx[:, -1:], pos=torch.tensor([12]))
+        dirty = cached(model, idx, torch.arange(12))
+        next_clean = cached(model, idx[:, -1:], torch.tensor([12]))
     torch.testing.assert_close(dirty, clean, rtol=0, atol=1e-12)
     assert torch.isfinite(next_clean).all()
 
@@ -524,164 +491,9 @@ def test_cached_attention_folds_query_groups_like_native_gqa():
     mask = torch.rand(5, 9, generator=g) > 0.3
     mask[:, 0] = True  # every query sees at least one key
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(M.cached_attention(q, k, v, mask), expected)
+    torch.testing.assert_close(A.cached_attention(q, k, v, mask), expected)
     folded = q.reshape(2, 2, 15, 8)  # the CUDA path, run here on the CPU
-    torch.testing.assert_close(M.decode_attention_matmuls(folded, k, v, mask.repeat(3, 1)).reshape(2, 6, 5, 8), expected)
-
-
-@pytest.mark.parametrize("rows", [7, 64])  # several chunks with a short last one; one chunk
-@pytest.mark.parametrize("cap", [0.0, 0.5])  # no soft-cap; one that bends most logits (they reach about +-1)
-def test_fused_loss_equals_plain_loss_and_gradients(rows, cap, monkeypatch):
-    monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", rows)
-    monkeypatch.setattr(M, "LOSS_MAX_CHUNKS", 1000)
-    idx, targets = torch.randint(0, 97, (2, 2, 30), generator=torch.Generator().manual_seed(7))
-    results = []
-    for fused in (False, True):
-        model = small_model(fused_loss=fused, logit_softcap=cap)
-        model.train()
-        loss = model(idx, targets)
-        loss.backward()
-        results.append((loss.detach(), [p.grad for p in model.parameters()]))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-12)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
-def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(64, 96, generator=g, requires_grad=True)
-    w = (torch.randn(48, 96, generator=g) * 0.05).requires_grad_()
-    grad_out = torch.randn(64, 48, generator=g)
-    results = []
-    for fn in (torch.nn.functional.linear, M.fp8_linear):
-        y = fn(x, w)
-        y.backward(grad_out)
-        results.append((y.detach(), x.grad.clone(), w.grad.clone()))
-        x.grad, w.grad = None, None
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-    (y0, gx0, gw0), (y1, gx1, gw1) = results
-    assert rel(y1, y0) < 0.06 and rel(gx1, gx0) < 0.06  # e4m3 rounding, a scale a row
-    assert rel(y1, y0) > 1e-3 and rel(gx1, gx0) > 1e-3  # both really ran in FP8
-    assert rel(gw1, gw0) < 0.01  # the weight gradient in bf16
-
-
-@pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
-@pytest.mark.parametrize("fast", [False, True])
-def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatch, fast, mlp):
-    """ModelConfig.fp8_fast_accum reaches each FP8 forward product of a training step (the MLP's, through
-    FP8Rows or FP8ReLU2MLP, and the head's) and no gradient's: a CPU computes them alike either way, so the
-    flag is read from the calls. The head with the loss kernel (fp8_head_cross_entropy) runs on CUDA alone,
-    and takes it as a keyword here."""
-    calls = []
-    real = torch._scaled_mm
-
-    def scaled_mm(*args, **kwargs):
-        calls.append(kwargs.get("use_fast_accum", False))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    model = small_model(torch.float32, mlp=mlp, tie_embeddings=False, fp8=True, fp8_head=True, fp8_fast_accum=fast)
-    idx, targets = torch.randint(0, 97, (2, 2, 32), generator=torch.Generator().manual_seed(9))
-    model.train()
-    loss = model(idx, targets)
-    forwards = calls[:]
-    loss.backward()
-    backwards = calls[len(forwards):]
-    products = 2 * 2 + 1  # two layers' MLPs of two products each (SwiGLU's w13 and w2, ReLU²'s w1 and w2), the head
-    assert forwards == [fast] * products
-    assert len(backwards) == products and not any(backwards)  # each one's input gradient
-    # The head with the loss kernel: the kernel (CUDA alone) stood in for by zero gradients of the right types.
-    monkeypatch.setattr(M.K, "cross_entropy_and_gradient", lambda logits, targets, cap, scale, fp8_only: (
-        logits.new_zeros(len(logits), dtype=torch.float32), logits.new_empty(0),
-        logits.new_zeros(logits.shape, dtype=M.E5M2)))
-    x, w = torch.randn(16, 32, requires_grad=True), torch.randn(97, 32, requires_grad=True)
-    calls.clear()
-    M.fp8_head_cross_entropy(x, w, torch.zeros(16, dtype=torch.long), 15.0, fast_accum=fast).backward()
-    assert calls == [fast, False, False]  # the forward product; the input's and the weight's gradients
-
-
-def test_the_fp8_relu2_mlp_is_close_to_the_plain_one_and_evaluates_plainly():
-    g = torch.Generator().manual_seed(8)
-    cfg = M.ModelConfig(d_model=96, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
-                        ffn_hidden=256)
-    x, grad_out = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)
-    results = []
-    for fp8 in (False, True):
-        torch.manual_seed(0)
-        mlp = M.ReLU2(M.replace(cfg, fp8=fp8))
-        xi = x.clone().requires_grad_()
-        y = mlp(xi)
-        y.float().backward(grad_out)
-        with torch.no_grad():
-            results.append((y.detach().float(), xi.grad, mlp.w1.weight.grad, mlp.w2.weight.grad, mlp(x)))
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-    plain, fp8 = results
-    assert all(1e-3 < rel(a, b) < 0.08 for a, b in zip(fp8[:4], plain[:4]))  # e4m3 forward and input gradients
-    assert torch.equal(fp8[4], plain[4])  # no gradients: the plain MLP
-
-
-def test_with_fp8_and_the_fused_relu2_both_set_the_fp8_matmuls_run_and_fast_path_applies_says_so():
-    """The MLP gives FP8 block matmuls the way over the fused ReLU²; the ladder, the kernels study and the
-    plans read fast_path_applies to know which runs, so it must say the same."""
-    cfg = M.ModelConfig(d_model=96, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
-                        ffn_hidden=256, fp8=True, fused_relu2=True)
-    mlp = M.ReLU2(cfg)
-    assert mlp.w1.fp8 and not mlp.fused
-    assert M.fast_path_applies("fp8", cfg) and not M.fast_path_applies("fused_relu2", cfg)
-
-
-def test_fast_accumulation_runs_only_beside_an_fp8_path():
-    """fp8_fast_accum changes how the FP8 products accumulate: without fp8 or fp8_head there is none, and a
-    ladder or plan rung of it alone would time the bf16 model under its name."""
-    base = M.ModelConfig(tie_embeddings=False, fp8_fast_accum=True)
-    assert not M.fast_path_applies("fp8_fast_accum", base)
-    assert M.fast_path_applies("fp8_fast_accum", replace(base, fp8=True))
-    assert M.fast_path_applies("fp8_fast_accum", replace(base, fp8_head=True))
-    assert M.fast_path_alone("fp8_fast_accum") == {"fp8_fast_accum": True, "fp8": True}
-    assert M.fast_path_alone("fp8") == {"fp8": True}
-
-
-def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
-    torch.manual_seed(0)
-    plain = M.Llama(M.ModelConfig(**SMALL))
-    fp8 = M.Llama(M.ModelConfig(**SMALL, fp8=True))
-    fp8.load_state_dict(plain.state_dict())  # same parameters, same names
-    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(9))
-    opt = torch.optim.AdamW(fp8.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(10):  # FP8 matmuls are slow on a CPU (about 0.7 s a step here): few steps, a high rate
-        loss = fp8(idx, targets)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert abs(losses[0] - plain(idx, targets).item()) < 0.05 and losses[-1] < losses[0] - 1.0
-
-
-def test_bf16_residual_stream_only_in_training_under_autocast_and_close_to_float32():
-    torch.manual_seed(0)
-    plain = M.Llama(M.ModelConfig(**SMALL, bf16_residual=False))
-    low = M.Llama(M.ModelConfig(**SMALL, bf16_residual=True))
-    low.load_state_dict(plain.state_dict())
-    idx, targets = torch.randint(0, 97, (2, 4, 32), generator=torch.Generator().manual_seed(3))
-    stream = []
-    low.blocks[0].register_forward_hook(lambda module, args, out: stream.append(out.dtype))
-    assert torch.equal(low(idx, targets), plain(idx, targets))  # no autocast: nothing changes
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # evaluation keeps float32's stream
-        assert torch.equal(low(idx, targets), plain(idx, targets))
-    losses, grads = [], []
-    for model in (plain, low):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx, targets)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert stream == [torch.float32, torch.float32, torch.bfloat16]
-    assert abs(losses[1] - losses[0]) < 1e-3 * losses[0]
-    assert ((grads[1] - grads[0]).norm() / grads[0].norm()).item() < 2e-2  # bf16 rounding: 0.5% here
+    torch.testing.assert_close(A.decode_attention_matmuls(folded, k, v, mask.repeat(3, 1)).reshape(2, 6, 5, 8), expected)
 
 
 def test_sdpa_agrees_with_the_written_out_attention_on_cpu():
@@ -691,12 +503,12 @@ def test_sdpa_agrees_with_the_written_out_attention_on_cpu():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    written_out = M.textbook_attention(q, k, v)
-    torch.testing.assert_close(M.attention(q, k, v, "sdpa"), written_out)
-    torch.testing.assert_close(M.attention(q, k, v, "textbook"), written_out)
+    written_out = A.textbook_attention(q, k, v)
+    torch.testing.assert_close(A.attend(q, k, v, A.Mask()), written_out)
+    torch.testing.assert_close(A.attend(q, k, v, A.Mask(), backend="textbook"), written_out)
     future = v.clone()
     future[:, :, -1] += 1.0  # causal: changing the last value changes only the last position's output
-    changed = (M.attention(q, k, future, "sdpa") - written_out).abs().amax(dim=(0, 1, 3)) > 1e-3  # the textbook softmax runs in float32
+    changed = (A.attend(q, k, future, A.Mask()) - written_out).abs().amax(dim=(0, 1, 3)) > 1e-3  # the textbook softmax runs in float32
     assert changed.tolist() == [False] * 15 + [True]
 
 
@@ -748,8 +560,8 @@ def test_the_block_mask_from_document_boundaries_is_create_block_masks(with_docs
             ok = (q >= k) & (q - k < reach)
             return ok & (docs[b, q] == docs[b, k]) if with_docs else ok
         want = create_block_mask(allowed, B if with_docs else None, None, T, T, device="cpu")
-        got = M.flex_block_mask(docs, window, T, torch.device("cpu"))
-        assert int(want.full_kv_num_blocks.sum()) > 0 or window < 2 * M.FLEX_BLOCK  # full blocks are tested
+        got = A.flex_block_mask(docs, window, T, torch.device("cpu"))
+        assert int(want.full_kv_num_blocks.sum()) > 0 or window < 2 * A.FLEX_BLOCK  # full blocks are tested
         for count, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
                                ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
             n = getattr(want, count)
@@ -759,16 +571,14 @@ def test_the_block_mask_from_document_boundaries_is_create_block_masks(with_docs
 
 
 def test_flex_attention_gets_the_kernel_options(monkeypatch):
-    """FLEX_OPTIONS reach FlexAttention in training (none: Inductor's own tiles); a call's own options win,
-    which is how `bench.py --attention-rate` times each of bench.FLEX_CANDIDATES."""
+    """A block mask goes to FlexAttention with the call's kernel options (none: Inductor's own tiles), which is
+    how `bench.py --attention-rate` times each of bench.FLEX_CANDIDATES."""
     seen = []
-    monkeypatch.setattr(M, "flex_attention_compiled", lambda: lambda q, k, v, **kw: seen.append(kw["kernel_options"]) or q)
+    monkeypatch.setattr(A, "flex_attention_compiled", lambda: lambda q, k, v, **kw: seen.append(kw["kernel_options"]) or q)
     q = torch.zeros(1, 2, 4, 8)
-    M.attention(q, q, q, block_mask="mask")
-    M.attention(q, q, q, block_mask="mask", kernel_options={"USE_TMA": True})
-    monkeypatch.setattr(M, "FLEX_OPTIONS", {"ROWS_GUARANTEED_SAFE": True})
-    M.attention(q, q, q, block_mask="mask")
-    assert seen == [None, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE": True}]
+    A.attend(q, q, q, A.Mask(block_mask="mask"))
+    A.attend(q, q, q, A.Mask(block_mask="mask"), flex_options={"USE_TMA": True})
+    assert seen == [None, {"USE_TMA": True}]
 
 
 @pytest.mark.slow
@@ -783,6 +593,6 @@ def test_compiled_flex_attention_with_the_document_block_mask_is_the_boolean_mas
     k, v = (torch.randn(2, 2, 384, 16, generator=g) for _ in range(2))
     doc = torch.cumsum(torch.rand(2, 384, generator=g) < 0.01, dim=1).int()
     for window in (0, 100, 200):
-        mask = M.flex_block_mask(doc, window, 384, torch.device("cpu"))
+        mask = A.flex_block_mask(doc, window, 384, torch.device("cpu"))
         out = flex(q, k, v, block_mask=mask, enable_gqa=True)
-        torch.testing.assert_close(out, M.attention(q, k, v, doc_ids=doc, window=window), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, A.attend(q, k, v, A.Mask(doc, window)), rtol=1e-5, atol=1e-5)

@@ -223,7 +223,7 @@ def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():
     assert [r.seed for r in plan[-2:]] == [RE.SEED, RE.SEED + 1] and plan[0].overrides == {"train__warmup_steps": 30}
     fixed = {**RE.fixed_settings(C.preset("126m-muon"), 0, "python", 32), "train__seconds": 150.0}
     last = C.preset("126m-muon", **{**fixed, **plan[-1].overrides})
-    assert last == C.preset("126m", **{**fixed, "train__micro_batch": 4, "model__fp8": False})  # a speed setting
+    assert last == C.preset("126m", **{**fixed, "train__micro_batch": 4, "speed__fp8": False})  # a speed setting
     long = C.preset("tiny", **{**RE.fixed_settings(C.preset("tiny"), 0, "stdlib", 16), "train__seconds": 5.0,
                                **RE.record_plan("tiny", 1, 16)[-1].overrides})
     assert (long.model.context, long.model.attn_window, long.train.window_start, long.train.micro_batch) == (4096, 896, 64, 2)
@@ -323,9 +323,9 @@ def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_ba
     preset's own speed settings, which its rungs leave off (--versus runs the preset itself): FP8 block matmuls
     (88m's and 126m's) and the fused QK-norm + RoPE (88m's)."""
     muon, default = C.preset(f"{name}-muon"), C.preset(name)
-    assert default.model.fp8 == (name in ("88m", "126m")) and default.model.fused_qk_norm_rope == (name == "88m")
-    assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), model__fp8=default.model.fp8,
-                    model__fused_qk_norm_rope=default.model.fused_qk_norm_rope) == default
+    assert default.speed.fp8 == (name in ("88m", "126m")) and default.speed.fused_qk_norm_rope == (name == "88m")
+    assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), speed__fp8=default.speed.fp8,
+                    speed__fused_qk_norm_rope=default.speed.fused_qk_norm_rope) == default
     head = default.model.head_dim  # a power of two up to 128: FlexAttention pads any other to the next one
     assert head <= 128 and head & (head - 1) == 0 and default.model.n_kv_heads == default.model.n_heads
 

@@ -7,6 +7,7 @@ import torch
 
 import checkpoint as CK
 import export as E
+import fastpaths as FP
 import generate as G
 import measure as ME
 import model as M
@@ -94,23 +95,26 @@ def test_the_graph_decoders_greedy_loop_feeds_itself(loaded, monkeypatch):
 
 
 def test_dependent_launches_reach_every_decode_kernel_only_where_the_card_has_them(loaded, monkeypatch):
-    """decode_pdl: setup_cache hands the card's answer (onegpu_kernels.dependent_launch) to each attention and
-    MLP, and the graph decoder compiles its step with the mode's own options plus Inductor's PDL, once per
-    mode and setting. The launches themselves are the GPU tests' (test_gpu.py) and the Hopper builds'."""
-    cfg = dataclasses.replace(loaded[3].cfg, mlp="relu2", decode_pdl=True)
-    model = M.Llama(cfg).eval()
+    """decode_pdl: generate.apply hands the card's answer (onegpu_kernels.dependent_launch) to each decode
+    kernel's swap, and the graph decoder compiles its step with the mode's own options plus Inductor's PDL, once
+    per mode and setting. The launches themselves are the GPU tests' (test_gpu.py) and the Hopper builds'."""
+    cfg = dataclasses.replace(loaded[3].cfg, mlp="relu2")
+    speed = FP.SpeedConfig(fused_decode=True, decode_mlp=True, decode_pdl=True)
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw["options"]) or fn)
+    monkeypatch.setattr(G.K, "device_supported", lambda device: True)  # a GPU's answer, on this CPU
     for card, expected in ((False, False), (True, True)):
-        monkeypatch.setattr(M.K, "dependent_launch", lambda device: card)
-        model.setup_cache(1)
-        modules = [m for m in model.modules() if isinstance(m, (M.Attention, M.ReLU2))]
-        assert model.dependent_launches is expected and all(m.pdl is expected for m in modules)
+        monkeypatch.setattr(G.K, "dependent_launch", lambda device: card)
+        model = M.Llama(cfg).eval()
+        G.apply(model, speed, torch.device("cpu"))
+        modules = [m for m in model.modules() if isinstance(m, (G.FusedDecodeAttention, G.DecodeReLU2))]
+        assert len(modules) == 2 * cfg.n_layers and model.dependent_launches is expected
+        assert all(m.pdl is expected for m in modules)
         G.GraphDecoder(model, "max-autotune-no-cudagraphs").step(1)
     assert compiled == [{"max_autotune": True, "coordinate_descent_tuning": True},
                         {"max_autotune": True, "coordinate_descent_tuning": True, "triton.enable_pdl": True}]
-    model = M.Llama(dataclasses.replace(cfg, decode_pdl=False)).eval()
-    model.setup_cache(1)  # the card has them (above), the switch is off
+    model = M.Llama(cfg).eval()
+    G.apply(model, dataclasses.replace(speed, decode_pdl=False), torch.device("cpu"))  # the card has them, the switch is off
     assert not model.dependent_launches and G.compile_options("default", False) == {}
 
 
@@ -204,10 +208,10 @@ def test_no_fused_decode_turns_off_every_decode_path(run_dir, monkeypatch, capsy
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--no-fused-decode"])
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3"])
     S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--split-decode", "--no-decode-mlp"])
-    off = {"model__fused_decode": False, "model__split_decode": False, "model__decode_matmuls": False,
-           "model__decode_mlp": False, "model__decode_pdl": False}
+    off = {"speed__fused_decode": False, "speed__split_decode": False, "speed__decode_matmuls": False,
+           "speed__decode_mlp": False, "speed__decode_pdl": False}
     # each of generation's other switches on its own, the rest as the checkpoint has them
-    assert loads == [off, {}, {"model__split_decode": True, "model__decode_mlp": False}]
+    assert loads == [off, {}, {"speed__split_decode": True, "speed__decode_mlp": False}]
     assert capsys.readouterr().err.count("[KV cache, cpu, batch 1: first token after") == 3  # all generated
 
 
