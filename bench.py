@@ -502,7 +502,7 @@ def attended_pairs(doc_ids: torch.Tensor, window: int) -> int:
 # FlexAttention's kernel options that --attention-rate times at the long window, against Inductor's own
 # choice. Its choice for head size 128 on Hopper (torch 2.13's template heuristics): forward tiles of
 # 128 queries x 64 keys, 8 warps, 3 stages; backward 64 x 128 and 128 x 64, 8 warps, 3 stages. The backward
-# took 39.0 of 55.7 ms of attention in the 88m default's step (docs/PERFORMANCE.md, "Where the time goes").
+# took 39.0 of 55.7 ms of attention in the 88m default's step (docs/performance/training-speed.md, where the time goes).
 FLEX_CANDIDATES = [
     ("every row sees a key", {"ROWS_GUARANTEED_SAFE": True}),  # causal: each query sees itself
     ("TMA loads", {"USE_TMA": True}),
@@ -735,7 +735,7 @@ POWER_LIMITED = 0.97  # a rung whose median draw is within 3% of the card's limi
 def power_note(rows: list[dict]) -> str:
     """A line under a speed table whose rungs ran at the card's power limit, else "". Held there a card lowers
     its clock, the more the faster a rung's kernels go; how much that moves a ratio is not yet separated from the
-    code's own changes (docs/PERFORMANCE.md, "Training speed")."""
+    code's own changes (docs/performance/training-speed.md)."""
     held = [r for r in rows if r.get("power_w") and r.get("power_limit_w")
             and r["power_w"] >= POWER_LIMITED * r["power_limit_w"]]
     if not held:

@@ -44,7 +44,7 @@ PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 # tuning of the launch settings of the kernels it generates (the elementwise and reduction work),
 # without max-autotune's matmul autotuning (max-autotune turns both on). Not the default: on an H200
 # it gave +0.8% (88m) and -0.7% (126m) for about 2 minutes of tuning the first time a shape compiles
-# (docs/PERFORMANCE.md, training speed), which a run of under four hours does not earn back.
+# (docs/performance/training-speed.md), which a run of under four hours does not earn back.
 CompileMode = Literal["default", "coordinate-descent", "reduce-overhead", "max-autotune-no-cudagraphs",
                       "max-autotune"]
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

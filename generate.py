@@ -54,7 +54,7 @@ def greedy_step(model: M.Llama, token, pos, window: int | None = None, recent=No
     up one row and takes the token last: after K steps it holds their K tokens, oldest first. Replayed
     as a CUDA graph (GraphDecoder.greedy), a token leaves the host nothing to do, where the pick, the copies
     into the graph's inputs and the position's increment took 19 of a batch-1 token's 250 us outside
-    the graph on an H200 (docs/PERFORMANCE.md, generation)."""
+    the graph on an H200 (docs/performance/generation.md)."""
     token.copy_(sample_next(decode_one(model, token, pos, window), temperature=0))
     pos.add_(1)
     if recent is not None:
@@ -116,7 +116,7 @@ def generate(model: M.Llama, idx, max_new_tokens: int, temperature: float = 1.0,
 # Greedy tokens one CUDA graph replays: that many greedy_steps captured back to back, so the host launches one
 # replay and one copy out of the graph for 8 tokens, where it launched both for each. On an H200 with its
 # server CPU that measured the same as one a replay (the 88m default at batch 1, Inductor's default mode:
-# 240.4 against 239.7 us a token; `python bench.py --generate`, docs/PERFORMANCE.md, generation); it is the
+# 240.4 against 239.7 us a token; `python bench.py --generate`, docs/performance/generation.md); it is the
 # host's work a token that it cuts, for hosts slower than that one.
 TOKENS_PER_REPLAY = 8
 
@@ -137,7 +137,7 @@ class GraphDecoder:
     a replay come out together (a graph of one step replays the last few of a generation).
 
     mode is Inductor's compile mode; None picks by batch size what measured fastest on an H200
-    (docs/PERFORMANCE.md, generation): max-autotune at batch 1, where Inductor's own kernels for the
+    (docs/performance/generation.md): max-autotune at batch 1, where Inductor's own kernels for the
     one-row matmuls can fuse the norms and the activation in, and the default mode above it, where cuBLAS wins."""
 
     def __init__(self, model: M.Llama, mode: str | None = None, tokens_per_replay: int = TOKENS_PER_REPLAY):

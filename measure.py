@@ -601,7 +601,7 @@ def cpu_skip(rung: Rung) -> str | None:
 # --- The generation study (bench.py --generate) ------------------------------------------------------------------------------
 
 # CUDA-graph decoders compared: (label, Inductor mode, generation fast paths on: model.GENERATION_FAST_PATHS, greedy
-# tokens a graph replays: generate.GraphDecoder). Rows measured before and dropped (docs/PERFORMANCE.md, generation,
+# tokens a graph replays: generate.GraphDecoder). Rows measured before and dropped (docs/performance/generation.md,
 # has their figures): max-autotune without the fast paths (slower than the fused decode at both batches, 2026-11-30
 # and 2026-12-02), the decode matmuls (no faster than Inductor's default, 2026-12-02, and below the decode MLP
 # since), the fused decode without its split and without the decode MLP (below both with them, 2026-12-03), the

@@ -56,7 +56,7 @@ BLOCK_KEYS, DECODE_WARPS, DECODE_STAGES = 128, 4, 2
 # decode_step with its positions split (model.split_decode): about this many programs in all, at most
 # MAX_DECODE_SPLITS a head, and keys per loop step. A batch-1 step of the 88m default ran one program per
 # kv head, 6 on the H200's 132 SMs, and took 13.2 us a layer where its cache's bytes need 0.3 us
-# (docs/PERFORMANCE.md, generation): each program walks up to 516 positions alone. Timed alone on an H200
+# (docs/performance/generation.md): each program walks up to 516 positions alone. Timed alone on an H200
 # at the 88m shapes (18 settings, batches 1 and 8, positions 16 to 1,000, docs/results/2026-12-03_decode-
 # kernels-launch-sweep-88m_h200/), 64 keys and 256 programs summed 26.3 us over the four batch-1 positions
 # and 32.4 over batch 8's, where 32 keys and 128 programs took 27.0 and 48.8 (one program a head: 38.9, 44.3).
@@ -349,7 +349,7 @@ if AVAILABLE:
         return qkv.new_empty(B, 1, n - 2 * k_cache.shape[1], D)
 
     # SwiGLU between the w13 and w2 matmuls. Compiled by Inductor, its backward took 12 ms per 88m
-    # step on an H200 where its reads and writes need 5.6 ms at full bandwidth (docs/PERFORMANCE.md, where the time goes):
+    # step on an H200 where its reads and writes need 5.6 ms at full bandwidth (docs/performance/training-speed.md, where the time goes):
     # one pointwise kernel over the concatenated (tokens, 2 x hidden) gradient, each half loading its
     # own inputs. Here each program reads a row's gate, up and gradient once and writes both halves.
     @triton.jit
@@ -414,7 +414,7 @@ if AVAILABLE:
 
 
     # Cross-entropy of soft-capped logits, the last op of training. Compiled by Inductor, forward and
-    # backward took 5.18 ms per 32,768 x 32,768 bf16 micro-batch on an H200 (docs/PERFORMANCE.md, against
+    # backward took 5.18 ms per 32,768 x 32,768 bf16 micro-batch on an H200 (docs/performance/training-speed.md, against
     # the record holder), where reading the logits twice and writing their gradient once needs about 1.4
     # ms at 4.8 TB/s; the first version of these kernels took 4.00, bound by its exponentials. One program
     # per row: the forward reads the row once (a logsumexp against a fixed shift for capped logits, else
@@ -424,7 +424,7 @@ if AVAILABLE:
     # arithmetic-instruction throughput table, compute capability 9.0), about 3.8 T a second on an H200.
     # With the cap as 2c * sigmoid(2z / c) - c, the sm_90 build took 17 exponentials and 10 reciprocals per
     # 8 logits: 7.9 ms for the forward of a 262,144 x 32,768 step at 88m, against 3.6 to read the logits
-    # once and the 9.0 measured (docs/PERFORMANCE.md "Where the time goes"). So the cap is c * tanh(z / c)
+    # once and the 9.0 measured (docs/performance/training-speed.md, where the time goes). So the cap is c * tanh(z / c)
     # from the hardware's tanh (PTX tanh.approx.f32, relative error under 2^-10.987 by the PTX ISA: 0.008 at
     # the cap of 15, where bf16 logits near it are 0.06 apart), and its slope 1 - tanh^2 from the same
     # value: 2.25 results a logit. The interpreter has no PTX: there the cap keeps the sigmoid form.
@@ -756,7 +756,7 @@ if AVAILABLE:
     # tokens contiguous, the loss kernel writes the vocabulary contiguous, so the (tokens, vocab) gradient, the
     # largest tensor of a step, is copied once transposed: 4.3 GB read and 4.3 written for a micro-batch of
     # 131,072 tokens and a 32,768 vocabulary. Inductor's compiled copy took 3.7 ms of it on an H200 (2.3 TB/s; the
-    # 88m profile, docs/PERFORMANCE.md "Where the time goes"), where the card's 4.8 TB/s would take 1.8. A tile
+    # 88m profile, docs/performance/training-speed.md, where the time goes), where the card's 4.8 TB/s would take 1.8. A tile
     # transposed through shared memory a byte at a time uses a quarter of each 4-byte bank access (built for
     # sm_90 at 128 x 128: 64 one-byte shared loads a thread); this kernel moves 32-bit words: it reads four source
     # rows' words, transposes each 4 x 4 block of bytes inside them with shifts and masks, and transposes the
@@ -1017,7 +1017,7 @@ if AVAILABLE:
     # The ReLU² MLP of a decode step in one kernel (model.decode_mlp). Compiled, a batch-1 step of the 88m
     # default ran it as four launches a layer on an H200: the up-projection (about 4.0 us), the square (1.0),
     # the down-projection split over its 3,072 inputs (4.75) and cuBLAS's reduction of that split (1.5),
-    # where the two weights' 9.4 MB need 2 us at the card's bandwidth (docs/PERFORMANCE.md, generation).
+    # where the two weights' 9.4 MB need 2 us at the card's bandwidth (docs/performance/generation.md).
     # Here each program takes DECODE_MLP_HIDDEN hidden units: their rows of W1, the square, and their
     # columns of W2, whose product it writes as a partial sum of the output in float32; the model sums the
     # partials, which Inductor fuses with the residual add after the MLP.

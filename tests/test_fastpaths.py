@@ -80,6 +80,7 @@ def test_fused_loss_equals_plain_loss_and_gradients(rows, cap, monkeypatch):
     results = []
     for fused in (False, True):
         model = small_model(speed=FP.SpeedConfig(fused_loss=fused), logit_softcap=cap)
+        assert (type(model.output) is FP.FusedLoss) == fused  # really swapped in, so the comparison means something
         model.train()
         loss = model(idx, targets)
         loss.backward()

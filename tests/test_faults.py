@@ -333,6 +333,22 @@ def test_a_run_stopped_as_planned_exits_zero_and_plots(finished, tmp_path, capsy
     assert not (tmp_path / "r" / "summary.json").exists()
 
 
+def test_the_same_command_plus_resume_continues_on_a_card_without_the_fp8_units_it_asks_for(finished, tmp_path, capsys):
+    """The default presets ask for FP8 paths; a CPU (or an A100) runs the plain ones and says so. The config saved
+    keeps what was asked, so the same command plus --resume continues, where it was refused while the speed
+    switches were [model] keys saved as the device ran them."""
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(toml_of(finished[0]))
+    command = ["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "r", "--no-tie-embeddings",
+               "--fp8-head", "--fp8-fast-accum"]
+    with pytest.raises(SystemExit) as e:
+        TR.main(command + ["--stop-after", "1"])
+    assert e.value.code == 0 and "note: --no-fp8-head, --no-fp8-fast-accum on CPU" in capsys.readouterr().out
+    assert CK.load(tmp_path / "r").config.speed.fp8_head  # what was asked
+    TR.main(command + ["--resume"])
+    assert CK.load(tmp_path / "r").step == finished[0].train.steps
+
+
 def test_resume_cannot_change_the_model(finished, tmp_path):
     with pytest.raises(SystemExit) as e:
         TR.main(["--runs-dir", str(finished[1].parent), "--name", "run", "--resume", "--d-model", "128"])

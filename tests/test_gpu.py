@@ -24,7 +24,7 @@ def llama(**settings) -> M.Llama:
     """The model of the [model] settings among `settings` on the GPU, its [speed] ones swapped in as a run and
     sample.py swap them (fastpaths.apply, generate.apply)."""
     speed = FP.SpeedConfig(**{k: v for k, v in settings.items() if k in FP.SPEED_FIELDS})
-    model = llama(**{k: v for k, v in settings.items() if k not in FP.SPEED_FIELDS})
+    model = M.Llama(M.ModelConfig(**{k: v for k, v in settings.items() if k not in FP.SPEED_FIELDS})).cuda()
     FP.apply(model, speed, torch.device("cuda"))
     G.apply(model, speed, torch.device("cuda"))
     return model
