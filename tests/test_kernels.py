@@ -222,8 +222,6 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
      {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
     ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=False),
      {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
-    ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=False,
-                                                HALF=True), {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
     ("_relu2_fp8_kernel", dict(BLOCK=4096), {"a8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     ("_relu2_fp8_backward_kernel", dict(BLOCK=4096), {"du8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
