@@ -45,6 +45,7 @@ import onegpu_kernels as K
 import optim as O
 import recipes as RE
 import tokenizer as tk
+import plots as PL
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
@@ -674,7 +675,7 @@ def flag(switch: str, on: bool = True) -> str:
 
 def plot_curves(curves: dict, title: str, path: Path):
     if curves:
-        TR.plot_lines({name: (range(1, len(losses) + 1), losses, "-") for name, losses in curves.items()},
+        PL.plot_lines({name: (range(1, len(losses) + 1), losses, "-") for name, losses in curves.items()},
                       "step", "training loss (nats)", title, path)
 
 

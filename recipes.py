@@ -53,6 +53,7 @@ import config as C
 import data as D
 import fastpaths as FP
 import model as M
+import plots as PL
 import train as TR
 
 ROOT = Path(__file__).resolve().parent
@@ -367,7 +368,7 @@ def time_to(curve: list[dict], target: float) -> tuple[float, float] | None:
     where the run trains on something else, the target's own windows) first reaches `target`, linearly
     interpolated between the passes either side; None when it never does."""
     losses = [equal_context(p) for p in curve]
-    at = [TR.first_crossing([float(p[key]) for p in curve], losses, target) for key in ("tokens", "train_seconds")]
+    at = [PL.first_crossing([float(p[key]) for p in curve], losses, target) for key in ("tokens", "train_seconds")]
     return None if at[0] is None else (at[0][0], at[1][0])
 
 
@@ -581,7 +582,7 @@ def read_run(folder: Path) -> dict:
                          f"run with --resume again to train that rung once more") from None
     for checkpoint in folder.glob("ckpt*.pt"):  # the curves are the result; the weights are not kept
         checkpoint.unlink()
-    curve = eval_curve(TR.read_log(folder / "log.jsonl"))
+    curve = eval_curve(PL.read_log(folder / "log.jsonl"))
     # The whole run's rate, its tokens over its training seconds: after --resume, the summary's mean_tok_s
     # is the last session's alone.
     last = curve[-1] if curve else {}
@@ -667,7 +668,7 @@ def plot(curves: dict, title: str, path: Path, target: float | None = None):
     series = {name: ([p["train_seconds"] for p in c], [loss(p) for p in c], "-")
               for name, c in curves.items() if c}
     if series:
-        TR.plot_lines(series, "training seconds (compile, evaluation and saving left out)",
+        PL.plot_lines(series, "training seconds (compile, evaluation and saving left out)",
                       "validation loss (nats" + (", 1,024-token windows)" if target is not None else ")"),
                       title, path, target)
 
@@ -704,7 +705,7 @@ def curves_study(preset: str, steps: int, micro_batch: int, out: Path, timeout: 
             rows.append({"rung": r.name, "skipped": results[r.folder]["error"]})
             continue
         folder = runs_dir / r.folder
-        curves[r.name] = [row["loss"] for row in TR.read_log(folder / "log.jsonl") if "loss" in row]
+        curves[r.name] = [row["loss"] for row in PL.read_log(folder / "log.jsonl") if "loss" in row]
         summary = json.loads((folder / "summary.json").read_text())
         row = {"rung": r.name, "final_loss": float(np.mean(curves[r.name][-10:])), "val_loss": summary.get("val_loss"),
                "tok_s": results[r.folder]["tok_s"], "peak_gib": summary.get("peak_mem_gib")}

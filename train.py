@@ -46,6 +46,8 @@ import fastpaths as FP
 import generate as G
 import model as M
 import optim as O
+import plots as PL
+import sizing as SZ
 import tokenizer as tk
 
 ROOT = Path(__file__).resolve().parent
@@ -77,40 +79,12 @@ def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world:
     return batch_tokens // per_pass
 
 
-# train.seconds: the steps stay unsized (the schedule at its stable rate) for this many steps, whose
-# times, the first two (compiling) left out, then size the run (size_steps), which sizes itself once more
-# at resize_step. With a window schedule the second half of the probe runs at the last window, so that
-# both ends of the schedule's cost are timed.
-UNSIZED = 10**9
-PROBE_STEPS = 12
-# The steps fill all but this share of the seconds left when sizing: what a step will take is known to
-# about 0.7% (the 126m default's pair of 2026-12-02, sized at steps 64 and 65: 0.5% faster and 0.7%
-# slower than predicted over the 115 s left; the slower one overran its 157 s by 0.6 s).
-SIZING_MARGIN = 0.01
 WINDOW_BLOCK = 128  # FlexAttention's block size: a scheduled window grows by whole blocks
 PLAIN_CONTEXT = 1024  # every run's loss is also reported on plain causal windows of this many tokens
-# A warm-up over more than this share of the run is shortened to it (and said): `--steps 20` on a preset
-# that warms up over 20 steps would otherwise end at its peak rate, never warming down.
-MAX_WARMUP_SHARE = 0.5
-
-
-def fitted_warmup(cfg: C.TrainConfig, steps: int, done: int = 0) -> int:
-    """train.warmup_steps, or MAX_WARMUP_SHARE of `steps` where that is shorter (never fewer than the
-    `done` steps already taken)."""
-    return min(cfg.warmup_steps, max(done, int(MAX_WARMUP_SHARE * steps)))
-
-
-def total_steps(cfg: C.TrainConfig) -> int:
-    """The run's optimizer steps; UNSIZED until a train.seconds run has measured its speed."""
-    if cfg.steps > 0:
-        return cfg.steps
-    return max(1, cfg.tokens // cfg.batch_tokens) if cfg.tokens else UNSIZED
-
-
 def probing_end(r: "Run", p: "Progress", session: "Session") -> bool:
     """Whether this step is one of the unsized run's probe steps timed at the window schedule's end."""
-    return (r.steps == UNSIZED and bool(r.cfg.train.window_start)
-            and p.step >= session.first_step + 2 + (PROBE_STEPS - 2) // 2)
+    return (r.steps == SZ.UNSIZED and bool(r.cfg.train.window_start)
+            and p.step >= session.first_step + 2 + (SZ.PROBE_STEPS - 2) // 2)
 
 
 def window_at(step: int, steps: int, cfg: C.Config) -> tuple[int, int]:
@@ -122,7 +96,7 @@ def window_at(step: int, steps: int, cfg: C.Config) -> tuple[int, int]:
     start, end = cfg.train.window_start, cfg.model.attn_window
     if not start:
         return cfg.model.windows(end)
-    if steps == UNSIZED:  # a train.seconds run before size_steps: its probe times the schedule's two ends
+    if steps == SZ.UNSIZED:  # a train.seconds run before size_steps: its probe times the schedule's two ends
         return cfg.model.windows(start)
     block = min(WINDOW_BLOCK, start)
     width = start + min(1.0, step / steps) * (end - start)
@@ -267,14 +241,14 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
-    steps = total_steps(tcfg)
-    if steps != UNSIZED and fitted_warmup(tcfg, steps) < tcfg.warmup_steps:
+    steps = SZ.total_steps(tcfg)
+    if steps != SZ.UNSIZED and SZ.fitted_warmup(tcfg, steps) < tcfg.warmup_steps:
         say(f"note: train.warmup_steps={tcfg.warmup_steps} would warm up over more than half of the run's {steps} "
             f"steps and leave no room for its stable phase and warm-down: warming up over "
-            f"{fitted_warmup(tcfg, steps)} steps instead")
-        tcfg = dataclasses.replace(tcfg, warmup_steps=fitted_warmup(tcfg, steps))
+            f"{SZ.fitted_warmup(tcfg, steps)} steps instead")
+        tcfg = dataclasses.replace(tcfg, warmup_steps=SZ.fitted_warmup(tcfg, steps))
         cfg = dataclasses.replace(cfg, train=tcfg)
-    if steps == UNSIZED and random_tokens_dir is not None:
+    if steps == SZ.UNSIZED and random_tokens_dir is not None:
         raise ValueError("train.seconds sizes a run on its corpus; random-token speed rungs time fixed steps: "
                          "give train.steps")
     loader_args = dict(batch=B, seq_len=T, vocab_size=V, rank=rank, world=world, doc_ids=tcfg.doc_mask,
@@ -444,84 +418,12 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # process peak RSS (KiB on Linux)
 
 
-def read_log(log_path: Path) -> list[dict]:
-    """log.jsonl's rows; a row for a step that was logged again later (a run resumed from an
-    earlier checkpoint) keeps only its latest version."""
-    rows = {}
-    for number, line in enumerate(log_path.read_text().splitlines(), 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{log_path}: line {number} is not a JSON row ({e}): the file was cut off; delete "
-                             f"that line (or the run's folder) and run again") from None
-        rows[(row["step"], "val_loss" in row)] = row
-    return sorted(rows.values(), key=lambda r: (r["step"], "val_loss" in r))
-
-
 def logged_eval(log_path: Path, step: int) -> dict:
     """The validation figures log.jsonl holds for `step` ({} where it holds none): what a run resumed at
     its last step reports, whose last evaluation ran before the process stopped short of its summary."""
-    rows = read_log(log_path) if log_path.exists() else []
+    rows = PL.read_log(log_path) if log_path.exists() else []
     return next(({k: v for k, v in row.items() if k.startswith("val_")} for row in reversed(rows)
                  if row["step"] == step and "val_loss" in row), {})
-
-
-def line_figure(series: dict, xlabel: str, ylabel: str, title: str, target: float | None = None):
-    """The figure plot_lines saves: one line per entry of series, {label: (xs, ys, matplotlib format)},
-    each in a colour of its own unless its format names one, the legend beside the axes (never over
-    the curves). target: a dotted horizontal line at that loss, and a dot where each line first
-    reaches it (its crossing, linearly interpolated between the points either side)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    n = len(series)
-    colours = plt.get_cmap("tab10" if n <= 10 else "tab20")(range(n)) if n <= 20 else \
-        plt.get_cmap("turbo")([i / max(1, n - 1) for i in range(n)])
-    fig, ax = plt.subplots(figsize=(9 + (2 if n > 6 else 0), 4.5))
-    for (label, (xs, ys, style)), colour in zip(series.items(), colours):
-        named = any(c in style for c in "bgrcmykw") or "C" in style  # the caller chose this line's colour
-        line, = ax.plot(xs, ys, style, label=label, lw=1, **({} if named else {"color": colour}))
-        crossing = first_crossing(list(xs), list(ys), target) if target is not None else None
-        if crossing is not None:
-            ax.plot(*crossing, "o", ms=4, color=line.get_color())
-    if target is not None:
-        ax.axhline(target, color="0.3", ls=":", lw=1, label=f"target {target:.4f}")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    fig.suptitle(title, fontsize=9, x=0.01, ha="left")  # over the whole figure: a long title stays whole beside the legend
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
-    return fig
-
-
-def first_crossing(xs: list, ys: list, target: float) -> tuple[float, float] | None:
-    """(x, target) where ys first falls to target, interpolated; None when it never does."""
-    for i, y in enumerate(ys):
-        if y <= target:
-            if i == 0:
-                return xs[0], target
-            f = (ys[i - 1] - target) / (ys[i - 1] - y)
-            return xs[i - 1] + f * (xs[i] - xs[i - 1]), target
-    return None
-
-
-def plot_lines(series: dict, xlabel: str, ylabel: str, title: str, out: Path, target: float | None = None):
-    """line_figure, written to out as PNG."""
-    import matplotlib.pyplot as plt
-    fig = line_figure(series, xlabel, ylabel, title, target)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def plot_losses(log_path: Path, out: Path, title: str):
-    rows = read_log(log_path)
-    series = {}
-    for label, key, style in (("train", "loss", "-"), ("val", "val_loss", "o-")):
-        points = [(r["tokens"], r[key]) for r in rows if key in r]
-        if points:
-            series[label] = (*zip(*points), style)
-    plot_lines(series, "tokens", "loss (nats)", title, out)
 
 
 class Stopper:
@@ -655,12 +557,12 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = log if rank == 0 else (lambda *a, **k: None)
     ckpt = check_start(cfg, run_dir, resume, overwrite, checkpoint)
-    if ckpt is not None and ckpt.step >= total_steps(cfg.train) and (run_dir / "summary.json").exists():
+    if ckpt is not None and ckpt.step >= SZ.total_steps(cfg.train) and (run_dir / "summary.json").exists():
         say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
             f"--steps or --tokens to train further)")
         return json.loads((run_dir / "summary.json").read_text())
-    if ckpt is not None and ckpt.step > total_steps(cfg.train):
-        raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {total_steps(cfg.train)} steps asked for: "
+    if ckpt is not None and ckpt.step > SZ.total_steps(cfg.train):
+        raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {SZ.total_steps(cfg.train)} steps asked for: "
                          f"pass --steps {ckpt.step} or more (or the matching --tokens) to resume it")
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError(TENSORBOARD_MISSING)
@@ -746,7 +648,7 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                 f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
     say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{momentum}), "
         f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
-    length = (f"steps sized after {PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == UNSIZED
+    length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
               else f"{r.steps} steps = {r.steps * tcfg.batch_tokens:,} tokens")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {tcfg.micro_batch} seq x {m.context} tokens x {r.accum} accumulation "
         f"x {r.world} rank(s); {length}")
@@ -826,7 +728,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     prefetch = None if fixed is not None else r.train_loader.prefetch
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(r.tokenizer_path)), device=r.device,
                                dtype=torch.float32)
-    bar = tqdm(total=None if r.steps == UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
+    bar = tqdm(total=None if r.steps == SZ.UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
                disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     board = Board(run_dir / "tensorboard", p.step if resumed else None) if tcfg.tensorboard and r.rank == 0 else None
@@ -854,7 +756,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                 if last_saved != p.step:
                     save_checkpoint(r, p, ckpt_path)
                 raise Interrupted(f"{stopper.signal or '--stop-after'}: saved {ckpt_path} at step {p.step} of "
-                                  f"{'unsized' if r.steps == UNSIZED else r.steps}; continue with --resume",
+                                  f"{'unsized' if r.steps == SZ.UNSIZED else r.steps}; continue with --resume",
                                   planned=not stopper.signal)
             row = timed_step(r, p, session, next_batch, prefetch, meter, ckpt_path, say)
             write_log(r, run_dir, row, board)
@@ -869,7 +771,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
         try:  # still under the Stopper: a second signal while plotting quits in one line
             log_path = run_dir / "log.jsonl"
             if r.rank == 0 and log_path.exists() and log_path.stat().st_size:  # a plot even for a stopped run
-                plot_losses(log_path, run_dir / "loss.png", meter.title)
+                PL.plot_losses(log_path, run_dir / "loss.png", meter.title)
         finally:
             stopper.restore()
     return session
@@ -877,12 +779,12 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
 
 def sized_now(r: Run, p: Progress, session: Session, run_dir: Path, say) -> bool:
     """A train.seconds run sizes its steps after its probe steps, and again where its schedule's window has grown
-    (resize_step): whether it did so at this step."""
-    if r.steps == UNSIZED and p.step == session.first_step + PROBE_STEPS:
+    (sizing.resize_step): whether it did so at this step."""
+    if r.steps == SZ.UNSIZED and p.step == session.first_step + SZ.PROBE_STEPS:
         size_steps(r, p, session, run_dir, say)
         session.sized = True
         return True
-    if session.sized and p.step == resize_step(r.cfg.train, r.steps):
+    if session.sized and p.step == SZ.resize_step(r.cfg.train, r.steps):
         size_steps(r, p, session, run_dir, say, again=True)
         session.sized = False
         return True
@@ -969,63 +871,22 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
             "train_seconds": round(p.train_seconds, 3)}
 
 
-def step_time_fit(times: list, windows: list):
-    """Seconds a step takes at a long window: the line through the median time at each window timed so
-    far, least squares weighted by how many steps each median rests on; the median itself where one
-    window was timed. Step cost grows linearly with the window, as attention's share of it does."""
-    times, windows = np.asarray(times, dtype=np.float64), np.asarray(windows)
-    seen, counts = np.unique(windows, return_counts=True)
-    medians = np.array([np.median(times[windows == w]) for w in seen])
-    if len(seen) == 1:
-        return lambda window: float(medians[0])
-    slope, intercept = np.polyfit(seen, medians, 1, w=np.sqrt(counts))
-    return lambda window: float(intercept + slope * window)
-
-
-def steps_to_fill(seconds: float, done: int, step_time, window) -> int:
-    """The most steps (at least done + 1) whose predicted times from step `done` on fit in `seconds`:
-    step_time(window) from step_time_fit, window(step, steps) the long window the schedule gives a
-    step of a run of `steps`. The total grows with the steps, so a doubling then a bisection finds it."""
-    def cost(steps: int) -> float:
-        return sum(step_time(window(s, steps)) for s in range(done, steps))
-    fits, over = done + 1, done + 2
-    while cost(over) <= seconds:
-        fits, over = over, done + 2 * (over - done)
-    while over - fits > 1:
-        mid = (fits + over) // 2
-        fits, over = (mid, over) if cost(mid) <= seconds else (fits, mid)
-    return fits
-
-
-def resize_step(tcfg: C.TrainConfig, steps: int) -> int:
-    """The step at which a train.seconds run sizes itself again: halfway through its stable share,
-    where the steps since the probe show the pace a probe of ten steps misses (the card warming, the
-    windows between the two it timed) and the warm-down has not begun. The 126m default overran its
-    157 s by 0.9 and 1.4 s sized from the probe alone (2026-12-02)."""
-    return round((1 - tcfg.warmdown_fraction) * steps / 2)
-
-
-def seconds_to_fill(seconds: float, spent: float) -> float:
-    """The training seconds the rest of a train.seconds run is sized to: what is left, less SIZING_MARGIN."""
-    return (seconds - spent) * (1 - SIZING_MARGIN)
-
-
 def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again: bool = False):
     """train.seconds: fix the run's length from the times of this session's steps so far, leaving out
     the first two (compilation; a second compile when gradients first exist), each at its window (a
     window schedule's probe times both ends, probing_end). Until now the schedule ran at its stable
-    rate, which a wsd schedule has anyway. `again`: the second sizing at resize_step. The steps go into
+    rate, which a wsd schedule has anyway. `again`: the second sizing at sizing.resize_step. The steps go into
     the run's config, so a checkpoint resumes with the same length."""
     tcfg = r.cfg.train
-    step_time = step_time_fit(session.step_seconds[1:], session.step_windows[1:])
-    steps = steps_to_fill(seconds_to_fill(tcfg.seconds, p.train_seconds), p.step, step_time,
+    step_time = SZ.step_time_fit(session.step_seconds[1:], session.step_windows[1:])
+    steps = SZ.steps_to_fill(SZ.seconds_to_fill(tcfg.seconds, p.train_seconds), p.step, step_time,
                           lambda step, steps: window_at(step, steps, r.cfg)[0])
     if dist.is_initialized():  # every rank must take the same number of steps: the slowest rank's count
         t = torch.tensor(steps, device=r.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         steps = int(t.item())
     r.steps = steps
-    warmup = fitted_warmup(tcfg, steps, done=p.step)  # as setup() does, from here on
+    warmup = SZ.fitted_warmup(tcfg, steps, done=p.step)  # as setup() does, from here on
     if warmup < tcfg.warmup_steps:
         say(f"note: train.warmup_steps={tcfg.warmup_steps} is more than half of the {steps} steps: warming up over "
             f"{warmup} steps instead")

@@ -8,6 +8,7 @@ import pytest
 
 import data as D
 import evaluate as EV
+import plots as PL
 import train as TR
 from conftest import tiny_model_cfg, tiny_run_config
 
@@ -24,7 +25,7 @@ def two_runs(data_cfg, tmp_path_factory):
 
 def test_a_checkpoint_evaluates_to_the_loss_its_run_logged(two_runs):
     for name in ("short", "longer"):
-        logged = [r for r in TR.read_log(two_runs / name / "log.jsonl") if "val_loss" in r][-1]
+        logged = [r for r in PL.read_log(two_runs / name / "log.jsonl") if "val_loss" in r][-1]
         found = EV.evaluate_checkpoint(two_runs / name, **QUIET)
         assert found["step"] == logged["step"]
         assert abs(found["val_loss"] - logged["val_loss"]) < 1e-4 and abs(found["val_bpb"] - logged["val_bpb"]) < 1e-4
@@ -44,7 +45,7 @@ def test_two_checkpoints_compare_in_one_table_and_json(two_runs, tmp_path, capsy
 def test_a_windowed_checkpoint_also_evaluates_to_its_logged_loss_with_whole_windows(data_cfg, tmp_path, capsys):
     cfg = tiny_run_config(data_cfg, tiny_model_cfg(attn_window=16), steps=3, eval_every=3, doc_mask=True)
     TR.train(cfg, tmp_path / "windowed", **QUIET)
-    logged = [r for r in TR.read_log(tmp_path / "windowed" / "log.jsonl") if "val_loss" in r][-1]
+    logged = [r for r in PL.read_log(tmp_path / "windowed" / "log.jsonl") if "val_loss" in r][-1]
     found = EV.evaluate_checkpoint(tmp_path / "windowed", **QUIET)
     assert abs(found["val_loss_whole"] - logged["val_loss_whole"]) < 1e-4
     assert abs(found["val_loss"] - logged["val_loss"]) < 1e-4

@@ -19,6 +19,7 @@ import config as C
 import data as D
 import export as E
 import sample as S
+import plots as PL
 import train as TR
 from conftest import tiny_run_config, with_train
 
@@ -253,7 +254,7 @@ def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp
     the stop's save, the evaluation the stop runs first at step 4, or the plot, each made slow
     enough to hit by sending the signal from inside it."""
     cfg = with_train(finished[0], steps=6)
-    real_step, real_save, real_plot, real_eval = TR.train_step, CK.save, TR.plot_losses, TR.evaluate
+    real_step, real_save, real_plot, real_eval = TR.train_step, CK.save, PL.plot_losses, TR.evaluate
     steps = []
 
     def step(*a, **k):
@@ -273,7 +274,7 @@ def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp
     monkeypatch.setattr(TR.CK, "save", second(real_save, lambda path, **k: k["step"] > 2) if phase == "save"
                         else real_save)
     monkeypatch.setattr(TR, "evaluate", second(real_eval) if phase == "evaluation" else real_eval)
-    monkeypatch.setattr(TR, "plot_losses", second(real_plot) if phase == "plot" else real_plot)
+    monkeypatch.setattr(PL, "plot_losses", second(real_plot) if phase == "plot" else real_plot)
     with pytest.raises(SystemExit) as e:
         TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
     err = capsys.readouterr().err
@@ -389,8 +390,8 @@ def test_sample_says_when_the_context_cuts_generation(finished, capsys):
 def test_resumed_summary_counts_this_sessions_tokens_and_the_plot_has_a_title(finished, tmp_path, monkeypatch):
     cfg = finished[0]
     titles = []
-    real_plot = TR.plot_losses
-    monkeypatch.setattr(TR, "plot_losses", lambda log, out, title: (titles.append(title), real_plot(log, out, title)))
+    real_plot = PL.plot_losses
+    monkeypatch.setattr(PL, "plot_losses", lambda log, out, title: (titles.append(title), real_plot(log, out, title)))
     with pytest.raises(TR.Interrupted):
         TR.train(cfg, tmp_path / "run", stop_after=2, **QUIET)
     said = []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a module may import only modules to its left.
-LAYERS = ["onegpu_kernels", "attention", "model", "fp8", "fastpaths", "generate", "tokenizer", "config", "optim", "data",
-          "checkpoint", "train", "measure", "recipes", "bench", "sample", "export", "evaluate"]
+LAYERS = ["onegpu_kernels", "attention", "model", "fp8", "fastpaths", "generate", "tokenizer", "plots", "config", "sizing",
+          "optim", "data", "checkpoint", "train", "measure", "recipes", "bench", "sample", "export", "evaluate"]
 
 
 def project_imports(module: str) -> set[str]:

@@ -17,6 +17,8 @@ import config as C
 import data as D
 import model as M
 import optim as O
+import sizing as SZ
+import plots as PL
 import train as TR
 from conftest import tiny_run_config, with_train
 
@@ -86,7 +88,7 @@ def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop, one_threa
     assert json.loads((split / "summary.json").read_text())["train_seconds"] > carried
     assert losses(straight) == losses(split) and len(losses(split)) == 6
     if train.get("window_start"):  # the schedule went on growing across the resume
-        assert [r["window"] for r in TR.read_log(split / "log.jsonl") if "loss" in r] == [16, 32, 32, 32, 48, 48]
+        assert [r["window"] for r in PL.read_log(split / "log.jsonl") if "loss" in r] == [16, 32, 32, 32, 48, 48]
     a, b = weights(straight), weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
     if train.get("fp16"):
@@ -268,7 +270,7 @@ def test_plots_keep_the_legend_off_the_curves_and_give_each_line_its_own_colour(
     lines share a colour; a target draws its line and one crossing per line that reaches it."""
     series = {f"run {i}": ([0, 1, 2], [3.0, 2.0 - i / 20, 1.0 + i / 10], "-") for i in range(16)}
     title = "validation loss as trained | 126m | python | 150 training s | NVIDIA H200 | 2026-12-02 | 19 rungs"
-    fig = TR.line_figure(series, "s", "loss", title, target=1.5)
+    fig = PL.line_figure(series, "s", "loss", title, target=1.5)
     ax = fig.axes[0]
     fig.canvas.draw()
     legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
@@ -298,7 +300,7 @@ def test_tensorboard_draws_each_step_once_across_a_resume(data_cfg, tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in events.Scalars("val/val_loss")] == [3, 6]
     assert [e.step for e in events.Scalars("lr/matrices")] == [1, 2, 3, 4, 5, 6]
-    logged = {r["step"]: r["loss"] for r in TR.read_log(run / "log.jsonl") if "loss" in r}
+    logged = {r["step"]: r["loss"] for r in PL.read_log(run / "log.jsonl") if "loss" in r}
     assert [round(e.value, 4) for e in events.Scalars("train/loss")] == [round(logged[s], 4) for s in range(1, 7)]
     assert {"train/tok_s", "train/grad_norm", "train/peak_mem_gib", "val/val_bpb"} <= set(events.Tags()["scalars"])
 
@@ -506,9 +508,9 @@ def test_step_time_fit_is_the_weighted_line_through_each_windows_median():
     x, y, w = np.array([128, 640, 1152.0]), np.array([1.2, 2.0, 3.0]), np.sqrt([3, 3, 1.0])
     A = np.stack([x, np.ones(3)], axis=1) * w[:, None]  # weighted least squares, solved apart from np.polyfit
     slope, intercept = np.linalg.lstsq(A, y * w, rcond=None)[0]
-    fit = TR.step_time_fit(times, windows)
+    fit = SZ.step_time_fit(times, windows)
     assert fit(896) == pytest.approx(intercept + slope * 896, rel=1e-12)
-    assert TR.step_time_fit([0.5, 0.7, 0.6], [0, 0, 0])(0) == 0.6  # one window: its median
+    assert SZ.step_time_fit([0.5, 0.7, 0.6], [0, 0, 0])(0) == 0.6  # one window: its median
 
 
 def record_window(step, steps):
@@ -521,10 +523,10 @@ def test_steps_to_fill_is_the_most_steps_whose_predicted_times_fit():
     step_time = lambda w: 0.64 + 0.96e-4 * w / 1.664  # 0.64 s at no window, 0.74 s at 1,792 (126m's pace)
     cost = lambda done, steps: sum(step_time(window(s, steps)) for s in range(done, steps))
     for seconds, done in ((157.0, 0), (145.0, 12), (0.1, 30)):
-        steps = TR.steps_to_fill(seconds, done, step_time, window)
+        steps = SZ.steps_to_fill(seconds, done, step_time, window)
         assert steps == done + 1 or cost(done, steps) <= seconds
         assert cost(done, steps + 1) > seconds
-    assert TR.steps_to_fill(0.1, 30, step_time, window) == 31  # never fewer than one step more
+    assert SZ.steps_to_fill(0.1, 30, step_time, window) == 31  # never fewer than one step more
 
 
 def test_a_run_sized_with_the_margin_ends_inside_its_seconds_when_steps_come_slower_than_predicted():
@@ -534,14 +536,14 @@ def test_a_run_sized_with_the_margin_ends_inside_its_seconds_when_steps_come_slo
     step_time = lambda w: 0.6138 + 0.0536e-3 * w  # its fit: 620 ms at window 128, 710 at 1,792
     cost = lambda done, steps: sum(step_time(window(s, steps)) for s in range(done, steps))
     slower, spent, done = 1.007, 41.679, 65
-    ends = lambda left: spent + slower * cost(done, TR.steps_to_fill(left, done, step_time, window))
+    ends = lambda left: spent + slower * cost(done, SZ.steps_to_fill(left, done, step_time, window))
     assert ends(157 - spent) > 157  # without the margin
-    assert ends(TR.seconds_to_fill(157, spent)) <= 157
+    assert ends(SZ.seconds_to_fill(157, spent)) <= 157
 
 
 def test_the_second_sizing_falls_halfway_through_the_stable_share():
-    assert TR.resize_step(C.TrainConfig(steps=1, warmdown_fraction=0.5), 100) == 25  # stable: steps 0-49
-    assert TR.resize_step(C.TrainConfig(steps=1, warmdown_fraction=0.2), 100) == 40  # stable: steps 0-79
+    assert SZ.resize_step(C.TrainConfig(steps=1, warmdown_fraction=0.5), 100) == 25  # stable: steps 0-49
+    assert SZ.resize_step(C.TrainConfig(steps=1, warmdown_fraction=0.2), 100) == 40  # stable: steps 0-79
 
 
 def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train_config, tmp_path, capsys,
@@ -555,8 +557,8 @@ def test_a_seconds_run_sizes_itself_again_halfway_through_its_stable_share(train
     summary = TR.train(cfg, tmp_path / "run", **QUIET)
     out = capsys.readouterr().out
     first = int(out.split("so the run takes ")[1].split()[0])
-    again = TR.resize_step(cfg.train, first)
-    assert again > TR.PROBE_STEPS, "the run is too short to size itself again: give it more seconds"
+    again = SZ.resize_step(cfg.train, first)
+    assert again > SZ.PROBE_STEPS, "the run is too short to size itself again: give it more seconds"
     assert f"train.seconds=4: at step {again}, steps take" in out
     assert summary["steps"] == json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"]
 
@@ -569,13 +571,13 @@ def test_a_seconds_budget_sizes_the_run_from_its_probe_and_a_resume_keeps_the_si
                               train=dataclasses.replace(train_config.train, steps=0, seconds=1.5, schedule="wsd",
                                                         window_start=16, eval_every=1000, ckpt_every=1000))
     with pytest.raises(TR.Interrupted):
-        TR.train(cfg, tmp_path / "run", stop_after=TR.PROBE_STEPS, **QUIET)  # sized at this step, whatever its pace
+        TR.train(cfg, tmp_path / "run", stop_after=SZ.PROBE_STEPS, **QUIET)  # sized at this step, whatever its pace
     steps = CK.load(tmp_path / "run").config.train.steps
-    assert steps > TR.PROBE_STEPS
+    assert steps > SZ.PROBE_STEPS
     assert json.loads((tmp_path / "run" / "config.json").read_text())["config"]["train"]["steps"] == steps
     assert "train.seconds=1.5: steps take " in capsys.readouterr().out
-    windows = [r["window"] for r in TR.read_log(tmp_path / "run" / "log.jsonl") if "loss" in r]
-    assert windows[:TR.PROBE_STEPS] == [16] * 7 + [48] * 5  # both ends of the schedule timed
+    windows = [r["window"] for r in PL.read_log(tmp_path / "run" / "log.jsonl") if "loss" in r]
+    assert windows[:SZ.PROBE_STEPS] == [16] * 7 + [48] * 5  # both ends of the schedule timed
     resumed, _ = TR.resolve_config(TR.build_parser().parse_args(["--runs-dir", str(tmp_path), "--name", "run",
                                                                  "--resume"]), tmp_path / "run", **QUIET)
     assert resumed.train.steps == steps
@@ -774,7 +776,7 @@ def test_a_warm_up_longer_than_half_the_run_is_shortened_and_said(train_config, 
     assert r.cfg.train.warmup_steps == 2
     assert any("train.warmup_steps=4 would warm up over more than half of the run's 4 steps" in line for line in said)
     TR.train(cfg, tmp_path / "run", **QUIET)
-    lrs = [row["lr"] for row in TR.read_log(tmp_path / "run" / "log.jsonl") if "loss" in row]
+    lrs = [row["lr"] for row in PL.read_log(tmp_path / "run" / "log.jsonl") if "loss" in row]
     assert lrs[-1] < max(lrs)  # it warmed down
 
 
@@ -802,7 +804,7 @@ def test_init_from_continues_a_trained_model_on_another_corpus_with_its_tokenize
     saved = json.loads((run / "config.json").read_text())["config"]
     assert saved["train"]["init_from"] == str(src.path) and saved["model"] == dataclasses.asdict(src.config.model)
     assert saved["data"]["corpus"] == "stdlib" and TR.CK.load(run).tokenizer_hash == src.tokenizer_hash
-    first = [r for r in TR.read_log(run / "log.jsonl") if "loss" in r][0]["loss"]
+    first = [r for r in PL.read_log(run / "log.jsonl") if "loss" in r][0]["loss"]
     # a new model starts at ln(vocab) (its head is zero); six steps on the test corpus carry over to code
     assert first < math.log(src.config.model.vocab_size) - 0.2
 
@@ -893,10 +895,10 @@ def test_every_train_command_in_the_readme_loads_and_its_batch_divides():
 # --- The small functions a run is sized and reported by ---------------------------------------
 
 def test_run_length_in_steps_from_steps_or_tokens():
-    assert TR.total_steps(C.TrainConfig(steps=7, tokens=10**9)) == 7  # steps win over tokens
-    assert TR.total_steps(C.TrainConfig(tokens=10 * 524_288 + 5)) == 10  # whole steps of batch_tokens
-    assert TR.total_steps(C.TrainConfig(tokens=1000)) == 1  # fewer tokens than one step still takes one
-    assert TR.total_steps(C.TrainConfig(tokens=0, seconds=60, schedule="wsd")) == TR.UNSIZED  # train.seconds sizes it later
+    assert SZ.total_steps(C.TrainConfig(steps=7, tokens=10**9)) == 7  # steps win over tokens
+    assert SZ.total_steps(C.TrainConfig(tokens=10 * 524_288 + 5)) == 10  # whole steps of batch_tokens
+    assert SZ.total_steps(C.TrainConfig(tokens=1000)) == 1  # fewer tokens than one step still takes one
+    assert SZ.total_steps(C.TrainConfig(tokens=0, seconds=60, schedule="wsd")) == SZ.UNSIZED  # train.seconds sizes it later
 
 
 @pytest.mark.parametrize("fp16, bf16, dtype", [(False, True, torch.bfloat16), (True, False, torch.float16),
