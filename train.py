@@ -1045,7 +1045,44 @@ def start_from(r: Run, path: str, say):
     say(f"weights: from {src.path} (its step {src.step}); data, schedule and optimizer start anew")
 
 
+class PipeGuard:
+    """A text stream (stdout or stderr) that survives its reader going away: `python train.py | tee log`, then
+    Ctrl-C, signals tee too, and a line written after that (the Ctrl-C note, a step's line) would raise
+    BrokenPipeError in whichever thread writes it, before the checkpoint is saved. The first such error turns
+    the stream into a sink: the run goes on to save, and the files it writes say what happened."""
+
+    def __init__(self, stream):
+        self.stream, self.closed_pipe = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_pipe:
+            try:
+                return self.stream.write(text)
+            except (BrokenPipeError, ConnectionResetError):
+                self.closed_pipe = True
+        return len(text)
+
+    def flush(self):
+        if not self.closed_pipe:
+            try:
+                self.stream.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                self.closed_pipe = True
+
+    def __getattr__(self, name):  # isatty, fileno, encoding...: the stream's own
+        return getattr(self.stream, name)
+
+
+def guard_pipes():
+    """stdout and stderr as PipeGuards, once per process."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, PipeGuard):
+            setattr(sys, name, PipeGuard(stream))
+
+
 def main(argv=None):
+    guard_pipes()
     args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:

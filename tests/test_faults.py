@@ -18,8 +18,8 @@ import checkpoint as CK
 import config as C
 import data as D
 import export as E
-import sample as S
 import plots as PL
+import sample as S
 import train as TR
 from conftest import tiny_run_config, with_train
 
@@ -282,6 +282,47 @@ def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp
     assert "SIGINT again: stopped at once; the last complete checkpoint is kept" in err
     assert CK.load(tmp_path / "r").step == kept
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_through_a_pipe_whose_reader_went_away_still_saves_and_resumes_bitwise(finished, tmp_path, monkeypatch):
+    """`python train.py ... | tee out`, then Ctrl-C: the terminal signals tee too, so every line written after it
+    (the signal's note, the step's line) meets a closed pipe. The run still saves after the step in flight, exits
+    130, and --resume finishes it with the losses of a run never stopped."""
+    import io
+
+    class Pipe(io.StringIO):  # a pipe whose reader exits at the Ctrl-C
+        gone = False
+
+        def write(self, text):
+            if self.gone:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+        def flush(self):
+            if self.gone:
+                raise BrokenPipeError(32, "Broken pipe")
+
+    cfg_path = toml_config(with_train(finished[0], steps=6), tmp_path / "c.toml")
+    TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "straight"])
+    pipe, real_step, steps = Pipe(), TR.train_step, []
+
+    def step(*a, **k):
+        steps.append(1)
+        if len(steps) == 3:
+            pipe.gone = True
+            ctrl_c()
+        return real_step(*a, **k)
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", pipe)
+        m.setattr(sys, "stderr", pipe)
+        m.setattr(TR, "train_step", step)
+        with pytest.raises(SystemExit) as e:
+            TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "r"])
+    assert e.value.code == 130 and CK.load(tmp_path / "r").step == 3
+    TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "r", "--resume"])
+    losses = [[row["loss"] for row in PL.read_log(tmp_path / name / "log.jsonl") if "loss" in row]
+              for name in ("straight", "r")]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
 
 
 def test_a_quick_second_ctrl_c_inside_a_long_cpu_call_quits_at_once(tmp_path):
