@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import math
 import re
 import tomllib
 import types
@@ -65,6 +66,7 @@ class DataConfig:
     tokenizer_file: str = ""  # a tokenizer.json to tokenize with instead of training one ("": train the corpus' own)
 
     def __post_init__(self):
+        check_finite(self, "data")
         if not 0 < self.val_fraction < 1:  # training evaluates on the held-out share: none leaves it nothing to score
             raise ValueError(f"data.val_fraction={self.val_fraction!r} is out of range: it must be in (0, 1), the "
                              f"share of documents held out for validation")
@@ -133,6 +135,7 @@ class TrainConfig:
     sample_prompt: str = "def "  # the text the end-of-run sample starts from (presets on English text: "The")
 
     def __post_init__(self):
+        check_finite(self, "train")
         check_ranges(self, "train", TRAIN_RANGES)
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"train.device={self.device!r}: use auto, cpu, cuda or cuda:N")
@@ -166,6 +169,15 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     **dict.fromkeys(("embed_lr", "head_lr", "scalar_lr"), (lambda v: 0 <= v <= 10, "in [0, 10] (0: train.lr)")),
     "adam_eps": (lambda v: 0 < v <= 1e-3, "in (0, 1e-3]"),
 }
+
+
+def check_finite(obj, section: str):
+    """Raise ValueError naming section.field for the first float field that is NaN or infinite: a range test
+    written `v < 0` lets both through."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{section}.{f.name}={value!r} is not a finite number: give a real number")
 
 
 def check_ranges(obj, section: str, ranges: dict):

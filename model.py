@@ -74,6 +74,9 @@ class ModelConfig:
     attn_scale: float = 0.0  # the attention logits' scale; 0: 1/sqrt(head_dim) (modded-nanogpt's: 0.12 at head 128)
 
     def __post_init__(self):
+        for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale"):  # NaN and inf pass a "< 0" test
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is not a finite number: give a real number")
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")

@@ -193,3 +193,16 @@ def test_a_speed_key_under_model_loads_from_old_files_and_checkpoints(tmp_path):
     saved["model"]["fused_loss"] = True
     del saved["speed"]
     assert C.load_config(values=saved).speed.fused_loss
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("section", ["model", "data", "train"])
+def test_every_float_setting_refuses_nan_and_inf(section, bad):
+    """A NaN or an infinity in a file or a flag is one line naming the key and the file, for every float field
+    (`--attn-scale inf` and `logit_softcap = nan` used to start a run that failed at step 0)."""
+    cls = C.SECTIONS[section]
+    floats = [f.name for f in dataclasses.fields(cls) if f.type in (float, "float")]
+    assert floats
+    for name in floats:
+        with pytest.raises(ValueError, match=rf"^flags \(--{name.replace('_', '-')}\): {section}\.{name}=.* is not a finite"):
+            C.preset("tiny", **{f"{section}__{name}": bad})
