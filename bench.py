@@ -226,8 +226,12 @@ def plan_rungs(path: Path, preset: str | None = None, steps: int | None = None) 
         raise ValueError(f"{path}: steps = {timed!r}: give the timed steps per rung as a whole number, 1 or more")
     if not isinstance(values.get("preset", "88m"), str):
         raise ValueError(f"{path}: preset = {values['preset']!r}: give a preset's name, e.g. preset = \"88m\"")
+    tables = values.get("rung") or []
+    if not isinstance(tables, list):
+        raise ValueError(f"{path}: rung = {tables!r}: each rung is a [[rung]] table (name = \"...\" and its "
+                         f"settings), one after another")
     rungs, configs = [], {}
-    for i, table in enumerate(values.get("rung") or []):
+    for i, table in enumerate(tables):
         where = f"{path}: rung {i + 1}"
         check_rung_table(table, where, configs)
         overrides = {**(PLAIN_KERNELS if table.get("plain") else {}),
@@ -934,7 +938,7 @@ def main(argv=None):
             p.error("choose a study: " + ", ".join("--" + s.replace("_", "-") for s in STUDIES) + ", --all or --budget")
         if chosen:
             run_studies(args, chosen, argv)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -317,6 +317,9 @@ def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
 def read_plan(path: str | Path) -> dict:
     """A bench plan file: TOML, read with the same errors as a config file."""
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"plan file {path} is a folder: give one of its .toml files (examples live in "
+                                f"{PRESETS_DIR / 'plans'})")
     if not path.is_file():
         raise FileNotFoundError(f"plan file {path} does not exist (examples live in {PRESETS_DIR / 'plans'})")
     try:

@@ -657,3 +657,15 @@ def test_the_varlen_attention_rows_take_each_document_as_a_sequence(monkeypatch)
     for run in runs.values():
         run()
     assert calls == [([0, 2, 5, 6, 10, 12], True, 4, (2, 0), (12, 3, 4)), ([0, 2, 5, 6, 10, 12], True, 4, (-1, 0), (12, 3, 4))]
+
+
+def test_a_plan_that_is_missing_a_folder_or_not_tables_is_one_line(tmp_path):
+    """bench.py --plan with a missing file, a folder, or `rung = 3`: one line naming the file and what to give,
+    exit 1, no traceback."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rung = 3\n")
+    for plan, says in ((tmp_path / "none.toml", "does not exist"), (tmp_path, "is a folder"),
+                       (bad, "rung = 3: each rung is a [[rung]] table")):
+        with pytest.raises(SystemExit) as e:
+            B.main(["--plan", str(plan)])
+        assert str(e.value.code).startswith(f"error: ") and says in str(e.value.code), e.value.code
