@@ -975,12 +975,26 @@ def shown_config(argv: list[str] | None) -> Path:
     return DEFAULT_CONFIG
 
 
+def seconds_win(overrides: dict, config: str | Path, log) -> dict:
+    """`--seconds S` alone on a config that sets train.steps or train.tokens (every preset does): the budget of
+    seconds is what was asked for, so it wins, and the run says so in one line. With --steps or --tokens
+    given too, TrainConfig refuses the pair as it would in a file."""
+    if not overrides.get("train__seconds") or {"train__steps", "train__tokens"} & overrides.keys():
+        return overrides
+    base = C.load_config(config).train
+    if not (base.steps or base.tokens):
+        return overrides
+    log(f"note: --seconds {overrides['train__seconds']:g} sizes the run, in place of {config}'s "
+        f"{f'train.steps = {base.steps}' if base.steps else f'train.tokens = {base.tokens:,}'}")
+    return {**overrides, "train__steps": 0, "train__tokens": 0}
+
+
 def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=print):
     """(config, checkpoint): the config file and flags; on --resume, the loaded checkpoint and its
     own config. On resume the checkpoint's config is the base: a model or data value the file or
     a flag gives must equal it (the same command plus --resume always works), and [train] values
     may change, each reported."""
-    overrides = C.flag_overrides(args)
+    overrides = seconds_win(C.flag_overrides(args), args.config or DEFAULT_CONFIG, log)
     from_file = C.read_toml(args.config) if args.config else {}
     given = {f"{s}__{k}": v for s, table in C.moved(from_file).items() for k, v in table.items()}
     given |= {f"{C.MOVED.get(tuple(k.split('__')), k.split('__')[0])}__{k.split('__')[1]}": v for k, v in overrides.items()}

@@ -1004,3 +1004,18 @@ def test_an_evaluation_draws_only_the_batches_it_scores(train_config):
     loader.next_batch = lambda: drawn.append(1) or draw()
     found = TR.evaluate(r.model, loader, 1, torch.ones(train_config.model.vocab_size), train_config.train, r.device)
     assert len(drawn) == 1 and math.isfinite(found["val_loss"])  # one window: one batch, not the whole split
+
+
+def test_seconds_alone_wins_over_the_presets_steps_and_says_so():
+    """`--seconds 70` on a preset that sets train.tokens (or steps) trains for 70 seconds, with one line saying
+    so, where it once trained the preset's length without a word; --steps beside it is the file's pair again."""
+    said = []
+    args = TR.build_parser([]).parse_args(["--config", str(ROOT / "configs" / "126m.toml"), "--seconds", "70"])
+    cfg, _ = TR.resolve_config(args, log=said.append)
+    assert (cfg.train.seconds, cfg.train.steps, cfg.train.tokens) == (70.0, 0, 0)
+    assert said == [f"note: --seconds 70 sizes the run, in place of {ROOT / 'configs' / '126m.toml'}'s train.tokens = "
+                    f"{C.preset('126m').train.tokens:,}"]
+    args = TR.build_parser([]).parse_args(["--config", str(ROOT / "configs" / "126m.toml"), "--seconds", "70",
+                                           "--steps", "5"])
+    cfg, _ = TR.resolve_config(args, log=said.append)
+    assert (cfg.train.seconds, cfg.train.steps) == (70.0, 5) and len(said) == 1
