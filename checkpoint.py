@@ -170,6 +170,7 @@ def load(path: str | Path, device="cpu", **overrides) -> Checkpoint:
     try:
         saved = state["config"]
         config = C.load_config(values=saved, source=f"{path} (saved config)", **overrides)
+        check_weights(path, state["model"], config.model)
         return Checkpoint(path=path, config=config, model=state["model"], optimizer=state["optimizer"],
                           step=int(state["step"]), tokens=int(state["tokens"]), skipped=int(state["skipped"]),
                           loaders=list(state["loaders"]), rngs=list(state["rngs"]),
@@ -180,6 +181,24 @@ def load(path: str | Path, device="cpu", **overrides) -> Checkpoint:
                               f"train.py or is damaged") from None
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+
+
+def check_weights(path: Path, weights: dict, cfg: M.ModelConfig):
+    """Refuse, in one line, weights whose names or shapes contradict the checkpoint's own config: every entry
+    point (resume, evaluate, sample, export, --init-from) loads through here, so none reaches load_state_dict's
+    traceback, and export never writes a folder whose weights contradict its config.json. The model is built
+    on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in M.Llama(cfg).state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in weights.items()} if isinstance(weights, dict) else {}
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    wrong = [f"{n} is {found[n]}, its config makes {expected[n]}" for n in sorted(expected.keys() & found.keys())
+             if found[n] != expected[n]]
+    if missing or extra or wrong:
+        what = (f"{wrong[0]}" if wrong else f"missing {missing[0]}" if missing else f"an unexpected {extra[0]}")
+        count = len(missing) + len(extra) + len(wrong)
+        raise CheckpointError(f"{path}: its weights contradict its own config ({what}; {count} tensor(s) in all): "
+                              f"the file is damaged or was edited; use another checkpoint or retrain")
 
 
 def check_compatible(ckpt: Checkpoint, cfg: C.Config, tok_hash: str):

@@ -121,3 +121,18 @@ def test_rng_state_round_trips_through_a_safe_load(tmp_path):
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     CK.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_weights_that_contradict_their_config_are_refused_in_one_line_by_every_loader(trained, tmp_path):
+    """A checkpoint whose tensors' shapes contradict its saved config (an edited config, a damaged file): load()
+    refuses it naming the tensor, so resume, evaluate, sample, export and --init-from all say one line."""
+    state = torch.load(trained / "ckpt.pt", weights_only=True)
+    state["config"]["model"]["d_model"] = 2 * state["config"]["model"]["d_model"]
+    torch.save(state, tmp_path / "ckpt.pt")
+    with pytest.raises(CK.CheckpointError, match=r"ckpt\.pt: its weights contradict its own config \(\w.* is \("):
+        CK.load(tmp_path)
+    state = torch.load(trained / "ckpt.pt", weights_only=True)
+    del state["model"]["norm.weight"]
+    torch.save(state, tmp_path / "ckpt.pt")
+    with pytest.raises(CK.CheckpointError, match=r"contradict its own config \(missing norm\.weight; 1 tensor"):
+        CK.load(tmp_path)
