@@ -145,6 +145,18 @@ def read_header(path: Path, vocab_size: int | None = None, tok_hash: str | None 
     return info
 
 
+def check_ids(info: ShardInfo, tokens: np.ndarray):
+    """Refuse a shard whose body holds a token id its vocabulary does not have (the header can be intact over a
+    damaged body): an embedding lookup would fail mid-training, a device-side assert on a GPU. One pass over the
+    memory map, at memory speed."""
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= info.vocab_size:
+        at = int(np.argmax(tokens >= info.vocab_size))
+        raise ShardError(f"{info.path}: token id {top:,} (first bad one at token {at:,}) is beyond the "
+                         f"{info.vocab_size:,}-token vocabulary its header gives: the file is damaged; rebuild the "
+                         f"shards with `python data.py prepare --rebuild`")
+
+
 def open_shard(info: ShardInfo):
     """(tokens, doc_starts) as read-only memory maps: nothing is read until it is used."""
     tokens = np.memmap(info.path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_SIZE, shape=(info.n_tokens,))
@@ -473,6 +485,8 @@ class ShardLoader:
             raise FileNotFoundError("ShardLoader got no shard files")
         self.infos = [read_header(f, vocab_size, tokenizer_hash) for f in files]
         self.shards = [open_shard(i) for i in self.infos]
+        for info, (tokens, _) in zip(self.infos, self.shards):
+            check_ids(info, tokens)
         self.B, self.T = batch, seq_len
         self.seed, self.rank, self.world, self.shuffle = seed, rank, world, shuffle
         self.want_doc_ids, self.device = doc_ids, torch.device(device)

@@ -356,6 +356,21 @@ def test_truncated_or_foreign_file_is_refused(shards, tmp_path):
         D.read_header(foreign)
 
 
+def test_a_token_id_beyond_the_vocabulary_in_a_shards_body_is_refused_at_open(shards, tmp_path):
+    """The header intact, one token in the body past the vocabulary (a damaged file): the loader refuses it when
+    it opens the shard, naming the file and the token, before any step would index past the embedding."""
+    info = D.read_header(shards[0][0])
+    tokens, starts = D.open_shard(info)
+    bad = np.array(tokens)
+    bad[123] = info.vocab_size + 7
+    path = tmp_path / "bad.bin"
+    D.write_shard(path, bad, starts.astype(np.uint64), info.vocab_size, info.tokenizer_hash, info.n_bytes)
+    with pytest.raises(D.ShardError, match=rf"bad\.bin: token id {info.vocab_size + 7} \(first bad one at token 123\) "
+                                           rf"is beyond the {info.vocab_size}-token vocabulary"):
+        D.ShardLoader([path], 2, 16)
+    D.ShardLoader([shards[0][0]], 2, 16)  # its intact twin opens
+
+
 def test_interrupted_prepare_leaves_nothing_that_loads(corpus_dir, tmp_path, monkeypatch):
     cfg = D.DataConfig(corpus=str(corpus_dir / "*.txt"), val_fraction=0.1, cache_dir=str(tmp_path))
 
