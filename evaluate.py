@@ -64,8 +64,7 @@ def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int
     loader_args = dict(batch=B, seq_len=T, vocab_size=mcfg.vocab_size, tokenizer_hash=ckpt.tokenizer_hash,
                        shuffle=False, doc_ids=doc_ids, device=dev)
     loader = D.ShardLoader(D.shard_files(folder, "val"), **loader_args)
-    model = M.Llama(mcfg).to(dev)
-    model.load_state_dict(ckpt.model, strict=True)
+    model = ckpt.build_model().to(dev)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(tok_path)), device=dev, dtype=torch.float32)
     n_windows = min(max(1, (tokens or tcfg.eval_tokens) // T), len(loader) * B)  # whole batches of the split
     found = TR.evaluate(model, loader, n_windows, token_bytes, tcfg, dev, mcfg.windows())
@@ -74,7 +73,7 @@ def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int
         found |= {f"{k}_whole": v for k, v in TR.evaluate(model, whole, n_windows, token_bytes,
                                                           tcfg, dev, mcfg.windows()).items()}
     return {"checkpoint": str(ckpt.path), "step": ckpt.step, "corpus": data_cfg.corpus,
-            "tokens": n_windows * T, "context": T, **found}
+            "val_fraction": data_cfg.val_fraction, "tokens": n_windows * T, "context": T, **found}
 
 
 def table(rows: list[dict]) -> str:
@@ -99,11 +98,21 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "results" / "eval.json"), help="JSON to write (default "
                    "./results/eval.json)")
     args = p.parse_args(argv)
+    for name in ("tokens", "context", "micro_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            sys.exit(f"error: --{name.replace('_', '-')} {value}: give a whole number of 1 or more (leave it out for "
+                     f"the run's own)")
     try:
         rows = [evaluate_checkpoint(path, args.corpus, args.tokens, args.context, args.micro_batch, args.device)
                 for path in args.ckpts]
     except (FileNotFoundError, ValueError, D.ShardError) as e:
         sys.exit(f"error: {e}")
+    shares = sorted({r["val_fraction"] for r in rows})
+    if len(shares) > 1:
+        print(f"note: these checkpoints hold out different shares of their corpus for validation (data.val_fraction "
+              f"{', '.join(f'{v:g}' for v in shares)}), so they are scored on different documents: compare them on "
+              f"runs with one val_fraction")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": "python evaluate.py " +

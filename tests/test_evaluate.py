@@ -68,3 +68,23 @@ def test_another_corpus_is_tokenized_with_the_checkpoints_tokenizer(two_runs, tm
 def test_a_context_longer_than_the_models_is_refused_in_one_line(two_runs):
     with pytest.raises(SystemExit, match=r"^error: --context 100000 is longer than the checkpoint's model.context"):
         EV.main([str(two_runs / "short"), "--context", "100000"])
+
+
+@pytest.mark.parametrize("flag, value", [("--micro-batch", "-1"), ("--tokens", "-5"), ("--tokens", "0"),
+                                         ("--context", "0")])
+def test_sizes_below_one_are_refused_in_one_line(two_runs, flag, value):
+    """--micro-batch -1 once answered `__len__() should return >= 0`, --tokens -5 evaluated 64 tokens and 0 meant the
+    default, all without a word."""
+    with pytest.raises(SystemExit, match=rf"^error: {flag} {value}: give a whole number of 1 or more"):
+        EV.main([str(two_runs / "short"), flag, value])
+
+
+def test_checkpoints_that_hold_out_different_shares_are_compared_with_a_note(two_runs, data_cfg, tmp_path, capsys):
+    """Two runs whose data.val_fraction differ score different validation documents: the table says so."""
+    import dataclasses
+    cfg = tiny_run_config(data_cfg, steps=1)
+    other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_fraction=0.2))
+    TR.train(other, tmp_path / "other", **QUIET)
+    EV.main([str(two_runs / "short"), str(tmp_path / "other"), "--tokens", "512", "--out", str(tmp_path / "e.json")])
+    assert "note: these checkpoints hold out different shares of their corpus for validation (data.val_fraction " \
+           "0.1, 0.2)" in capsys.readouterr().out
