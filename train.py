@@ -556,6 +556,13 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
     checkpoint: the run's checkpoint when the caller has already loaded it (resume)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = log if rank == 0 else (lambda *a, **k: None)
+    with claimed(run_dir, say) if rank == 0 else contextlib.nullcontext():
+        return train_claimed(cfg, run_dir, resume, overwrite, stop_after, say, checkpoint, rank, world)
+
+
+def train_claimed(cfg: C.Config, run_dir: Path, resume: bool, overwrite: bool, stop_after: int | None, say,
+                  checkpoint: CK.Checkpoint | None, rank: int, world: int) -> dict:
+    """train(), the run's folder claimed."""
     ckpt = check_start(cfg, run_dir, resume, overwrite, checkpoint)
     if ckpt is not None and ckpt.step >= SZ.total_steps(cfg.train) and (run_dir / "summary.json").exists():
         say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
@@ -573,6 +580,51 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
     meter = announce(r, run_dir, say)
     session = run_loop(r, progress, meter, run_dir, stop_after, resumed=ckpt is not None)
     return summarize(r, progress, session, meter, run_dir, say)
+
+
+LOCK = ".lock"  # in a run's folder while a process trains in it: "<host> <pid>"
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path, say):
+    """The run's folder, held by this process alone while it trains: a second run started with the same name
+    (at the same time, or while this one runs) is refused in one line, where both would write one log and one
+    checkpoint. A lock left by a process that no longer runs on this machine (a killed run) is taken over, saying
+    so; one held from another machine is refused naming it. A folder this made and nothing filled is removed."""
+    made = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock, me = run_dir / LOCK, f"{socket.gethostname()} {os.getpid()}"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        holder = lock.read_text().split()
+        host, pid = (holder[0], int(holder[1])) if len(holder) == 2 and holder[1].isdigit() else ("?", -1)
+        if host != socket.gethostname() or pid_alive(pid):
+            raise ValueError(f"{run_dir} is in use by process {pid} on {host}: wait for that run to end, give this one "
+                             f"another --name, or delete {lock} if that run is gone") from None
+        say(f"note: {lock} was left by process {pid}, which no longer runs: taking the folder over")
+        lock.unlink()
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    os.write(fd, me.encode())
+    os.close(fd)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        if made and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def check_start(cfg: C.Config, run_dir: Path, resume: bool, overwrite: bool,

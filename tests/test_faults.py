@@ -391,6 +391,26 @@ def test_the_same_command_plus_resume_continues_on_a_card_without_the_fp8_units_
     assert CK.load(tmp_path / "r").step == finished[0].train.steps
 
 
+def test_a_run_folder_in_use_is_refused_and_a_stale_lock_taken_over(finished, tmp_path, capsys):
+    """Two runs started with one name once both wrote one folder: the second is refused in one line while the
+    first holds it; a lock whose process is gone (a killed run) is taken over, saying so, and released at the end."""
+    import socket
+    cfg_path = toml_config(finished[0], tmp_path / "c.toml")
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / TR.LOCK).write_text(f"{socket.gethostname()} {os.getpid()}")  # a live process: this one
+    with pytest.raises(SystemExit) as e:
+        TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "r"])
+    one_line_error(e, f"{run} is in use by process {os.getpid()} on {socket.gethostname()}: wait for that run to end")
+    assert not (run / "ckpt.pt").exists()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run / TR.LOCK).write_text(f"{socket.gethostname()} {gone.pid}")
+    TR.main(["--config", str(cfg_path), "--runs-dir", str(tmp_path), "--name", "r"])
+    assert f"note: {run / TR.LOCK} was left by process {gone.pid}, which no longer runs" in capsys.readouterr().out
+    assert (run / "summary.json").exists() and not (run / TR.LOCK).exists()
+
+
 def test_resume_cannot_change_the_model(finished, tmp_path):
     with pytest.raises(SystemExit) as e:
         TR.main(["--runs-dir", str(finished[1].parent), "--name", "run", "--resume", "--d-model", "128"])
