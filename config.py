@@ -290,6 +290,7 @@ def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid TOML ({e}): fix the file or start from a preset in configs/") from None
+    check_keys(path, data)
     extra = sorted(set(data) - set(SECTIONS) - {"extends"})
     if extra:
         raise ValueError(f"{path}: unknown section(s) {extra}; valid sections are {list(SECTIONS)} (and a "
@@ -312,6 +313,17 @@ def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
                 raise ValueError(f"{path}: [{section}] must be a table of settings, got {type(table).__name__}")
             merged[section] = {**merged.get(section, {}), **table}
     return merged
+
+
+def check_keys(path: Path, data: dict):
+    """Refuse an unknown key where it is written: in this file, not in the one that extends it."""
+    for section, table in moved({k: v for k, v in data.items() if k in SECTIONS}).items():
+        if isinstance(table, dict):
+            known = field_types(SECTIONS[section])
+            unknown = sorted(set(table) - set(known))
+            if unknown:
+                raise ValueError(f"{path}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
+                                 f"valid keys in [{section}] are: {', '.join(known)}")
 
 
 def read_plan(path: str | Path) -> dict:
@@ -345,15 +357,23 @@ def load_config(path: str | Path | None = None, *, values: dict | None = None, s
             raise ValueError(f"override {key!r}: write it as <section>__<name>, section one of {list(SECTIONS)}")
         merged[section][name] = value
     try:
-        return Config(**{s: from_dict(cls, merged[s], source, s) for s, cls in SECTIONS.items()})
+        return built(merged, source)
     except ValueError:
         if not overrides:
             raise
     # The file alone may be fine: then the bad value came from a flag, and the error says which.
-    for s, cls in SECTIONS.items():
-        from_dict(cls, dict(values.get(s) or {}), source, s)
+    built({s: dict(values.get(s) or {}) for s in SECTIONS}, source)
     flags = ", ".join("--" + k.split("__")[1].replace("_", "-") for k in overrides)
-    return Config(**{s: from_dict(cls, merged[s], f"flags ({flags})", s) for s, cls in SECTIONS.items()})
+    return built(merged, f"flags ({flags})")
+
+
+def built(sections: dict, source: str) -> Config:
+    """The Config of checked sections; a check across sections (Config.__post_init__) names the source too."""
+    checked = {s: from_dict(cls, sections[s], source, s) for s, cls in SECTIONS.items()}
+    try:
+        return Config(**checked)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def preset_names() -> list[str]:

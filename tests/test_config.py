@@ -206,3 +206,15 @@ def test_every_float_setting_refuses_nan_and_inf(section, bad):
     for name in floats:
         with pytest.raises(ValueError, match=rf"^flags \(--{name.replace('_', '-')}\): {section}\.{name}=.* is not a finite"):
             C.preset("tiny", **{f"{section}__{name}": bad})
+
+
+def test_a_config_error_names_the_file_that_holds_the_key(tmp_path):
+    """A typo in a file that another extends is blamed on that file, not on the child; a check across sections
+    (the window schedule against the window) names the file too."""
+    (tmp_path / "parent.toml").write_text('extends = "tiny"\n[train]\nstepz = 3\n')
+    (tmp_path / "child.toml").write_text('extends = "parent.toml"\n[train]\nsteps = 3\n')
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'parent.toml'}: unknown key\(s\) train\.stepz"):
+        C.load_config(tmp_path / "child.toml")
+    (tmp_path / "w.toml").write_text('extends = "tiny"\n[model]\nattn_window = 64\n[train]\nwindow_start = 128\n')
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'w.toml'}: train\.window_start=128 grows the window"):
+        C.load_config(tmp_path / "w.toml")
