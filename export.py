@@ -42,11 +42,28 @@ FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenize
 
 
 def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
+    """Write the folder whole or not at all: a failure part-way (a full disk) removes what this export wrote,
+    and a folder it made, and says so in one line."""
     cfg = ckpt.config.model
     CK.hf_architecture(cfg)  # refuses, before anything is written, what no transformers class computes
     tok = tk.load_tokenizer(tokenizer_path)
-    eot_id = tok.token_to_id(tk.EOT)
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        write_files(ckpt, tok, tokenizer_path, out)
+    except Exception as e:  # safetensors raises its own SafetensorError for a full disk
+        for name in FILES:
+            (out / name).unlink(missing_ok=True)
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise OSError(f"writing {out} failed ({detail}); nothing was left there: free some space or choose "
+                      f"another --out") from None
+
+
+def write_files(ckpt: CK.Checkpoint, tok, tokenizer_path: Path, out: Path):
+    cfg = ckpt.config.model
+    eot_id = tok.token_to_id(tk.EOT)
     CK.write_hf_model(ckpt.model, cfg, out, eot_id)
     shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -73,7 +90,8 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     except OSError as e:
-        sys.exit(f"error: cannot write {out} ({e.strerror or e}): choose a folder you can write to")
+        sys.exit(f"error: {e}" if str(e).startswith("writing ") else
+                 f"error: cannot write {out} ({e.strerror or e}): choose a folder you can write to")
     print(f"wrote {args.out}: {', '.join(FILES)} (load with "
           f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r}))")
 

@@ -252,6 +252,22 @@ def test_export_loads_in_transformers_with_equal_logits(loaded, tmp_path):
     assert greedy_ours == greedy_hf
 
 
+def test_a_full_disk_during_export_is_one_line_and_leaves_no_folder(run_dir, tmp_path, monkeypatch):
+    """safetensors reports a full disk with its own SafetensorError: the export says so in one line and removes
+    what it wrote, and the folder it made, where it once printed a traceback and left an empty folder."""
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                              "\"No space left on device\" })")
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with pytest.raises(SystemExit) as e:
+        E.main(["--ckpt", str(run_dir), "--out", str(tmp_path / "hf")])
+    message = str(e.value.code)
+    assert message.startswith(f"error: writing {tmp_path / 'hf'} failed (Error while serializing") and "\n" not in message
+    assert "nothing was left there" in message and not (tmp_path / "hf").exists()
+
+
 def test_export_command_writes_the_files(run_dir, tmp_path, capsys):
     E.main(["--ckpt", str(run_dir), "--out", str(tmp_path / "hf")])
     names = {p.name for p in (tmp_path / "hf").iterdir()}
