@@ -16,6 +16,7 @@ seeded order without replacement, with an exact resumable cursor.
 """
 
 import argparse
+import errno
 import itertools
 import json
 import os
@@ -87,13 +88,17 @@ def write_shard(path: Path, tokens: np.ndarray, doc_starts: np.ndarray, vocab_si
     header = HEADER.pack(MAGIC, VERSION, TOKEN_DTYPE.itemsize, vocab_size, 0, tok_hash.encode(),
                          len(tokens), len(doc_starts), n_bytes).ljust(HEADER_SIZE, b"\0")
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(tokens.tobytes())
-        f.write(doc_starts.astype("<u8").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(tokens.tobytes())
+            f.write(doc_starts.astype("<u8").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as e:  # a full disk names no file: name the shard, and leave no partial one
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def random_shards(folder: Path, vocab: int, tokens: int, seed: int = 1337) -> list[Path]:
@@ -661,7 +666,9 @@ def main(argv=None):
     except (tk.CorpusError, ShardError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     except OSError as e:
-        sys.exit(f"error: {e.filename or ''}: {e.strerror or e}: check the path and its permissions")
+        full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        sys.exit(f"error: {e.filename or 'the data cache'}: {e.strerror or e}: "
+                 f"{'free some space, or give --cache-dir on another disk' if full else 'check the path and its permissions'}")
     except KeyboardInterrupt:  # nothing half-written is trusted: shards and the manifest are renamed into place
         kept = "no finished file was written"
         if args.command == "prepare" and "folder" in locals() and (folder / "tokenizer.json").is_file():

@@ -1,4 +1,5 @@
 import json
+import re
 import time
 from pathlib import Path
 
@@ -710,3 +711,25 @@ def test_ctrl_c_in_prepare_says_only_what_is_true(tmp_path, monkeypatch, capsys)
     with pytest.raises(SystemExit):
         D.main(["prepare", "--cache-dir", str(tmp_path)])
     assert f"the finished {folder / 'tokenizer.json'} is kept" in capsys.readouterr().err
+
+
+def test_a_full_disk_while_prepare_writes_a_shard_names_it_in_one_line(corpus_dir, tmp_path, monkeypatch):
+    """A full disk raises an OSError that names no file ("error: : File too large" once): prepare names the
+    shard it was writing, says to free space, and leaves no partial shard."""
+    import errno
+    real_open = open
+
+    def full_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if str(path).endswith(".bin.tmp"):
+            def write(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write = write
+        return f
+    monkeypatch.setattr("builtins.open", full_open)
+    with pytest.raises(SystemExit) as e:
+        D.main(["prepare", "--corpus", str(corpus_dir / "*.txt"), "--vocab-size", "512", "--cache-dir", str(tmp_path)])
+    message = str(e.value.code)
+    assert re.match(r"error: .*\.bin: No space left on device: free some space, or give --cache-dir on another disk$",
+                    message), message
+    assert not list(tmp_path.rglob("*.tmp"))
