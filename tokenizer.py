@@ -74,24 +74,41 @@ def python_documents(warn=print) -> Iterator[str]:
     """The python corpus: python_files() read on all cores, each distinct text once (packages vendor
     the same files), in the order of the text's sha256. That order, and so the split and the
     tokenizer sample, is the same on every machine with the same files, whatever their paths."""
-    from concurrent.futures import ThreadPoolExecutor
     files = python_files()
     texts = {}
-    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 4)
-    try:
-        for raw in tqdm(pool.map(Path.read_bytes, files, chunksize=64), total=len(files), desc="reading python",
-                        unit="file", leave=False, disable=None):
-            text = raw.decode("utf-8", errors="replace")
-            if text.strip():
-                texts.setdefault(hashlib.sha256(raw).hexdigest(), text)
-    finally:
-        # map() queues every file at once: on Ctrl-C drop the reads not started, rather than wait for
-        # all of them (minutes on a large installation) as leaving a `with` block would.
-        pool.shutdown(wait=False, cancel_futures=True)
+    for raw in tqdm(read_in_parallel(files), total=len(files), desc="reading python", unit="file", leave=False,
+                    disable=None):
+        text = raw.decode("utf-8", errors="replace")
+        if text.strip():
+            texts.setdefault(hashlib.sha256(raw).hexdigest(), text)
     warn(f"python corpus: {len(files):,} files, {len(texts):,} distinct non-empty texts "
          f"({len(files) - len(texts):,} duplicates or empty skipped)")
     for digest in sorted(texts):
         yield texts.pop(digest)
+
+
+def read_in_parallel(files, workers: int | None = None) -> Iterator[bytes]:
+    """Each file's bytes, in the order the reads finish, read by daemon threads: a Ctrl-C in the consumer stops
+    at once, and no reader holds the process at its exit (a thread pool's, interrupted inside its submit, once
+    hung it there). A read that fails raises here, in the consumer."""
+    import queue
+    import threading
+    workers = max(1, min(workers or os.cpu_count() or 4, len(files)))
+    done = queue.Queue(maxsize=4 * workers)
+
+    def read(part):
+        for path in part:
+            try:
+                done.put(Path(path).read_bytes())
+            except OSError as e:
+                done.put(e)
+    for i in range(workers):
+        threading.Thread(target=read, args=(files[i::workers],), daemon=True).start()
+    for _ in range(len(files)):
+        raw = done.get()
+        if isinstance(raw, OSError):
+            raise raw
+        yield raw
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -285,7 +302,10 @@ def train_tokenizer(docs: Iterator[str], vocab_size: int, out: Path, show_progre
         raise ValueError(f"vocab size {vocab_size} must be between 257 (bytes + end-of-text) and 65,536 "
                          f"(token ids are stored as uint16)")
     show_progress = sys.stderr.isatty() if show_progress is None else show_progress
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import tokenizer; "
+    # The child ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the parent, which
+    # stops it, is the one that says so (the child's own KeyboardInterrupt traceback said it again).
+    code = (f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import tokenizer; "
             f"tokenizer._train_from_stdin({vocab_size}, {str(out)!r}, {show_progress})")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
     try:

@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -733,3 +734,41 @@ def test_a_full_disk_while_prepare_writes_a_shard_names_it_in_one_line(corpus_di
     assert re.match(r"error: .*\.bin: No space left on device: free some space, or give --cache-dir on another disk$",
                     message), message
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_the_parallel_reader_reads_every_file_and_holds_no_thread_at_exit(corpus_dir, tmp_path):
+    """The python corpus's reader: every file's bytes once, a failed read raised in the consumer, and only daemon
+    threads, so a Ctrl-C part-way through never leaves the process waiting at its exit for a pool."""
+    import threading
+    files = sorted(corpus_dir.glob("*.txt"))
+    assert sorted(tk.read_in_parallel(files, workers=3)) == sorted(f.read_bytes() for f in files)
+    stopped = tk.read_in_parallel(files, workers=3)
+    next(stopped)  # a consumer that stops early (as Ctrl-C stops it)
+    assert all(t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+    with pytest.raises(FileNotFoundError):
+        list(tk.read_in_parallel(files[:2] + [tmp_path / "gone.txt"], workers=2))
+
+
+def test_the_tokenizers_worker_ignores_ctrl_c_which_its_parent_handles(tmp_path, monkeypatch):
+    """A terminal's Ctrl-C reaches the tokenizer's worker process too: it ignores SIGINT (its kernel-side mask,
+    /proc/PID/status), so the parent, which stops it, is the only one to say anything; the worker printed its own
+    KeyboardInterrupt traceback before."""
+    import subprocess
+    if not Path("/proc/self/status").exists():
+        pytest.skip("reads the worker's signal mask from /proc (Linux)")
+    children, real = [], subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: children.append(real(*a, **k)) or children[-1])
+    ignored = []
+
+    def docs():
+        yield "some text to learn merges from " * 50
+        for _ in range(500):  # the worker's interpreter starts, then sets its handler
+            mask = next(line for line in Path(f"/proc/{children[0].pid}/status").read_text().splitlines()
+                        if line.startswith("SigIgn:"))
+            if int(mask.split()[1], 16) & (1 << (2 - 1)):  # SIGINT is signal 2: bit 1
+                ignored.append(True)
+                break
+            time.sleep(0.01)
+        yield "more text " * 50
+    tk.train_tokenizer(docs(), 300, tmp_path / "tok", show_progress=False)
+    assert ignored == [True]
