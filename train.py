@@ -439,8 +439,8 @@ class Stopper:
 
     SECOND_GRACE = 1.0
 
-    def __init__(self, say):
-        self.signal, self.say, self.stopped = None, say, threading.Event()
+    def __init__(self, say, ckpt_path: Path | None = None):
+        self.signal, self.say, self.stopped, self.ckpt_path = None, say, threading.Event(), ckpt_path
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         self.wakeup, self.write_end = socket.socketpair()
         self.write_end.setblocking(False)
@@ -449,7 +449,7 @@ class Stopper:
 
     def _handle(self, signum, frame):
         if self.signal is not None:
-            quit_at_once(signal.Signals(signum).name + " again")
+            quit_at_once(signal.Signals(signum).name + " again", ckpt_path=self.ckpt_path)
         self.signal = signal.Signals(signum).name  # the watcher has said so already
 
     def _watch(self):
@@ -468,7 +468,7 @@ class Stopper:
                     self.say(f"{name}: saving a checkpoint after the current step (press Ctrl-C again to quit "
                              f"without saving)")
                 elif not self.stopped.wait(self.SECOND_GRACE):
-                    quit_at_once(f"{name} again", now=True)
+                    quit_at_once(f"{name} again", now=True, ckpt_path=self.ckpt_path)
             if not numbers:
                 return
 
@@ -481,12 +481,16 @@ class Stopper:
         self.wakeup.close()
 
 
-def quit_at_once(what: str, now: bool = False):
+def quit_at_once(what: str, now: bool = False, ckpt_path: Path | None = None):
     """Leave at once, in one line and with Ctrl-C's exit code (128 + SIGINT): a checkpoint being
     written is a temporary file until its rename, so the last complete one stays. now: from a thread
-    other than the main one, which may be inside a long C++ call, the process ends here (os._exit)."""
-    tqdm.write(f"{what}: stopped at once; the last complete checkpoint is kept, continue from it with --resume",
-               file=sys.stderr)
+    other than the main one, which may be inside a long C++ call, the process ends here (os._exit).
+    ckpt_path: the run's checkpoint, so the line says whether there is one to continue from."""
+    if ckpt_path is not None and not ckpt_path.exists():
+        kept = "no checkpoint was written yet, so the run starts again from its first step"
+    else:
+        kept = "the last complete checkpoint is kept, continue from it with --resume"
+    tqdm.write(f"{what}: stopped at once; {kept}", file=sys.stderr)
     if now:
         sys.stdout.flush()
         os._exit(130)
@@ -582,6 +586,8 @@ def train_claimed(cfg: C.Config, run_dir: Path, resume: bool, overwrite: bool, s
     return summarize(r, progress, session, meter, run_dir, say)
 
 
+PACE_NOTE_SECONDS = 3600  # a run with more than this left after its second step says how long, once
+CPU_STEP_FLOPS = 1e13  # a step past this on a CPU (a minute or more at its best) is a GPU config's: said at the start
 LOCK = ".lock"  # in a run's folder while a process trains in it: "<host> <pid>"
 
 
@@ -709,6 +715,11 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
         f"{'(' + tcfg.compile_mode + ')' if tcfg.compile else ''} adamw={tcfg.optimizer} pin={tcfg.pin} "
         f"activation_checkpointing={tcfg.activation_checkpointing} recompute_mlp={tcfg.recompute_mlp} "
         f"doc_mask={tcfg.doc_mask}")
+    step_flops = meter.flops_tok * tcfg.batch_tokens
+    if device.type == "cpu" and step_flops > CPU_STEP_FLOPS:
+        say(f"note: each step of this config is {step_flops / 1e12:,.0f} TFLOP, sized for a GPU: on a CPU a step takes "
+            f"many minutes and prints only when it ends (then the run's pace is said); `python train.py` (configs/"
+            f"tiny.toml) trains in minutes on a CPU")
     if device.type == "cuda" and meter.peak is None:
         say(f"note: no BF16 peak known for {info['device']}: MFU is not shown (pass --peak-tflops)")
     if r.rank == 0:
@@ -784,7 +795,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     board = Board(run_dir / "tensorboard", p.step if resumed else None) if tcfg.tensorboard and r.rank == 0 else None
-    stopper, session = Stopper(say), Session(first_step=p.step)
+    stopper, session = Stopper(say, ckpt_path), Session(first_step=p.step)
     if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary: nothing to train
         session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
     last_saved = p.step if resumed else None
@@ -815,6 +826,8 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
             if sized_now(r, p, session, run_dir, say):
                 bar.total = r.steps
             say(step_line(p.step, row, meter))
+            if p.step == session.first_step + 2 and r.steps != SZ.UNSIZED:  # the first step compiles: the second's pace
+                pace_note(r, p, row, say)
             bar.update(1)
     finally:
         bar.close()
@@ -841,6 +854,13 @@ def sized_now(r: Run, p: Progress, session: Session, run_dir: Path, say) -> bool
         session.sized = False
         return True
     return False
+
+
+def pace_note(r: Run, p: Progress, row: dict, say):
+    """Where the steps left would take over an hour at this step's pace, say how long, once."""
+    left = (r.steps - p.step) * r.cfg.train.batch_tokens / max(row["tok_s"], 1e-9)
+    if left > PACE_NOTE_SECONDS:
+        say(f"note: at {row['tok_s']:,.0f} tok/s the {r.steps - p.step:,} steps left take about {left / 3600:,.1f} h")
 
 
 def step_line(step: int, row: dict, meter: "Meter") -> str:

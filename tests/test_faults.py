@@ -411,6 +411,27 @@ def test_a_run_folder_in_use_is_refused_and_a_stale_lock_taken_over(finished, tm
     assert (run / "summary.json").exists() and not (run / TR.LOCK).exists()
 
 
+def test_a_gpu_sized_run_on_a_cpu_says_so_and_how_long_it_will_take(finished, tmp_path, monkeypatch, capsys):
+    """A GPU preset on a CPU printed nothing for 24 minutes (its first step): the run says at its start that its
+    steps are GPU-sized and points to tiny, and after its second step how long the rest takes. (The thresholds are
+    lowered here so the tiny test model crosses them.)"""
+    said = []
+    monkeypatch.setattr(TR, "CPU_STEP_FLOPS", 1.0)
+    monkeypatch.setattr(TR, "PACE_NOTE_SECONDS", 0.0)
+    TR.train(with_train(finished[0], steps=4), tmp_path / "r", log=said.append)
+    assert any(line.startswith("note: each step of this config is") and "configs/tiny.toml" in line for line in said)
+    paces = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: at ")]  # the loop's lines
+    assert len(paces) == 1 and "tok/s the 2 steps left take about" in paces[0]
+
+
+def test_a_second_ctrl_c_before_any_checkpoint_says_none_is_kept(tmp_path, capsys):
+    """Quitting at once before the first checkpoint says so, where it claimed one was kept."""
+    with pytest.raises(SystemExit) as e:
+        TR.quit_at_once("SIGINT again", ckpt_path=tmp_path / "ckpt.pt")
+    assert e.value.code == 130
+    assert "SIGINT again: stopped at once; no checkpoint was written yet" in capsys.readouterr().err
+
+
 def test_resume_cannot_change_the_model(finished, tmp_path):
     with pytest.raises(SystemExit) as e:
         TR.main(["--runs-dir", str(finished[1].parent), "--name", "run", "--resume", "--d-model", "128"])
