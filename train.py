@@ -923,7 +923,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
     if breaks:
         say(f"torch.compile split the model at {breaks} graph break(s), each run without Inductor's fusions "
             f"around it: TORCH_LOGS=graph_breaks names them")
-    if p.step == 0:
+    if p.step == 0 and not tcfg.init_from:  # a model started from trained weights is far from ln(vocab) by design
         expected = math.log(r.cfg.model.vocab_size)
         warn = "" if abs(loss_value - expected) < 1.0 else "  WARNING: far from ln(vocab); check the init and the data"
         say(f"step 0 loss {loss_value:.4f} vs ln(vocab) = {expected:.4f}{warn}")
@@ -991,8 +991,8 @@ def summarize(r: Run, p: Progress, session: Session, meter: Meter, run_dir: Path
         return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     say(f"done: step {p.step}, {p.tokens - session.first_step * r.cfg.train.batch_tokens:,} tokens in this "
-        f"session's {elapsed:.0f} s, mean {summary['mean_tok_s'] or 0:,} tok/s, "
-        f"MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%') + ' of ' + meter.peak_name}, "
+        f"session's {elapsed:.0f} s (its steps alone at a mean {summary['mean_tok_s'] or 0:,} tok/s, compiling and "
+        f"evaluating left out), MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%') + ' of ' + meter.peak_name}, "
         + (f"val loss {last_eval['val_loss']:.4f} (ln vocab {math.log(r.cfg.model.vocab_size):.2f}), "
            f"val bpb {last_eval['val_bpb']:.4f}" if last_eval else "no validation pass")
         + f"; plot {run_dir / 'loss.png'}")

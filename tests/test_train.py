@@ -807,6 +807,7 @@ def test_init_from_continues_a_trained_model_on_another_corpus_with_its_tokenize
     first = [r for r in PL.read_log(run / "log.jsonl") if "loss" in r][0]["loss"]
     # a new model starts at ln(vocab) (its head is zero); six steps on the test corpus carry over to code
     assert first < math.log(src.config.model.vocab_size) - 0.2
+    assert "ln(vocab)" not in out  # no step-0 warning for a model that starts trained
 
 
 def test_init_from_refuses_another_model_value_or_tokenizer_in_one_line(trained, tmp_path, data_cfg):
