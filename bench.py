@@ -942,12 +942,30 @@ def main(argv=None):
         sys.exit(f"error: {e}")
 
 
+def cpu_distinct(rungs: list) -> list:
+    """The rungs a CPU runs differently: one whose settings are all CUDA-only (a fast path, a precision) runs
+    there as an earlier rung does, so it is left out, saying which, rather than timed again for nothing."""
+    cpu, kept, seen = torch.device("cpu"), [], {}
+    for rung in rungs:
+        cfg = rung.config()
+        speed = FP.for_device(cfg.speed, cpu)[0]
+        runs = sorted(n for n in FP.TRAINING_FAST_PATHS if getattr(speed, n) and FP.fast_path_applies(n, cfg.model, speed))
+        key = repr((cfg.model, runs, TR.cpu_fallbacks(cfg.train, cpu, log=lambda *a: None), cfg.data))
+        if key in seen:
+            print(f"rung '{rung.name}' runs on a CPU as rung '{seen[key]}' does (what it changes is CUDA-only): "
+                  f"left out here", flush=True)
+            continue
+        seen[key] = rung.name
+        kept.append(rung)
+    return kept
+
+
 def plan_study(args, argv):
     """--plan FILE: its rungs, each checked before any runs, measured as the studies' rungs are."""
     cuda = C.pick_device("auto").type == "cuda"
     rungs = plan_rungs(args.plan, args.preset, args.steps)
     if not cuda:
-        rungs = [cpu_sized(r, args.preset) for r in rungs]
+        rungs = cpu_distinct([cpu_sized(r, args.preset) for r in rungs])
         print(f"no CUDA device: a smoke test of the plan's code paths on the {args.preset or 'tiny'} preset (micro-"
               f"batch 4, 2 timed steps, no compile); CPU numbers say nothing about a GPU", flush=True)
     out = Path(args.out)

@@ -669,3 +669,14 @@ def test_a_plan_that_is_missing_a_folder_or_not_tables_is_one_line(tmp_path):
         with pytest.raises(SystemExit) as e:
             B.main(["--plan", str(plan)])
         assert str(e.value.code).startswith(f"error: ") and says in str(e.value.code), e.value.code
+
+
+def test_a_plan_on_a_cpu_leaves_out_rungs_that_differ_only_in_cuda_settings(capsys):
+    """configs/plans/fast-accum-88m-mb16.toml's two rungs differ in FP8 fast accumulation, which a CPU does not run:
+    its smoke test times one of them, saying why the other is left out (it spent minutes timing both)."""
+    rungs = [B.cpu_sized(r, None) for r in B.plan_rungs(B.ROOT / "configs" / "plans" / "fast-accum-88m-mb16.toml")]
+    kept = B.cpu_distinct(rungs)
+    assert [r.name for r in kept] == [rungs[0].name]
+    assert f"rung '{rungs[1].name}' runs on a CPU as rung '{rungs[0].name}' does" in capsys.readouterr().out
+    mixed = [B.cpu_sized(r, None) for r in B.plan_rungs(B.ROOT / "configs" / "plans" / "recipe-speed.toml")]
+    assert len(B.cpu_distinct(mixed)) >= 2  # rungs that change what a CPU computes all run
