@@ -965,9 +965,9 @@ def plan_study(args, argv):
     cuda = C.pick_device("auto").type == "cuda"
     rungs = plan_rungs(args.plan, args.preset, args.steps)
     if not cuda:
-        rungs = cpu_distinct([cpu_sized(r, args.preset) for r in rungs])
         print(f"no CUDA device: a smoke test of the plan's code paths on the {args.preset or 'tiny'} preset (micro-"
               f"batch 4, 2 timed steps, no compile); CPU numbers say nothing about a GPU", flush=True)
+        rungs = cpu_distinct([cpu_sized(r, args.preset) for r in rungs])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     journal = ME.Journal(out / f"plan-{args.plan.stem}.partial.json", {"plan": str(args.plan)}, args.resume)
