@@ -299,6 +299,8 @@ def apply(model: M.Llama, speed: FP.SpeedConfig, device: torch.device) -> list[s
             FP.swap(module, SmallLinear)
     if small:
         FP.swap(model.output, SmallOutput)
+    if "fused_decode" in on and model.value_embeds:
+        FP.swap(model, GatheredValues)
     model.dependent_launches = pdl
     return [n for n in on if n != "decode_pdl" or pdl]
 
@@ -343,6 +345,16 @@ class DecodeReLU2(M.ReLU2):
         if self.small:
             return small_linear(small_linear(x, self.w1.weight, relu2=True), self.w2.weight)
         return super().forward(x)
+
+
+class GatheredValues(M.Llama):
+    """With the fused decode: a decoded token's rows of every value table gathered into one buffer before the
+    first layer. The decode kernel is opaque to Inductor, which otherwise gathers each layer's rows in a kernel of
+    its own just before it (a launch a table a token)."""
+
+    def value_rows(self, idx) -> list:
+        rows = super().value_rows(idx)
+        return rows if torch.is_grad_enabled() else list(torch.stack(rows).unbind(0))
 
 
 class FusedDecodeAttention(M.Attention):

@@ -471,6 +471,10 @@ class Llama(nn.Module):
             if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:
                 attn.cache = attn.new_cache(batch, device, dtype)
 
+    def value_rows(self, idx) -> list:
+        """Each value-embedding table's rows for idx (B, T): a list of (B, T, n_kv_heads * head_dim)."""
+        return [table(idx) for table in self.value_embeds]
+
     def attentions(self) -> list:
         """The blocks' attention modules (a skip_attn_layer block has none), first layer first."""
         return [block.attn for block in self.blocks if block.attn is not None]
@@ -491,7 +495,7 @@ class Llama(nn.Module):
         at = slice(0, T) if masks.pos is None else masks.pos
         rope = self.cos[at].to(x.dtype), self.sin[at].to(x.dtype)  # (T, head_dim) each
         x = self.stream(x)
-        x0, ve, skips = x, [table(idx) for table in self.value_embeds], []
+        x0, ve, skips = x, self.value_rows(idx), []
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output

@@ -98,7 +98,7 @@ def test_dependent_launches_reach_every_decode_kernel_only_where_the_card_has_th
     """decode_pdl: generate.apply hands the card's answer (onegpu_kernels.dependent_launch) to each decode
     kernel's swap, and the graph decoder compiles its step with the mode's own options plus Inductor's PDL, once
     per mode and setting. The launches themselves are the GPU tests' (test_gpu.py) and the Hopper builds'."""
-    cfg = dataclasses.replace(loaded[3].cfg, mlp="relu2")
+    cfg = dataclasses.replace(loaded[3].cfg, mlp="relu2", value_embeds=1)
     speed = FP.SpeedConfig(fused_decode=True, decode_mlp=True, decode_pdl=True)
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw["options"]) or fn)
@@ -109,6 +109,7 @@ def test_dependent_launches_reach_every_decode_kernel_only_where_the_card_has_th
         G.apply(model, speed, torch.device("cpu"))
         modules = [m for m in model.modules() if isinstance(m, (G.FusedDecodeAttention, G.DecodeReLU2))]
         assert len(modules) == 2 * cfg.n_layers and model.dependent_launches is expected
+        assert type(model) is G.GatheredValues  # a decoded token's value rows gathered before the first layer
         assert all(m.pdl is expected for m in modules)
         G.GraphDecoder(model, "max-autotune-no-cudagraphs").step(1)
     assert compiled == [{"max_autotune": True, "coordinate_descent_tuning": True},
