@@ -63,13 +63,13 @@ def evaluate_checkpoint(path: str | Path, corpus: str | None = None, tokens: int
     doc_ids = tcfg.doc_mask and T == mcfg.context
     loader_args = dict(batch=B, seq_len=T, vocab_size=mcfg.vocab_size, tokenizer_hash=ckpt.tokenizer_hash,
                        shuffle=False, doc_ids=doc_ids, device=dev)
-    loader = D.ShardLoader(D.shard_files(folder, "val"), **loader_args)
+    loader = TR.validation_loader(D.shard_files(folder, "val"), log, **loader_args)
     model = ckpt.build_model().to(dev)
     token_bytes = torch.tensor(tk.token_byte_lengths(tk.load_tokenizer(tok_path)), device=dev, dtype=torch.float32)
-    n_windows = min(max(1, (tokens or tcfg.eval_tokens) // T), len(loader) * B)  # whole batches of the split
+    n_windows = min(max(1, (tokens or tcfg.eval_tokens) // T), len(loader) * loader.B)  # whole batches of the split
     found = TR.evaluate(model, loader, n_windows, token_bytes, tcfg, dev, mcfg.windows())
     if 0 < mcfg.attn_window < T:  # the same targets, each with its whole window before it
-        whole = D.ShardLoader(D.shard_files(folder, "val"), stride=T - mcfg.attn_window, **loader_args)
+        whole = TR.validation_loader(D.shard_files(folder, "val"), None, stride=T - mcfg.attn_window, **loader_args)
         found |= {f"{k}_whole": v for k, v in TR.evaluate(model, whole, n_windows, token_bytes,
                                                           tcfg, dev, mcfg.windows()).items()}
     return {"checkpoint": str(ckpt.path), "step": ckpt.step, "corpus": data_cfg.corpus,

@@ -226,6 +226,20 @@ def device_speed(speed: FP.SpeedConfig, tcfg: C.TrainConfig, device: torch.devic
     return runs
 
 
+def validation_loader(files: list, say, **args) -> D.ShardLoader:
+    """A validation loader at the run's micro-batch, or, where a small corpus's split holds fewer windows than
+    that, at as many as it holds (saying so where `say` is given): the loss is the same mean over the same
+    windows, only computed in smaller batches. A split of no window at all is still refused."""
+    one = D.ShardLoader(files, **{**args, "batch": 1})
+    if one.per_rank >= args["batch"]:
+        return D.ShardLoader(files, **args)
+    if say is not None:
+        say(f"note: the validation split holds {one.per_rank} window(s) of {args['seq_len'] + 1} tokens a rank, "
+            f"fewer than the micro-batch of {args['batch']}: evaluating {one.per_rank} at a time (a larger "
+            f"data.val_fraction evaluates on more)")
+    return D.ShardLoader(files, **{**args, "batch": one.per_rank})
+
+
 def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens_dir: Path | None = None) -> Run:
     """Device, data, model and optimizer for cfg. Rank 0 prepares the data (the others wait).
     random_tokens_dir: train on random token ids written there instead of the corpus (bench's
@@ -267,14 +281,13 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
         tok_path = folder / "tokenizer.json"
         tok_hash = tk.tokenizer_hash(tok_path)
         files, source = D.shard_files(folder, "train"), f"{cfg.data.corpus} shards"
-        val_loader = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
-                                   **loader_args)
+        val = dict(loader_args, tokenizer_hash=tok_hash, shuffle=False)
+        val_loader = validation_loader(D.shard_files(folder, "val"), say, **val)
         if T > PLAIN_CONTEXT or (tcfg.doc_mask and T == PLAIN_CONTEXT):
-            plain_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
-                                      **{**loader_args, "seq_len": PLAIN_CONTEXT, "doc_ids": False})
+            plain_val = validation_loader(D.shard_files(folder, "val"), None,
+                                          **{**val, "seq_len": PLAIN_CONTEXT, "doc_ids": False})
         if cfg.model.windowed:
-            whole_val = D.ShardLoader(D.shard_files(folder, "val"), tokenizer_hash=tok_hash, shuffle=False,
-                                      stride=T - cfg.model.attn_window, **loader_args)
+            whole_val = validation_loader(D.shard_files(folder, "val"), None, stride=T - cfg.model.attn_window, **val)
     train_loader = D.ShardLoader(files, tokenizer_hash=tok_hash, seed=tcfg.seed, pin=tcfg.pin, **loader_args)
     raw, model, swapped = build_model(cfg, speed, device, tcfg.seed)
     scaler = torch.amp.GradScaler(device.type) if tcfg.fp16 else None

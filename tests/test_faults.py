@@ -498,6 +498,20 @@ def test_the_small_validation_split_is_named_with_the_flags_that_help(tmp_path):
         D.ShardLoader([path], 16, 64)
 
 
+def test_a_validation_split_smaller_than_the_micro_batch_is_evaluated_in_smaller_batches(tmp_path):
+    """A small corpus (154 source files) once failed by default because its validation split held fewer windows
+    than the micro-batch: the run evaluates those windows, fewer at a time, and says so in one line."""
+    import numpy as np
+    path = tmp_path / "val_00000.bin"
+    D.write_shard(path, np.arange(1, 600, dtype=np.uint16), np.array([0], np.uint64), 1024, "0" * 16, 600)
+    said = []
+    loader = TR.validation_loader([path], said.append, batch=16, seq_len=64, shuffle=False)
+    assert loader.B == 9 and said == ["note: the validation split holds 9 window(s) of 65 tokens a rank, fewer than "
+                                      "the micro-batch of 16: evaluating 9 at a time (a larger data.val_fraction "
+                                      "evaluates on more)"]
+    assert TR.validation_loader([path], said.append, batch=4, seq_len=64, shuffle=False).B == 4 and len(said) == 1
+
+
 def test_mfu_names_the_peak_it_is_measured_against(finished, tmp_path):
     said = []
     cfg = with_train(finished[0], peak_tflops=2.0, steps=2)
