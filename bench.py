@@ -129,7 +129,7 @@ def attention_rungs(preset: str, micro_batch: int, steps: int, only=None) -> lis
         for compiled in (False, True):
             rungs.append(ME.Rung(f"{variant} {'compiled' if compiled else 'eager'}", preset,
                                  {**FAST, "train__compile": compiled, "train__micro_batch": micro_batch,
-                                  "model__attention": kind, "train__doc_mask": variant == "doc-mask"},
+                                  "speed__attention": kind, "train__doc_mask": variant == "doc-mask"},
                                  steps, kernels=True))
     return rungs
 
@@ -949,8 +949,8 @@ def cpu_distinct(rungs: list) -> list:
     for rung in rungs:
         cfg = rung.config()
         speed = FP.for_device(cfg.speed, cpu)[0]
-        runs = sorted(n for n in FP.TRAINING_FAST_PATHS if getattr(speed, n) and FP.fast_path_applies(n, cfg.model, speed))
-        key = repr((cfg.model, runs, TR.cpu_fallbacks(cfg.train, cpu, log=lambda *a: None), cfg.data))
+        key = repr((cfg.model, FP.running(FP.TRAINING_FAST_PATHS, cfg.model, speed),
+                    TR.cpu_fallbacks(cfg.train, cpu, log=lambda *a: None), cfg.data))
         if key in seen:
             print(f"rung '{rung.name}' runs on a CPU as rung '{seen[key]}' does (what it changes is CUDA-only): "
                   f"left out here", flush=True)

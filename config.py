@@ -212,6 +212,12 @@ SECTIONS = {"model": M.ModelConfig, "speed": FP.SpeedConfig, "data": DataConfig,
 MOVED = {("model", name): "speed" for name in FP.SPEED_FIELDS}
 
 
+def moved_key(key: str) -> str:
+    """An override's "section__name" with the section the name lives in now (MOVED)."""
+    section, _, name = key.partition("__")
+    return f"{MOVED.get((section, name), section)}__{name}"
+
+
 def moved(values: dict) -> dict:
     """values (section -> {key: value}) with every MOVED key in its section of today; a key given in both
     places keeps the new section's value."""
@@ -261,11 +267,7 @@ def from_dict(cls, values: dict, source: str, section: str):
     if not isinstance(values, dict):
         raise ValueError(f"{source}: [{section}] must be a table of settings, got {type(values).__name__}")
     types_ = field_types(cls)
-    unknown = sorted(set(values) - set(types_))
-    if unknown:
-        raise ValueError(
-            f"{source}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
-            f"valid keys in [{section}] are: {', '.join(types_)}")
+    refuse_unknown(values, types_, source, section)
     checked = {k: _check_type(v, types_[k], f"{source}: {section}.{k}") for k, v in values.items()}
     try:
         return cls(**checked)
@@ -315,15 +317,18 @@ def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
     return merged
 
 
+def refuse_unknown(table: dict, known: dict, source, section: str):
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
+                         f"valid keys in [{section}] are: {', '.join(known)}")
+
+
 def check_keys(path: Path, data: dict):
     """Refuse an unknown key where it is written: in this file, not in the one that extends it."""
     for section, table in moved({k: v for k, v in data.items() if k in SECTIONS}).items():
         if isinstance(table, dict):
-            known = field_types(SECTIONS[section])
-            unknown = sorted(set(table) - set(known))
-            if unknown:
-                raise ValueError(f"{path}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
-                                 f"valid keys in [{section}] are: {', '.join(known)}")
+            refuse_unknown(table, field_types(SECTIONS[section]), path, section)
 
 
 def read_plan(path: str | Path) -> dict:
@@ -351,8 +356,7 @@ def load_config(path: str | Path | None = None, *, values: dict | None = None, s
     values = moved(values)
     merged = {s: dict(values.get(s) or {}) for s in SECTIONS}
     for key, value in overrides.items():
-        section, _, name = key.partition("__")
-        section = MOVED.get((section, name), section)
+        section, _, name = moved_key(key).partition("__")
         if section not in SECTIONS or not name:
             raise ValueError(f"override {key!r}: write it as <section>__<name>, section one of {list(SECTIONS)}")
         merged[section][name] = value

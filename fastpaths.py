@@ -86,6 +86,11 @@ def fast_path_applies(name: str, cfg: M.ModelConfig, speed: SpeedConfig) -> bool
     return rules.get(name, True)
 
 
+def running(names, cfg: M.ModelConfig, speed: SpeedConfig) -> list[str]:
+    """Of the paths `names`, in their order, those speed turns on that run for cfg (fast_path_applies)."""
+    return [n for n in names if getattr(speed, n) and fast_path_applies(n, cfg, speed)]
+
+
 def check(cfg: M.ModelConfig, speed: SpeedConfig):
     """Refuse in one line a switch that cannot run beside cfg (those that merely do nothing pass)."""
     if speed.fp8_head and not fast_path_applies("fp8_head", cfg, speed):
@@ -153,7 +158,7 @@ def apply(model: M.Llama, speed: SpeedConfig, device: torch.device) -> list[str]
 def swap_in(model: M.Llama, speed: SpeedConfig) -> list[str]:
     """apply() without asking the device: every path speed turns on that applies to the model (the CPU tests
     run the FP8 paths so, emulated)."""
-    on = [n for n in TRAINING_FAST_PATHS if getattr(speed, n) and fast_path_applies(n, model.cfg, speed)]
+    on = running(TRAINING_FAST_PATHS, model.cfg, speed)
     fast_accum = "fp8_fast_accum" in on
     for module in list(model.modules()):
         if isinstance(module, M.Attention):

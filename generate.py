@@ -287,7 +287,7 @@ def apply(model: M.Llama, speed: FP.SpeedConfig, device: torch.device) -> list[s
     (an Ampere or newer GPU; dependent launches from Hopper on). Returns the paths swapped in."""
     if not K.device_supported(device):
         return []
-    on = [n for n in FP.GENERATION_FAST_PATHS if getattr(speed, n) and FP.fast_path_applies(n, model.cfg, speed)]
+    on = FP.running(FP.GENERATION_FAST_PATHS, model.cfg, speed)
     pdl = "decode_pdl" in on and K.dependent_launch(device)
     small = "decode_matmuls" in on
     for module in list(model.modules()):

@@ -590,7 +590,7 @@ def cpu_skip(rung: Rung) -> str | None:
     """Why a rung is not measured on CPU, or None. CPU numbers are a smoke test of the code
     (setup() turns the CUDA-only settings off on CPU, and says so)."""
     o = rung.overrides
-    if o.get("speed__attention", o.get("model__attention")) in A.SDPA_BACKENDS:
+    if o.get("speed__attention") in A.SDPA_BACKENDS:
         return "SDPA backends are CUDA kernels"
     if o.get("train__compile"):  # the ladder is cumulative: every rung from compile on carries it
         return "a GPU rung (torch.compile and what is added after it): the CPU smoke test does not time it"

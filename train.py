@@ -573,30 +573,22 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
     checkpoint: the run's checkpoint when the caller has already loaded it (resume)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = log if rank == 0 else (lambda *a, **k: None)
-    with claimed(run_dir, say) if rank == 0 else contextlib.nullcontext():
-        return train_claimed(cfg, run_dir, resume, overwrite, stop_after, say, checkpoint, rank, world)
-
-
-def train_claimed(cfg: C.Config, run_dir: Path, resume: bool, overwrite: bool, stop_after: int | None, say,
-                  checkpoint: CK.Checkpoint | None, rank: int, world: int) -> dict:
-    """train(), the run's folder claimed."""
-    ckpt = check_start(cfg, run_dir, resume, overwrite, checkpoint)
-    if ckpt is not None and ckpt.step >= SZ.total_steps(cfg.train) and (run_dir / "summary.json").exists():
-        say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
-            f"--steps or --tokens to train further)")
-        return json.loads((run_dir / "summary.json").read_text())
-    if ckpt is not None and ckpt.step > SZ.total_steps(cfg.train):
-        raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {SZ.total_steps(cfg.train)} steps asked for: "
-                         f"pass --steps {ckpt.step} or more (or the matching --tokens) to resume it")
-    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(TENSORBOARD_MISSING)
-    r = setup(cfg, rank, world, log=say)
-    progress = resume_run(r, ckpt, run_dir, say) if ckpt is not None else start_run(r, run_dir)
-    if ckpt is None and cfg.train.init_from:
-        start_from(r, cfg.train.init_from, say)
-    meter = announce(r, run_dir, say)
-    session = run_loop(r, progress, meter, run_dir, stop_after, resumed=ckpt is not None)
-    return summarize(r, progress, session, meter, run_dir, say)
+    with claimed(run_dir, say) if rank == 0 else contextlib.nullcontext():  # one process trains in a folder
+        ckpt = check_start(cfg, run_dir, resume, overwrite, checkpoint)
+        if ckpt is not None and ckpt.step >= SZ.total_steps(cfg.train) and (run_dir / "summary.json").exists():
+            say(f"{run_dir} already finished at step {ckpt.step}: nothing to do (its summary.json is kept; raise "
+                f"--steps or --tokens to train further)")
+            return json.loads((run_dir / "summary.json").read_text())
+        if ckpt is not None and ckpt.step > SZ.total_steps(cfg.train):
+            raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {SZ.total_steps(cfg.train)} steps asked "
+                             f"for: pass --steps {ckpt.step} or more (or the matching --tokens) to resume it")
+        r = setup(cfg, rank, world, log=say)
+        progress = resume_run(r, ckpt, run_dir, say) if ckpt is not None else start_run(r, run_dir)
+        if ckpt is None and cfg.train.init_from:
+            start_from(r, cfg.train.init_from, say)
+        meter = announce(r, run_dir, say)
+        session = run_loop(r, progress, meter, run_dir, stop_after, resumed=ckpt is not None)
+        return summarize(r, progress, session, meter, run_dir, say)
 
 
 PACE_NOTE_SECONDS = 3600  # a run with more than this left after its second step says how long, once
@@ -655,6 +647,8 @@ def check_start(cfg: C.Config, run_dir: Path, resume: bool, overwrite: bool,
                          f"start over, or --name NAME for a new run")
     if resume and not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(TENSORBOARD_MISSING)
     return checkpoint or (CK.load(ckpt_path) if resume else None)
 
 
@@ -1082,7 +1076,7 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     overrides = seconds_win(C.flag_overrides(args), args.config or DEFAULT_CONFIG, log)
     from_file = C.read_toml(args.config) if args.config else {}
     given = {f"{s}__{k}": v for s, table in C.moved(from_file).items() for k, v in table.items()}
-    given |= {f"{C.MOVED.get(tuple(k.split('__')), k.split('__')[0])}__{k.split('__')[1]}": v for k, v in overrides.items()}
+    given |= {C.moved_key(k): v for k, v in overrides.items()}
     if not (args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists()):
         if given.get("train__init_from"):
             return init_config(args.config, given, log), None
