@@ -16,6 +16,7 @@ before it still exists: the latest one may already hold the diverging weights.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
@@ -258,30 +259,37 @@ def data_for(ckpt: Checkpoint, data: C.DataConfig) -> C.DataConfig:
 #   SwiGLU + QK-norm   -> Qwen3ForCausalLM (per-head q_norm and k_norm, before RoPE, as ours)
 #   ReLU²              -> ArceeForCausalLM (a non-gated MLP with hidden_act "relu2")
 #   ReLU² + QK-norm    -> ApertusForCausalLM (the same, with per-head q_norm and k_norm)
-# No class has a logit soft-cap with these layers: hf_architecture refuses it.
+# No class has a logit soft-cap with these layers, nor the record's parts (stock_gap): export.py ships our own model.
 
 HF_CLASSES = {("swiglu", False): ("LlamaForCausalLM", "llama"), ("swiglu", True): ("Qwen3ForCausalLM", "qwen3"),
               ("relu2", False): ("ArceeForCausalLM", "arcee"), ("relu2", True): ("ApertusForCausalLM", "apertus")}
 
 
+RECORD_PARTS = ("embed_norm", "value_embeds", "value_scale", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
+                "attn_window")  # modded-nanogpt's parts: each changes what the network computes
+
+
+def stock_gap(cfg: M.ModelConfig) -> str | None:
+    """The first setting of cfg that no transformers class computes (one line naming it), or None when
+    hf_architecture's class computes the model exactly."""
+    if cfg.logit_softcap:
+        return f"model.logit_softcap={cfg.logit_softcap}: no transformers class combines a logit soft-cap with this architecture"
+    for name in RECORD_PARTS:
+        if getattr(cfg, name):
+            return f"model.{name}={getattr(cfg, name)!r}: no transformers class computes it with this architecture"
+    if cfg.attn_scale:
+        return (f"model.attn_scale={cfg.attn_scale}: transformers' Llama-family classes scale attention by "
+                f"1/sqrt(head size)")
+    if cfg.skip_attn_layer != -1:
+        return f"model.skip_attn_layer={cfg.skip_attn_layer}: no transformers class has a layer without attention"
+    return None
+
+
 def hf_architecture(cfg: M.ModelConfig) -> tuple[str, str]:
     """(transformers class, model_type) that computes what cfg does, or ValueError naming the setting."""
-    if cfg.logit_softcap:
-        raise ValueError(f"model.logit_softcap={cfg.logit_softcap}: no transformers class combines a logit soft-cap "
-                         f"with this architecture, so this checkpoint cannot be exported (train with "
-                         f"--logit-softcap 0 to export)")
-    # modded-nanogpt's parts: each changes what the network computes in a way no Llama-family class has.
-    for name in ("embed_norm", "value_embeds", "value_scale", "unet_skips", "x0_mix", "rope_truncate", "attn_gate", "attn_window"):
-        if getattr(cfg, name):
-            raise ValueError(f"model.{name}={getattr(cfg, name)!r}: no transformers class computes it with this "
-                             f"architecture, so this checkpoint cannot be exported (train without --{name.replace('_', '-')} "
-                             f"to export)")
-    if cfg.attn_scale:
-        raise ValueError(f"model.attn_scale={cfg.attn_scale}: transformers' Llama-family classes scale attention by "
-                         f"1/sqrt(head size), so this checkpoint cannot be exported (train with --attn-scale 0 to export)")
-    if cfg.skip_attn_layer != -1:
-        raise ValueError(f"model.skip_attn_layer={cfg.skip_attn_layer}: no transformers class has a layer without "
-                         f"attention, so this checkpoint cannot be exported (train with --skip-attn-layer -1 to export)")
+    gap = stock_gap(cfg)
+    if gap:
+        raise ValueError(f"{gap}: export.py writes onegpu's own modeling file for it instead")
     return HF_CLASSES[(cfg.mlp, cfg.qk_norm)]
 
 
@@ -332,13 +340,53 @@ def hf_state_dict(state: dict, cfg: M.ModelConfig) -> dict:
     return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
 
 
-def write_hf_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
-    """config.json, generation_config.json and model.safetensors: enough for from_pretrained."""
+def save_safetensors(tensors: dict, path: Path):
     from safetensors.torch import save_file
-    save_file(hf_state_dict(state, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(path), metadata={"format": "pt"})
     # safetensors writes through a private temporary file (mode 0600); give it the mode of the files beside it
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(out / "model.safetensors", 0o666 & ~umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def write_hf_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
+    """config.json, generation_config.json and model.safetensors of the stock class: enough for from_pretrained."""
+    save_safetensors(hf_state_dict(state, cfg), out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))
+
+
+# Our own model as transformers remote code (write_own_model), for what no stock class computes: these files ship
+# beside the weights, in this order. model.py reads attention.py as a flat module here, and as a file of the same
+# package in the export folder.
+ROOT = Path(__file__).resolve().parent
+OWN_SOURCES = ("modeling_onegpu.py", "model.py", "attention.py")
+FLAT_IMPORT, PACKAGE_IMPORT = "import attention as A\n", "from . import attention as A\n"
+AUTO_MAP = {"AutoConfig": "modeling_onegpu.OnegpuConfig", "AutoModel": "modeling_onegpu.OnegpuForCausalLM",
+            "AutoModelForCausalLM": "modeling_onegpu.OnegpuForCausalLM"}
+
+
+def write_transformers_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
+    """The model files of a transformers folder: the stock class's where one computes cfg, else our own."""
+    if stock_gap(cfg) is None:
+        write_hf_model(state, cfg, out, eot_id)
+    else:
+        write_own_model(state, cfg, out, eot_id)
+
+
+def write_own_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
+    """Our model as transformers remote code: the weights under our own names (the Llama is the wrapper's
+    `model`), config.json with the ModelConfig and auto_map, and the three source files. config.json records
+    each source file's SHA-256 as this checkout has it, so a folder names the code it was written by."""
+    save_safetensors({"model." + k: v.detach().float().contiguous().cpu() for k, v in state.items()},
+                     out / "model.safetensors")
+    sources = {name: (ROOT / name).read_text() for name in OWN_SOURCES}
+    assert sources["model.py"].count(FLAT_IMPORT) == 1, f"model.py imports attention.py as {FLAT_IMPORT!r}, once"
+    for name, text in sources.items():
+        (out / name).write_text(text.replace(FLAT_IMPORT, PACKAGE_IMPORT) if name == "model.py" else text)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["OnegpuForCausalLM"], "model_type": "onegpu", "auto_map": AUTO_MAP,
+        "onegpu": dataclasses.asdict(cfg), "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",
+        "onegpu_source_sha256": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sources.items()},
+    }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))

@@ -132,6 +132,8 @@ class TrainConfig:
     sample_tokens: int = 200  # tokens of text generated at the end of the run
     init_from: str = ""  # a run folder or ckpt.pt whose weights (and model config) a new run starts from
     tensorboard: bool = False  # also write the log's curves for TensorBoard, to <run>/tensorboard (pip install tensorboard)
+    wandb: bool = False  # also log them to Weights & Biases (boards.py; pip install wandb; WANDB_MODE=offline works offline)
+    wandb_project: str = "onegpu"  # the W&B project; the W&B run is named after the run folder
     sample_prompt: str = "def "  # the text the end-of-run sample starts from (presets on English text: "The")
 
     def __post_init__(self):

@@ -1,16 +1,18 @@
 """Write a checkpoint as a HuggingFace model directory, so the tools users already have read it.
 
-The class follows the architecture (checkpoint.HF_CLASSES): Llama, Qwen3 (QK-norm), Arcee (ReLU²)
-or Apertus (ReLU² and QK-norm); a logit soft-cap has none and is refused.
+Where a stock transformers class computes the model exactly (checkpoint.HF_CLASSES: Llama, Qwen3 for
+QK-norm, Arcee for ReLU², Apertus for both), the folder is that class's. Otherwise (a logit soft-cap or
+any of the record's parts: every default GPU preset) it holds onegpu's own model: model.py and
+attention.py beside modeling_onegpu.py, named in config.json's auto_map, loaded with trust_remote_code.
 
     python export.py --ckpt runs/tiny --out exported/tiny
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained("exported/tiny")
+    model = AutoModelForCausalLM.from_pretrained("exported/tiny", trust_remote_code=True)
     tok = AutoTokenizer.from_pretrained("exported/tiny")
 
-The weights' conversion lives in checkpoint.py (write_hf_model); this script adds the tokenizer
-files and refuses to write into a run folder, or a non-empty one without --force.
+The stock weights' conversion lives in checkpoint.py (write_hf_model); this script adds our own model's
+files and the tokenizer's, and refuses to write into a run folder, or a non-empty one without --force.
 """
 
 import argparse
@@ -36,23 +38,27 @@ def check_out_folder(out: Path, force: bool):
                          f"the files an export writes there")
 
 
-# What export writes into its folder: the model (write_hf_model) and the tokenizer's files.
-FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-         "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# What export writes into its folder: a stock class's model (checkpoint.write_hf_model) or our own (write_own_model),
+# and the tokenizer's files.
+STOCK_FILES = ("config.json", "generation_config.json", "model.safetensors") + TOKENIZER_FILES
+OWN_FILES = ("config.json", "generation_config.json", "model.safetensors") + CK.OWN_SOURCES + TOKENIZER_FILES
+
+
+def files_for(cfg) -> tuple[str, ...]:
+    return STOCK_FILES if CK.stock_gap(cfg) is None else OWN_FILES
 
 
 def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
     """Write the folder whole or not at all: a failure part-way (a full disk) removes what this export wrote,
     and a folder it made, and says so in one line."""
-    cfg = ckpt.config.model
-    CK.hf_architecture(cfg)  # refuses, before anything is written, what no transformers class computes
     tok = tk.load_tokenizer(tokenizer_path)
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
         write_files(ckpt, tok, tokenizer_path, out)
     except Exception as e:  # safetensors raises its own SafetensorError for a full disk
-        for name in FILES:
+        for name in files_for(ckpt.config.model):
             (out / name).unlink(missing_ok=True)
         if made:
             shutil.rmtree(out, ignore_errors=True)
@@ -64,7 +70,7 @@ def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
 def write_files(ckpt: CK.Checkpoint, tok, tokenizer_path: Path, out: Path):
     cfg = ckpt.config.model
     eot_id = tok.token_to_id(tk.EOT)
-    CK.write_hf_model(ckpt.model, cfg, out, eot_id)
+    CK.write_transformers_model(ckpt.model, cfg, out, eot_id)
     shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tk.EOT, "bos_token": tk.EOT,
@@ -92,8 +98,14 @@ def main(argv=None):
     except OSError as e:
         sys.exit(f"error: {e}" if str(e).startswith("writing ") else
                  f"error: cannot write {out} ({e.strerror or e}): choose a folder you can write to")
-    print(f"wrote {args.out}: {', '.join(FILES)} (load with "
-          f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r}))")
+    gap = CK.stock_gap(ckpt.config.model)
+    if gap is None:
+        print(f"wrote {args.out}: {', '.join(STOCK_FILES)} (load with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r}))")
+    else:
+        print(f"wrote {args.out}: {', '.join(OWN_FILES)}: onegpu's own model, as {gap.split(':')[0]} and the like "
+              f"have no stock class (load with transformers.AutoModelForCausalLM.from_pretrained({args.out!r}, "
+              f"trust_remote_code=True))")
 
 
 if __name__ == "__main__":

@@ -467,13 +467,10 @@ def decode_kernels(decode: G.GraphDecoder, batch: int, n: int = 50) -> dict:
 
 
 def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batches, ours: dict) -> list[dict]:
-    """transformers' generate on the same weights (written as export.py writes them), the same
-    prompt and number of new tokens: its dynamic cache, and on CUDA its compiled static cache.
-    ours: {batch: onegpu's tokens}, to count the greedy tokens both agree on."""
-    try:
-        CK.hf_architecture(model.cfg)
-    except ValueError as e:  # the default presets: value embeddings, windows and more that no class computes
-        return [{"rung": "transformers", "skipped": f"no transformers class runs this model: {e}"}]
+    """transformers' generate on the same weights (written as export.py writes them: a stock class, or our own
+    model as remote code for the default presets), the same prompt and number of new tokens: its dynamic cache,
+    and on CUDA its compiled static cache. ours: {batch: onegpu's tokens}, to count the greedy tokens both agree
+    on."""
     try:
         import transformers
     except ImportError:
@@ -481,9 +478,10 @@ def transformers_speed(model: M.Llama, prompt: list[int], new_tokens: int, batch
     device, dtype = model.embed.weight.device, model.embed.weight.dtype
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        CK.write_hf_model(model.state_dict(), model.cfg, Path(tmp), eot_id=0)  # float32, as export.py writes
+        CK.write_transformers_model(model.state_dict(), model.cfg, Path(tmp), eot_id=0)  # float32, as export.py
         key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{key: dtype}).to(device).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, trust_remote_code=True,
+                                                               **{key: dtype}).to(device).eval()
     for batch in batches:
         for cache in ["dynamic"] + (["static"] if device.type == "cuda" else []):
             name = f"transformers {cache} cache batch {batch}"

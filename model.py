@@ -459,9 +459,6 @@ class Llama(nn.Module):
     def output_weight(self):
         return self.embed.weight if self.head is None else self.head.weight
 
-    def output_weight(self):
-        return self.embed.weight if self.head is None else self.head.weight
-
     def setup_cache(self, batch: int, dtype=None):
         """Give every layer a KVCache for `batch` sequences (see KVCache). A cache of the same
         size and dtype is kept, not reallocated: a captured CUDA graph holds its address."""

@@ -17,7 +17,6 @@ the loop, the summary.
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import attention as A
+import boards as BO
 import checkpoint as CK
 import config as C
 import data as D
@@ -647,8 +647,7 @@ def check_start(cfg: C.Config, run_dir: Path, resume: bool, overwrite: bool,
                          f"start over, or --name NAME for a new run")
     if resume and not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(TENSORBOARD_MISSING)
+    BO.check_installed(cfg.train)
     return checkpoint or (CK.load(ckpt_path) if resume else None)
 
 
@@ -748,45 +747,12 @@ def save_checkpoint(r: Run, p: Progress, path: Path):
                 train_seconds=p.train_seconds, scaler=r.scaler.state_dict() if r.scaler is not None else None)
 
 
-def write_log(r: Run, run_dir: Path, row: dict, board: "Board | None" = None):
+def write_log(r: Run, run_dir: Path, row: dict, boards: list = ()):
     if r.rank == 0:
         with open(run_dir / "log.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        if board is not None:
+        for board in boards:
             board.add(row)
-
-
-TENSORBOARD_MISSING = ("train.tensorboard needs the tensorboard package: pip install tensorboard (or pip install "
-                       "-e '.[tensorboard]'), or leave out --tensorboard")
-
-
-class Board:
-    """The run's curves for TensorBoard (train.tensorboard): every number of every log.jsonl row, under
-    <run>/tensorboard, step rows as train/<name> and evaluations as val/<name>. Off unless asked for:
-    a run should not change what it writes because a package happens to be installed.
-
-        tensorboard --logdir runs
-
-    A run resumed at step T purges what an earlier session logged after T (purge_step T + 1: the
-    evaluation at T itself is not run again), so each step is drawn once, from the session that
-    trained it last."""
-
-    def __init__(self, folder: Path, resumed_at: int | None):
-        from torch.utils.tensorboard import SummaryWriter  # installed: train() checked
-        self.writer = SummaryWriter(str(folder), purge_step=None if resumed_at is None else resumed_at + 1)
-
-    def add(self, row: dict):
-        section = "val" if any(k.startswith("val_") for k in row) else "train"
-        for key, value in row.items():
-            if key not in ("step", "skipped") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{section}/{key}", value, row["step"])
-            elif key == "lrs":
-                for role, lr in value.items():
-                    self.writer.add_scalar(f"lr/{role}", lr, row["step"])
-        self.writer.flush()
-
-    def close(self):
-        self.writer.close()
 
 
 def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int | None, resumed: bool) -> Session:
@@ -801,7 +767,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     bar = tqdm(total=None if r.steps == SZ.UNSIZED else r.steps, initial=p.step, desc="train", unit="step",
                disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
-    board = Board(run_dir / "tensorboard", p.step if resumed else None) if tcfg.tensorboard and r.rank == 0 else None
+    boards = BO.open_boards(tcfg, run_dir, p.step if resumed else None, r.cfg.to_dict()) if r.rank == 0 else []
     stopper, session = Stopper(say, ckpt_path), Session(first_step=p.step)
     if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary: nothing to train
         session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
@@ -816,7 +782,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                     + (f" | with whole windows {last['val_loss_whole']:.4f}" if r.whole_val_loader else "")
                     + (f" | on plain 1,024-token windows {last['val_loss_1024']:.4f}" if r.plain_val_loader else ""))
                 write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
-                                       **last}, board)
+                                       **last}, boards)
             if fresh and (p.step % tcfg.ckpt_every == 0 or last_step):
                 save_checkpoint(r, p, ckpt_path)
                 last_saved = p.step
@@ -829,7 +795,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                                   f"{'unsized' if r.steps == SZ.UNSIZED else r.steps}; continue with --resume",
                                   planned=not stopper.signal)
             row = timed_step(r, p, session, next_batch, prefetch, meter, ckpt_path, say)
-            write_log(r, run_dir, row, board)
+            write_log(r, run_dir, row, boards)
             if sized_now(r, p, session, run_dir, say):
                 bar.total = r.steps
             say(step_line(p.step, row, meter))
@@ -838,7 +804,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
             bar.update(1)
     finally:
         bar.close()
-        if board is not None:
+        for board in boards:
             board.close()
         try:  # still under the Stopper: a second signal while plotting quits in one line
             log_path = run_dir / "log.jsonl"

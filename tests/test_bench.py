@@ -12,6 +12,7 @@ import attention as A
 import bench as B
 import config as C
 import fastpaths as FP
+import generate as G
 import measure as ME
 import model as M
 import recipes as RE
@@ -306,14 +307,20 @@ def test_each_decode_variant_turns_on_its_own_fast_paths_and_no_other():
         assert not any(getattr(variant, n) for n in FP.TRAINING_FAST_PATHS)
 
 
-def test_generate_skips_transformers_for_a_model_no_class_computes():
-    """--generate on a default preset (value tables, windows, ...): its transformers rows are one skipped row
-    saying why, not an export error after onegpu's own rows were measured."""
-    model = M.Llama(M.ModelConfig(d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=256, context=64,
-                                  value_embeds=1, tie_embeddings=False))
-    [row] = ME.transformers_speed(model, [1, 2, 3], 4, (1,), {})
-    assert row["rung"] == "transformers" and row["skipped"].startswith("no transformers class runs this model")
-    assert "model.value_embeds=1" in row["skipped"]
+def test_generate_times_transformers_on_a_model_no_stock_class_computes():
+    """--generate on a default preset's recipe (value tables, a soft-cap, ...): transformers runs our own model
+    as export.py writes it, and its greedy tokens are onegpu's."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = M.ModelConfig(d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=256, context=64, value_embeds=1,
+                        tie_embeddings=False, logit_softcap=15.0)
+    model = M.Llama(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    ours = torch.cat(list(G.generate(model, torch.tensor([[1, 2, 3]]), 4, temperature=0)), 1).tolist()
+    [row] = ME.transformers_speed(model, [1, 2, 3], 4, (1,), {1: ours})
+    assert row["rung"] == "transformers dynamic cache batch 1" and row["same_greedy_tokens"] == "4/4", row
 
 
 def test_one_rung_in_process_uses_train_setup_and_step_as_training_runs_them(monkeypatch):

@@ -10,7 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a module may import only modules to its left.
 LAYERS = ["onegpu_kernels", "attention", "model", "fp8", "fastpaths", "generate", "tokenizer", "plots", "config", "sizing",
-          "optim", "data", "checkpoint", "train", "measure", "recipes", "bench", "sample", "export", "evaluate"]
+          "optim", "data", "checkpoint", "boards", "train", "measure", "recipes", "bench", "sample", "export", "evaluate"]
+# Not imported by the project: what export.py ships beside model.py, a file of the export folder's package.
+SHIPPED = ["modeling_onegpu"]
 
 
 def project_imports(module: str) -> set[str]:
@@ -25,7 +27,7 @@ def project_imports(module: str) -> set[str]:
 
 
 def test_every_module_is_in_a_layer():
-    assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(LAYERS)
+    assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(LAYERS + SHIPPED)
 
 
 def test_no_module_takes_the_import_name_of_an_installed_package():

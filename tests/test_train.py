@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import boards as BO
 import checkpoint as CK
 import config as C
 import data as D
@@ -305,11 +306,35 @@ def test_tensorboard_draws_each_step_once_across_a_resume(data_cfg, tmp_path):
     assert {"train/tok_s", "train/grad_norm", "train/peak_mem_gib", "val/val_bpb"} <= set(events.Tags()["scalars"])
 
 
-def test_tensorboard_without_the_package_says_how_to_install_it(train_config, tmp_path, monkeypatch):
-    real = TR.importlib.util.find_spec
-    monkeypatch.setattr(TR.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name))
-    with pytest.raises(ValueError, match=r"train.tensorboard needs the tensorboard package: pip install tensorboard"):
-        TR.train(with_train(train_config, tensorboard=True), tmp_path / "run", **QUIET)
+@pytest.mark.parametrize("board", ["tensorboard", "wandb"])
+def test_a_board_without_its_package_says_how_to_install_it(train_config, tmp_path, monkeypatch, board):
+    real = BO.importlib.util.find_spec
+    monkeypatch.setattr(BO.importlib.util, "find_spec", lambda name: None if name == board else real(name))
+    with pytest.raises(ValueError, match=rf"^train.{board} needs the {board} package: pip install {board} .* --{board}$"):
+        TR.train(with_train(train_config, **{board: True}), tmp_path / "run", **QUIET)
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_logs_offline_and_a_resume_continues_the_same_run(data_cfg, tmp_path, monkeypatch):
+    """WANDB_MODE=offline: the curves of both sessions go to one W&B run, the one the folder's wandb_id names."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged = []
+    real_log = wandb.sdk.wandb_run.Run.log
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
+                        lambda self, data, step=None, **k: (logged.append((self.id, step, data)),
+                                                            real_log(self, data, step=step, **k))[1])
+    cfg = tiny_run_config(data_cfg, ckpt_every=2, wandb=True, wandb_project="onegpu-test")
+    run = tmp_path / "run"
+    with pytest.raises(TR.Interrupted):
+        TR.train(cfg, run, stop_after=4, **QUIET)
+    TR.train(cfg, run, resume=True, **QUIET)
+    run_id = (run / "wandb_id").read_text().strip()
+    assert {i for i, _, _ in logged} == {run_id}
+    assert [s for _, s, d in logged if "train/loss" in d] == [1, 2, 3, 4, 5, 6]
+    assert [s for _, s, d in logged if "val/val_loss" in d] == [3, 6]
+    assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one folder per session, one run id
 
 
 def test_help_after_config_shows_that_files_values():

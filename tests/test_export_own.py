@@ -1,0 +1,143 @@
+"""export.py's own-model folder (no stock transformers class computes the default presets): each default preset's
+recipe at CPU size exports, loads with AutoModelForCausalLM and trust_remote_code, gives model.Llama's logits and
+generates sample.py's greedy text through transformers' own KV cache, across the long and short windows."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+import checkpoint as CK
+import config as C
+import data as D
+import export as E
+import model as M
+import sample as S
+import tokenizer as tk
+from conftest import tiny_run_config
+
+transformers = pytest.importorskip("transformers")
+
+PRESETS = ("22m", "47m", "88m", "126m")
+PROMPT = "def main():\n    "
+NEW_TOKENS = 40  # with the prompt, past the 48-key window and the 24-key short one
+
+
+def small(preset: str, vocab: int) -> M.ModelConfig:
+    """The preset's recipe (every model setting, its layer count, value tables and attention-free layer) at a width
+    and context a CPU runs in a blink, the windows shortened so that a 40-token continuation crosses them."""
+    return dataclasses.replace(C.preset(preset).model, d_model=64, n_heads=2, n_kv_heads=2, ffn_hidden=128,
+                               vocab_size=vocab, context=128, attn_window=48)
+
+
+def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
+    """Weights away from the presets' zero and unit starts, so that every scalar, gate and table shows."""
+    torch.manual_seed(seed)
+    model = M.Llama(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def run(request, data_cfg, tmp_path_factory):
+    """A checkpoint of the preset's recipe (random weights, the test corpus's tokenizer) and its export."""
+    tok_path = D.data_dir(data_cfg, 512) / "tokenizer.json"
+    cfg = tiny_run_config(data_cfg, small(request.param, tk.load_tokenizer(tok_path).get_vocab_size()))
+    folder = tmp_path_factory.mktemp("runs") / request.param
+    folder.mkdir()
+    CK.save(folder / "ckpt.pt", model=random_weights(cfg.model), optimizer={}, step=0, tokens=0, skipped=0,
+            loaders=[], rngs=[], config=cfg, tokenizer_hash=tk.tokenizer_hash(tok_path))
+    out = tmp_path_factory.mktemp("exported") / f"own_{request.param}"  # each its own module name in transformers
+    E.main(["--ckpt", str(folder), "--out", str(out)])
+    return folder, out
+
+
+def load(out):
+    return transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def test_each_default_preset_exports_our_own_model_with_equal_logits(run):
+    folder, out = run
+    ckpt = CK.load(folder, "cpu")
+    assert CK.stock_gap(ckpt.config.model) is not None  # no stock class: the folder carries our model
+    assert {p.name for p in out.iterdir()} == set(E.OWN_FILES)
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_onegpu.OnegpuForCausalLM"
+    assert config["onegpu"] == dataclasses.asdict(ckpt.config.model)
+    hf, ours = load(out), ckpt.build_model().eval()
+    idx = torch.randint(0, ours.cfg.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(idx) - hf(idx).logits).abs().max().item() < 1e-5
+
+
+def test_greedy_generate_equals_sample_py(run, capsys):
+    folder, out = run
+    S.main(["--ckpt", str(folder), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS),
+            "--device", "cpu"])
+    ours = capsys.readouterr().out
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = tok(PROMPT, return_tensors="pt")["input_ids"]
+    tokens = load(out).generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                pad_token_id=tok.eos_token_id)
+    assert tokens.shape[1] == prompt.shape[1] + NEW_TOKENS
+    assert ours == PROMPT + tok.decode(tokens[0, prompt.shape[1]:]) + "\n"
+
+
+def test_the_test_fails_when_the_exported_model_drops_a_recipe_part(run, tmp_path):
+    """The logits comparison above sees a recipe part the exported model.py leaves out: here the soft-cap."""
+    folder, out = run
+    broken = tmp_path / f"broken_{out.name}"
+    shutil.copytree(out, broken)
+    source = (broken / "model.py").read_text()
+    line = "        return softcap(F.linear(x, weight), self.cap)\n"
+    assert source.count(line) == 1
+    (broken / "model.py").write_text(source.replace(line, "        return F.linear(x, weight)\n"))
+    ours = CK.load(folder, "cpu").build_model().eval()
+    idx = torch.randint(0, ours.cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(idx) - load(broken)(idx).logits).abs().max().item() > 1e-2
+
+
+def test_the_export_names_its_source_and_says_how_to_load_it(run, capsys, tmp_path):
+    folder, _ = run
+    E.main(["--ckpt", str(folder), "--out", str(tmp_path / "again")])
+    said = capsys.readouterr().out
+    assert "onegpu's own model, as model.logit_softcap" in said and "trust_remote_code=True" in said
+    hashes = json.loads((tmp_path / "again" / "config.json").read_text())["onegpu_source_sha256"]
+    assert set(hashes) == set(CK.OWN_SOURCES) and all(len(h) == 64 for h in hashes.values())
+    shipped = (tmp_path / "again" / "model.py").read_text()
+    assert CK.PACKAGE_IMPORT in shipped and shipped.replace(CK.PACKAGE_IMPORT, CK.FLAT_IMPORT) == \
+        (CK.ROOT / "model.py").read_text()
+
+
+def test_left_padding_is_refused_in_one_line_and_right_padding_changes_nothing(run):
+    _, out = run
+    hf = load(out)
+    idx = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = hf(idx).logits
+        right = hf(idx, attention_mask=torch.tensor([[1] * 10 + [0] * 2])).logits
+        assert torch.equal(plain, right)
+        with pytest.raises(ValueError, match="^attention_mask pads a row before or between its tokens: .* pad on the right"):
+            hf(idx, attention_mask=torch.tensor([[0] * 2 + [1] * 10]))
+
+
+def test_labels_give_the_mean_next_token_loss(run):
+    folder, out = run
+    ours = CK.load(folder, "cpu").build_model().eval()
+    idx = torch.randint(0, ours.cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        loss = load(out)(idx, labels=idx).loss
+        assert abs(loss.item() - ours(idx[:, :-1], idx[:, 1:]).item()) < 1e-5
+
+
+def test_generation_past_the_context_is_refused_in_one_line(run):
+    _, out = run
+    hf = load(out)
+    prompt = torch.zeros((1, 120), dtype=torch.long)
+    with pytest.raises(ValueError, match="tokens is longer than this model's context of 128: generate at most"):
+        hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
