@@ -3,6 +3,7 @@ recipe at CPU size exports, loads with AutoModelForCausalLM and trust_remote_cod
 generates sample.py's greedy text through transformers' own KV cache, across the long and short windows."""
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -56,7 +57,9 @@ def run(request, data_cfg, tmp_path_factory):
     return folder, out
 
 
+@functools.cache
 def load(out):
+    """The folder through transformers' front door, once per folder (each test reads, none changes it)."""
     return transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
 
 
