@@ -5,12 +5,28 @@ import socket
 
 import numpy as np
 import pytest
+import torch
 
 import data as D
+import fp8
 import model as M
 
 VOCAB = 512
 
+
+def cpu_rows_fp8() -> bool:
+    """Whether this torch's CPU _scaled_mm takes a scale a row, as fp8.rows_matmul asks (torch 2.13 does; 2.11,
+    the oldest torch onegpu runs on, scales whole tensors only there, and runs FP8 on a GPU alone)."""
+    x = torch.ones(16, 16)
+    try:
+        fp8.rows_matmul(fp8.to_fp8_rows(x), fp8.to_fp8_rows(x))
+    except RuntimeError:
+        return False
+    return True
+
+
+needs_cpu_fp8 = pytest.mark.skipif(not cpu_rows_fp8(), reason="this torch's CPU _scaled_mm has no row-wise scales "
+                                   "(torch 2.13 has); tests/test_gpu.py checks the FP8 paths on a GPU")
 
 STARTED = []  # the module whose interpreter checks were started (tests/test_kernels.py)
 

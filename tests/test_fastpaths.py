@@ -12,6 +12,7 @@ import attention as A
 import fastpaths as FP
 import fp8 as F8
 import model as M
+from conftest import needs_cpu_fp8
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=32)
 
@@ -90,6 +91,7 @@ def test_fused_loss_equals_plain_loss_and_gradients(rows, cap, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@needs_cpu_fp8
 def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
     g = torch.Generator().manual_seed(8)
     x = torch.randn(64, 96, generator=g, requires_grad=True)
@@ -110,6 +112,7 @@ def test_fp8_linear_is_close_to_the_plain_matmul_and_its_gradients():
     assert rel(gw1, gw0) < 0.01  # the weight gradient in bf16
 
 
+@needs_cpu_fp8
 @pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
 @pytest.mark.parametrize("fast", [False, True])
 def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatch, fast, mlp):
@@ -145,6 +148,7 @@ def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatc
     assert calls == [fast, False, False]  # the forward product; the input's and the weight's gradients
 
 
+@needs_cpu_fp8
 def test_the_fp8_relu2_mlp_is_close_to_the_plain_one_and_evaluates_plainly():
     g = torch.Generator().manual_seed(8)
     cfg = M.ModelConfig(d_model=96, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, context=8, mlp="relu2",
@@ -191,6 +195,7 @@ def test_fast_accumulation_runs_only_beside_an_fp8_path():
     assert FP.fast_path_alone("fp8") == {"fp8": True}
 
 
+@needs_cpu_fp8
 def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
     torch.manual_seed(0)
     plain = M.Llama(M.ModelConfig(**SMALL))

@@ -17,6 +17,7 @@ import attention as A
 import fastpaths as FP
 import onegpu_kernels as K
 import model as M
+from conftest import needs_cpu_fp8
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,6 +82,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="needs Triton for its CPU interpreter (pip install triton)")
 
 
+@needs_cpu_fp8
 @needs_triton
 def test_the_training_fast_paths_trace_as_one_graph(interpreted):
     run_under_interpreter(interpreted, "one_graph_check")
