@@ -93,7 +93,8 @@ class TrainConfig:
     muon: bool = False  # Muon on the block matrices, AdamW (at lr) on the embedding, head and gains
     muon_lr: float = 0.02  # Muon's peak learning rate (modded-nanogpt, nanochat: 0.02-0.05)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
-    muon_weight_decay: float = 0.0  # Muon's decoupled weight decay
+    muon_weight_decay: float = 0.0  # Muon's decoupled weight decay, times Muon's scheduled lr
+    muon_cautious: bool = False  # decay only the entries the update moves toward zero too (cautious weight decay)
     # onegpu's MLP up-projection (ffn x d) is tall: it steps at 2x muon_lr with this scale. modded-nanogpt's
     # record #28 stores that matrix transposed (d x ffn), so every update there is scaled by 1.
     muon_tall_scale: bool = True  # a tall (rows > cols) matrix's update times sqrt(rows / cols) (Jordan's)
@@ -103,6 +104,7 @@ class TrainConfig:
     muon_beta2: float = 0.0  # NorMuon: each neuron's update over its RMS's EMA with this decay; 0: off (record: 0.95)
     muon_momentum_warmup: int = 0  # steps over which Muon's momentum rises from muon_momentum_start (modded-nanogpt: 300)
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0 when muon_momentum_warmup > 0 (modded-nanogpt's)
+    muon_momentum_cooldown: int = 0  # last steps over which it falls back to muon_momentum_start (modded #39: 50)
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
     head_lr: float = 0.0  # AdamW lr of an untied head; 0: lr (modded-nanogpt: 0.008)
     scalar_lr: float = 0.0  # AdamW lr of the norm gains and mixing scalars; 0: lr (modded-nanogpt: 0.04)
@@ -166,6 +168,7 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "muon_weight_decay": NOT_NEGATIVE,
     "muon_momentum_warmup": NOT_NEGATIVE,
+    "muon_momentum_cooldown": NOT_NEGATIVE,
     "muon_momentum_start": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "muon_beta2": (lambda v: 0 <= v < 1, "in [0, 1) (0 turns NorMuon off)"),
     **dict.fromkeys(("embed_lr", "head_lr", "scalar_lr"), (lambda v: 0 <= v <= 10, "in [0, 10] (0: train.lr)")),

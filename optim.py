@@ -84,14 +84,21 @@ def lr_at(step: int, cfg: C.TrainConfig, steps: int) -> float:
 
 # --- Muon ----------------------------------------------------------------------------------
 
-def muon_momentum_at(step: int, cfg: C.TrainConfig) -> float:
-    """Muon's momentum at `step`: from muon_momentum_start up to muon_momentum, linearly over the first
-    muon_momentum_warmup steps (modded-nanogpt: 0.85 to 0.95 over 300 steps), then constant. A lower
-    momentum early averages over fewer of the first, fast-changing gradients."""
-    if step >= cfg.muon_momentum_warmup:
-        return cfg.muon_momentum
-    frac = step / cfg.muon_momentum_warmup
-    return (1 - frac) * cfg.muon_momentum_start + frac * cfg.muon_momentum
+def muon_momentum_at(step: int, cfg: C.TrainConfig, steps: int = 0) -> float:
+    """Muon's momentum at `step` of `steps`: from muon_momentum_start up to muon_momentum, linearly over the first
+    muon_momentum_warmup steps (modded-nanogpt: 0.85 to 0.95 over 300 steps), constant, then back down to
+    muon_momentum_start over the last muon_momentum_cooldown steps (modded-nanogpt record #39: 50). A lower
+    momentum early averages over fewer of the first, fast-changing gradients; late, it lets the last steps of the
+    cool-down count more."""
+    low, high = cfg.muon_momentum_start, cfg.muon_momentum
+    if step < cfg.muon_momentum_warmup:
+        frac = step / cfg.muon_momentum_warmup
+        return (1 - frac) * low + frac * high
+    cooldown_start = steps - cfg.muon_momentum_cooldown
+    if cfg.muon_momentum_cooldown and step > cooldown_start:
+        frac = min(1.0, (step - cooldown_start) / cfg.muon_momentum_cooldown)
+        return (1 - frac) * high + frac * low
+    return high
 
 
 def orthogonalize(g: torch.Tensor, dtype: torch.dtype, eps: float = 1e-7, kernel: bool = False,
@@ -157,11 +164,12 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
                  ns_dtype: torch.dtype | None = None, tall_scale: bool = True, shared: bool = True,
-                 kernel: bool = False, iteration: str = "newton-schulz", beta2: float = 0.0):
+                 kernel: bool = False, iteration: str = "newton-schulz", beta2: float = 0.0,
+                 cautious: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=None,
                                       tall_scale=tall_scale))
         self.ns_dtype, self.shared, self.kernel = ns_dtype, shared, kernel
-        self.iteration, self.beta2 = iteration, beta2
+        self.iteration, self.beta2, self.cautious = iteration, beta2, cautious
         for group in self.param_groups:
             for p in group["params"]:
                 assert p.dim() == 2, f"Muon updates matrices only, got a parameter of shape {tuple(p.shape)}"
@@ -207,7 +215,7 @@ class Muon(torch.optim.Optimizer):
                     ortho.mul_(scale)
                 torch._foreach_copy_(parts, list(ortho.unbind(0)))  # views of their matrices' updates: in place
             if group["weight_decay"]:
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+                decay(params, updates, group["lr"] * group["weight_decay"], self.cautious)
             torch._foreach_add_(params, updates, alpha=-group["lr"])
         return None
 
@@ -219,6 +227,17 @@ class Muon(torch.optim.Optimizer):
             state["second_moment"] = [torch.zeros((A, 1) if A >= B else (1, B), device=p.device, dtype=dtype)
                                       for A, B in (part.shape for part in parts)]
         return state["second_moment"]
+
+
+def decay(params: list, updates: list, rate: float, cautious: bool):
+    """Decoupled weight decay, p -= rate * p, before the step p -= lr * update. Cautious (modded-nanogpt records
+    #43 and #50): only where p and its update have the same sign (p * update >= 0), the entries the step moves
+    toward zero anyway; the others keep their size."""
+    if not cautious:
+        torch._foreach_mul_(params, 1 - rate)
+        return
+    agree = [(p * u >= 0).to(p.dtype) for p, u in zip(params, updates)]
+    torch._foreach_addcmul_(params, params, agree, value=-rate)
 
 
 def normalized_neurons(ortho: torch.Tensor, moments: list, beta2: float) -> torch.Tensor:
@@ -348,5 +367,5 @@ def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
                   "splits": [stacked_rows(n, p, model.cfg) for n, p in groups["matrices"]]}],
                 lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay,
                 tall_scale=cfg.muon_tall_scale, shared=cfg.muon_shared, kernel=cfg.muon_kernel,
-                iteration=cfg.muon_iteration, beta2=cfg.muon_beta2)
+                iteration=cfg.muon_iteration, beta2=cfg.muon_beta2, cautious=cfg.muon_cautious)
     return Optimizers(muon, torch.optim.AdamW(adamw_groups(groups, cfg), **adam))

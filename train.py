@@ -710,6 +710,10 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
     groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)
     momentum = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
                 f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
+    if tcfg.muon and tcfg.muon_momentum_cooldown:
+        momentum += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
+    if tcfg.muon and tcfg.muon_weight_decay and tcfg.muon_cautious:
+        momentum += ", cautious weight decay"
     say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{momentum}), "
         f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
     length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
@@ -869,7 +873,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
     try:
         windows = r.cfg.model.windows() if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
-                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg), windows,
+                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps), windows,
                                      r.scaler, prefetch)
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)

@@ -62,6 +62,34 @@ def test_muon_momentum_warms_up_linearly_then_holds():
     assert O.muon_momentum_at(0, C.TrainConfig(steps=1, muon_momentum=0.9)) == 0.9  # no warm-up: as configured
 
 
+def test_muon_momentum_cools_down_over_the_last_steps():
+    """modded-nanogpt record #39's cool-down: 0.95 back to 0.85 over the last 50 of the run's steps."""
+    cfg = C.TrainConfig(steps=1, muon=True, muon_momentum=0.95, muon_momentum_start=0.85, muon_momentum_warmup=300,
+                        muon_momentum_cooldown=50)
+    at = [O.muon_momentum_at(s, cfg, 1000) for s in (0, 300, 950, 975, 1000)]
+    assert at == pytest.approx([0.85, 0.95, 0.95, 0.90, 0.85])
+    off = C.TrainConfig(steps=1, muon=True, muon_momentum=0.95)
+    assert O.muon_momentum_at(1000, off, 1000) == 0.95  # no cool-down: as configured
+
+
+def test_cautious_weight_decay_decays_only_where_the_update_agrees_in_float64():
+    """Records #43/#50: p -= lr * wd * p * (update * p >= 0) + lr * update, with update the step Muon takes."""
+    torch.manual_seed(0)
+    p0, grad = torch.randn(32, 16, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)
+
+    def step(weight_decay, cautious):
+        p = torch.nn.Parameter(p0.clone())
+        p.grad = grad.clone()
+        O.Muon([p], lr=0.1, momentum=0.9, weight_decay=weight_decay, ns_dtype=torch.float64,
+               cautious=cautious).step()
+        return p.detach()
+    update = (p0 - step(0.0, False)) / 0.1  # the step Muon takes, decay aside
+    agree = (update * p0 >= 0).double()
+    assert 0.2 < agree.mean() < 0.8  # both kinds of entries are there
+    torch.testing.assert_close(step(0.5, True), p0 - 0.1 * 0.5 * p0 * agree - 0.1 * update, rtol=0, atol=1e-12)
+    torch.testing.assert_close(step(0.5, False), p0 * (1 - 0.1 * 0.5) - 0.1 * update, rtol=0, atol=1e-12)
+
+
 def test_a_loaded_state_keeps_the_configured_hyperparameters():
     """The moments come from the checkpoint, every hyperparameter from the config: torch's own
     load_state_dict would put the saved momentum, betas and ratios back."""
