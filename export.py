@@ -39,8 +39,8 @@ def check_out_folder(out: Path, force: bool):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-# What export writes into its folder: a stock class's model (checkpoint.write_hf_model) or our own (write_own_model),
-# and the tokenizer's files.
+# What export writes into its folder: a stock class's model (checkpoint.write_hf_model) or our own
+# (checkpoint.write_own_model), and the tokenizer's files.
 STOCK_FILES = ("config.json", "generation_config.json", "model.safetensors") + TOKENIZER_FILES
 OWN_FILES = ("config.json", "generation_config.json", "model.safetensors") + CK.OWN_SOURCES + TOKENIZER_FILES
 
@@ -70,6 +70,8 @@ def export(ckpt: CK.Checkpoint, tokenizer_path: Path, out: Path):
 def write_files(ckpt: CK.Checkpoint, tok, tokenizer_path: Path, out: Path):
     cfg = ckpt.config.model
     eot_id = tok.token_to_id(tk.EOT)
+    for name in set(OWN_FILES) - set(files_for(cfg)):  # --force over our own model's folder: its sources go too
+        (out / name).unlink(missing_ok=True)
     CK.write_transformers_model(ckpt.model, cfg, out, eot_id)
     shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({

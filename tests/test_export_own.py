@@ -21,7 +21,8 @@ from conftest import tiny_run_config
 
 transformers = pytest.importorskip("transformers")
 
-PRESETS = ("22m", "47m", "88m", "126m")
+# 126m has every part the others have (and the most layers); the rest run in the slow tier (CI runs both).
+PRESETS = (*(pytest.param(p, marks=pytest.mark.slow) for p in ("22m", "47m", "88m")), "126m")
 PROMPT = "def main():\n    "
 NEW_TOKENS = 40  # with the prompt, past the 48-key window and the 24-key short one
 
@@ -144,3 +145,17 @@ def test_generation_past_the_context_is_refused_in_one_line(run):
     prompt = torch.zeros((1, 120), dtype=torch.long)
     with pytest.raises(ValueError, match="tokens is longer than this model's context of 128: generate at most"):
         hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+
+
+def test_a_stock_export_forced_over_our_own_leaves_none_of_its_sources(run, tmp_path):
+    """--force writes into a folder an earlier export filled: a stock class's export there removes our model's
+    source files, which its config.json no longer names."""
+    folder, out = run
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    ckpt = CK.load(folder, "cpu")
+    stock = dataclasses.replace(C.preset("tiny").model, vocab_size=ckpt.config.model.vocab_size)
+    plain = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, model=stock),
+                                model=M.Llama(stock).state_dict())
+    E.export(plain, CK.tokenizer_for(ckpt)[1], again)
+    assert {p.name for p in again.iterdir()} == set(E.STOCK_FILES)

@@ -612,7 +612,7 @@ def test_exported_models_stay_out_of_git():
     assert "/exported/" in (root / ".gitignore").read_text().splitlines()
 
 
-@pytest.mark.parametrize("preset", ["22m", "47m", "88m", "126m"])
+@pytest.mark.parametrize("preset", [*(pytest.param(p, marks=pytest.mark.slow) for p in ("22m", "47m", "88m")), "126m"])
 def test_every_default_preset_resumes_with_the_same_command_on_a_cpu(finished, tmp_path, capsys, preset):
     """Each default preset's file (its recipe and its [speed] section, FP8 and Triton paths a CPU lacks), shrunk to a
     CPU's size by a file that extends it: the run stops after a step, and the same command plus --resume finishes

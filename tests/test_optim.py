@@ -294,6 +294,7 @@ os._exit(0)
 '''
 
 
+@pytest.mark.slow  # tests/test_train.py's record run through two gloo ranks shares Muon's iteration in the fast tier
 def test_two_gloo_ranks_share_muons_iteration_and_equal_one_process(tmp_path, free_port):
     """optim.Muon under a process group of two gloo ranks: each rank orthogonalises half of each
     shape's parts (rounded up; 6 parts of (8, 6) with the stacked one's first part, 3 of (6, 10))
