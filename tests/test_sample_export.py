@@ -193,7 +193,8 @@ def test_tokenizer_mismatch_is_refused(loaded, tmp_path):
 
 
 def test_sample_command_runs(run_dir, capsys):
-    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "12", "--num-samples", "2", "--seed", "3"])
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "12", "--num-samples", "2", "--seed", "3",
+            "--device", "cpu"])
     captured = capsys.readouterr()
     assert captured.out.count("--- sample") == 2 and "[KV cache, cpu, batch 2: first token after" in captured.err
     assert "tok/s decoding 11 more per sample" in captured.err
@@ -206,9 +207,10 @@ def test_no_fused_decode_turns_off_every_decode_path(run_dir, monkeypatch, capsy
     loads = []
     load = S.CK.load
     monkeypatch.setattr(S.CK, "load", lambda *a, **k: loads.append(k) or load(*a, **k))
-    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--no-fused-decode"])
-    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3"])
-    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--split-decode", "--no-decode-mlp"])
+    cpu = ["--device", "cpu"]  # the report names the device: a GPU machine runs this test on its CPU too
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--no-fused-decode", *cpu])
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", *cpu])
+    S.main(["--ckpt", str(run_dir), "--prompt", "the", "--max-new-tokens", "3", "--split-decode", "--no-decode-mlp", *cpu])
     off = {"speed__fused_decode": False, "speed__split_decode": False, "speed__decode_matmuls": False,
            "speed__decode_mlp": False, "speed__decode_pdl": False}
     # each of generation's other switches on its own, the rest as the checkpoint has them
