@@ -45,14 +45,16 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.0})
 
 
-# modded-nanogpt's parts on documents masked apart, with Muon's momentum and the sliding window both
-# growing over the 6 steps (16, 32, 32, 32, 48, 48 tokens): a stop after step 3 resumes inside both.
+# modded-nanogpt's parts on documents masked apart, with Polar Express and NorMuon (whose second moments a resume
+# must restore), Muon's momentum and the sliding window both growing over the 6 steps (16, 32, 32, 32, 48, 48
+# tokens): a stop after step 3 resumes inside both.
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
                   "attn_gate": True, "attn_window": 48},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
-                  "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10})
+                  "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
+                  "muon_iteration": "polar-express", "muon_beta2": 0.95})
 
 
 # fp16 with its gradient scaler (the path of GPUs without bf16), which CPU autocast runs too: the
