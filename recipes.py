@@ -178,9 +178,6 @@ RECORD_CHAIN = (
     ("+ values scaled on every layer, Adam's epsilon at modded's gradient scale", {"model__value_scale": True,
                                                                                  "train__adam_eps": 2.5e-16}),
     ("+ norms without gains (modded's norm(x))", {"model__norm_gains": False}),
-    # The later records' ideas that paid here (docs/performance/time-to-loss.md, "Newer records' ideas").
-    ("+ Polar Express, NorMuon (records #38, #41)", {"train__muon_iteration": "polar-express",
-                                                     "train__muon_beta2": 0.95}),
 )
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).

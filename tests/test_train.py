@@ -695,8 +695,7 @@ def test_flags_override_file_override_defaults(tmp_path):
 # and with split decode and the decode MLP (generation's too) since 2026-12-03, and its MLP's matmuls in FP8 since
 # 2026-12-04 (a speed setting, measured apart: +4.1%, a loss after 150 steps within two seeds' spread), and its FP8
 # forward products with fast accumulation since 2026-12-05 (a speed setting, measured apart: +1.7%, losses after 150
-# steps no worse, two seeds a side), and Polar Express with NorMuon since 2026-12-06 (measured at 126m in 70 s,
-# two seeds a side: docs/performance/time-to-loss.md).
+# steps no worse, two seeds a side).
 RECORD_FLAGS = ("--no-tie-embeddings --embed-norm --logit-softcap 15 --lr 0.008 --embed-lr 0.6 --head-lr 0.008 "
                 "--scalar-lr 0.04 --beta1 0.8 --adam-eps 2.5e-16 --value-scale --muon-lr 0.05 --muon-momentum-warmup 300 "
                 "--warmup-steps 0 --warmdown-fraction 0.45 --min-lr-ratio 0.1 --value-embeds 3 --unet-skips --x0-mix "
@@ -704,7 +703,7 @@ RECORD_FLAGS = ("--no-tie-embeddings --embed-norm --logit-softcap 15 --lr 0.008 
                 "--window-start 128 --micro-batch 4 --short-windows --n-layers 12 --n-heads 6 --n-kv-heads 6 "
                 "--skip-attn-layer 7 --fp8-head --pin --attn-scale 0.12 --no-muon-tall-scale "
                 "--grad-clip 0 --loss-kernel --no-norm-gains --split-decode --decode-mlp --decode-pdl --fp8 "
-                "--fp8-fast-accum --muon-iteration polar-express --muon-beta2 0.95")
+                "--fp8-fast-accum")
 
 
 def test_the_126m_default_is_the_measured_record_recipe():
