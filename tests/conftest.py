@@ -28,6 +28,27 @@ def cpu_rows_fp8() -> bool:
 needs_cpu_fp8 = pytest.mark.skipif(not cpu_rows_fp8(), reason="this torch's CPU _scaled_mm has no row-wise scales "
                                    "(torch 2.13 has); tests/test_gpu.py checks the FP8 paths on a GPU")
 
+# The default GPU presets, 126m in the fast tier (it has every part the others have, and the most layers) and the
+# others in the slow one (CI runs both).
+DEFAULT_PRESET_CASES = (*(pytest.param(p, marks=pytest.mark.slow) for p in ("22m", "47m", "88m")), "126m")
+
+
+def cpu_sized_preset(preset: str, data, path):
+    """A config file that extends configs/<preset>.toml (its recipe and its [speed] section) and shrinks it to a
+    CPU's size: width 64, a 128-token context with 48-key windows (24 on the short layers), the test corpus (data), 3 steps of 512 tokens,
+    no compile. Returns path."""
+    import json
+    import config as C
+    path.write_text(f'extends = "{C.PRESETS_DIR / (preset + ".toml")}"\n'
+                    "[model]\nd_model = 64\nn_heads = 2\nn_kv_heads = 2\nffn_hidden = 128\nvocab_size = 512\n"
+                    "context = 128\nattn_window = 48\n"
+                    f"[data]\ncorpus = {json.dumps(data.corpus)}\ncache_dir = {json.dumps(data.cache_dir)}\n"
+                    f"val_fraction = {data.val_fraction}\n"
+                    "[train]\nbatch_tokens = 512\nmicro_batch = 2\nsteps = 3\neval_every = 3\neval_tokens = 256\n"
+                    "window_start = 32\nsample_tokens = 0\ncompile = false\n")
+    return path
+
+
 STARTED = []  # the module whose interpreter checks were started (tests/test_kernels.py)
 
 

@@ -17,12 +17,11 @@ import export as E
 import model as M
 import sample as S
 import tokenizer as tk
-from conftest import tiny_run_config
+import train as TR
+from conftest import DEFAULT_PRESET_CASES, cpu_sized_preset, tiny_run_config
 
 transformers = pytest.importorskip("transformers")
 
-# 126m has every part the others have (and the most layers); the rest run in the slow tier (CI runs both).
-PRESETS = (*(pytest.param(p, marks=pytest.mark.slow) for p in ("22m", "47m", "88m")), "126m")
 PROMPT = "def main():\n    "
 NEW_TOKENS = 40  # with the prompt, past the 48-key window and the 24-key short one
 
@@ -44,7 +43,7 @@ def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
     return model.state_dict()
 
 
-@pytest.fixture(scope="module", params=PRESETS)
+@pytest.fixture(scope="module", params=DEFAULT_PRESET_CASES)
 def run(request, data_cfg, tmp_path_factory):
     """A checkpoint of the preset's recipe (random weights, the test corpus's tokenizer) and its export."""
     tok_path = D.data_dir(data_cfg, 512) / "tokenizer.json"
@@ -64,6 +63,30 @@ def load(out):
     return transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
 
 
+def assert_equal_logits(folder, out):
+    """The exported folder, loaded through transformers, gives the checkpoint's logits (fp32, 1e-5)."""
+    ours = CK.load(folder, "cpu").build_model().eval()
+    idx = torch.randint(0, ours.cfg.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(idx) - load(out)(idx).logits).abs().max().item() < 1e-5
+
+
+def assert_greedy_as_sample_py(folder, out, capsys):
+    """transformers' greedy generate() through its own cache continues PROMPT as `sample.py --temperature 0` does,
+    NEW_TOKENS tokens, past both windows."""
+    capsys.readouterr()
+    S.main(["--ckpt", str(folder), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS),
+            "--device", "cpu"])
+    ours = capsys.readouterr().out
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = tok(PROMPT, return_tensors="pt")["input_ids"]
+    # sample.py goes on past <|endoftext|> (and prints no text for it): so does generate() without an eos token
+    tokens = load(out).generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                pad_token_id=tok.eos_token_id)
+    assert tokens.shape[1] == prompt.shape[1] + NEW_TOKENS
+    assert ours == PROMPT + tok.decode(tokens[0, prompt.shape[1]:], skip_special_tokens=True) + "\n"
+
+
 def test_each_default_preset_exports_our_own_model_with_equal_logits(run):
     folder, out = run
     ckpt = CK.load(folder, "cpu")
@@ -72,23 +95,23 @@ def test_each_default_preset_exports_our_own_model_with_equal_logits(run):
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_onegpu.OnegpuForCausalLM"
     assert config["onegpu"] == dataclasses.asdict(ckpt.config.model)
-    hf, ours = load(out), ckpt.build_model().eval()
-    idx = torch.randint(0, ours.cfg.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert (ours(idx) - hf(idx).logits).abs().max().item() < 1e-5
+    assert_equal_logits(folder, out)
 
 
 def test_greedy_generate_equals_sample_py(run, capsys):
-    folder, out = run
-    S.main(["--ckpt", str(folder), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS),
-            "--device", "cpu"])
-    ours = capsys.readouterr().out
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    prompt = tok(PROMPT, return_tensors="pt")["input_ids"]
-    tokens = load(out).generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                pad_token_id=tok.eos_token_id)
-    assert tokens.shape[1] == prompt.shape[1] + NEW_TOKENS
-    assert ours == PROMPT + tok.decode(tokens[0, prompt.shape[1]:]) + "\n"
+    assert_greedy_as_sample_py(*run, capsys)
+
+
+@pytest.mark.parametrize("preset", DEFAULT_PRESET_CASES)
+def test_a_cpu_run_of_each_default_preset_exports_and_generates_as_sample_py(preset, data_cfg, tmp_path, capsys):
+    """A CPU-size run of the preset's recipe through train.py, exported by export.py: logits equal ours and greedy
+    tokens equal sample.py's (the random weights above show every part; this is the path a user takes)."""
+    small = cpu_sized_preset(preset, data_cfg, tmp_path / "small.toml")
+    TR.main(["--config", str(small), "--runs-dir", str(tmp_path), "--name", "r"])
+    out = tmp_path / f"trained_{preset}"  # each its own module name in transformers
+    E.main(["--ckpt", str(tmp_path / "r"), "--out", str(out)])
+    assert_equal_logits(tmp_path / "r", out)
+    assert_greedy_as_sample_py(tmp_path / "r", out, capsys)
 
 
 def test_the_test_fails_when_the_exported_model_drops_a_recipe_part(run, tmp_path):

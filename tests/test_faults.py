@@ -21,7 +21,7 @@ import export as E
 import plots as PL
 import sample as S
 import train as TR
-from conftest import tiny_run_config, with_train
+from conftest import DEFAULT_PRESET_CASES, cpu_sized_preset, tiny_run_config, with_train
 
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -612,20 +612,12 @@ def test_exported_models_stay_out_of_git():
     assert "/exported/" in (root / ".gitignore").read_text().splitlines()
 
 
-@pytest.mark.parametrize("preset", [*(pytest.param(p, marks=pytest.mark.slow) for p in ("22m", "47m", "88m")), "126m"])
+@pytest.mark.parametrize("preset", DEFAULT_PRESET_CASES)
 def test_every_default_preset_resumes_with_the_same_command_on_a_cpu(finished, tmp_path, capsys, preset):
     """Each default preset's file (its recipe and its [speed] section, FP8 and Triton paths a CPU lacks), shrunk to a
     CPU's size by a file that extends it: the run stops after a step, and the same command plus --resume finishes
     it, with the FP8 switches kept as asked in its checkpoint."""
-    data = finished[0].data
-    small = tmp_path / "small.toml"
-    small.write_text(f'extends = "{C.PRESETS_DIR / (preset + ".toml")}"\n'
-                     "[model]\nd_model = 64\nn_heads = 2\nn_kv_heads = 2\nffn_hidden = 128\nvocab_size = 512\n"
-                     "context = 128\nattn_window = 64\n"
-                     f"[data]\ncorpus = {json.dumps(data.corpus)}\ncache_dir = {json.dumps(data.cache_dir)}\n"
-                     f"val_fraction = {data.val_fraction}\n"
-                     "[train]\nbatch_tokens = 512\nmicro_batch = 2\nsteps = 3\neval_every = 3\neval_tokens = 256\n"
-                     "window_start = 32\nsample_tokens = 0\ncompile = false\n")
+    small = cpu_sized_preset(preset, finished[0].data, tmp_path / "small.toml")
     command = ["--config", str(small), "--runs-dir", str(tmp_path), "--name", "r"]
     with pytest.raises(SystemExit) as e:
         TR.main(command + ["--stop-after", "1"])
