@@ -337,12 +337,14 @@ def hf_state_dict(state: dict, cfg: M.ModelConfig) -> dict:
             out.update({theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up})
     if not cfg.tie_embeddings:  # a tied head is the embedding; safetensors stores it once
         out["lm_head.weight"] = state["head.weight"]
-    return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
+    return out
 
 
 def save_safetensors(tensors: dict, path: Path):
+    """tensors as float32 on the CPU, in safetensors' file format."""
     from safetensors.torch import save_file
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
     # safetensors writes through a private temporary file (mode 0600); give it the mode of the files beside it
     umask = os.umask(0)
     os.umask(umask)
@@ -350,10 +352,9 @@ def save_safetensors(tensors: dict, path: Path):
 
 
 def write_hf_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
-    """config.json, generation_config.json and model.safetensors of the stock class: enough for from_pretrained."""
+    """config.json and model.safetensors of the stock class."""
     save_safetensors(hf_state_dict(state, cfg), out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))
 
 
 # Our own model as transformers remote code (write_own_model), for what no stock class computes: these files ship
@@ -367,19 +368,20 @@ AUTO_MAP = {"AutoConfig": "modeling_onegpu.OnegpuConfig", "AutoModel": "modeling
 
 
 def write_transformers_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
-    """The model files of a transformers folder: the stock class's where one computes cfg, else our own."""
+    """The model files of a transformers folder, enough for from_pretrained: the stock class's where one computes
+    cfg, else our own; and the generation config, <|endoftext|> as both ends."""
     if stock_gap(cfg) is None:
         write_hf_model(state, cfg, out, eot_id)
     else:
         write_own_model(state, cfg, out, eot_id)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))
 
 
 def write_own_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
     """Our model as transformers remote code: the weights under our own names (the Llama is the wrapper's
     `model`), config.json with the ModelConfig and auto_map, and the three source files. config.json records
     each source file's SHA-256 as this checkout has it, so a folder names the code it was written by."""
-    save_safetensors({"model." + k: v.detach().float().contiguous().cpu() for k, v in state.items()},
-                     out / "model.safetensors")
+    save_safetensors({"model." + k: v for k, v in state.items()}, out / "model.safetensors")
     sources = {name: (ROOT / name).read_text() for name in OWN_SOURCES}
     assert sources["model.py"].count(FLAT_IMPORT) == 1, f"model.py imports attention.py as {FLAT_IMPORT!r}, once"
     for name, text in sources.items():
@@ -389,4 +391,3 @@ def write_own_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
         "onegpu": dataclasses.asdict(cfg), "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",
         "onegpu_source_sha256": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sources.items()},
     }, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))

@@ -100,14 +100,11 @@ def main(argv=None):
     except OSError as e:
         sys.exit(f"error: {e}" if str(e).startswith("writing ") else
                  f"error: cannot write {out} ({e.strerror or e}): choose a folder you can write to")
-    gap = CK.stock_gap(ckpt.config.model)
-    if gap is None:
-        print(f"wrote {args.out}: {', '.join(STOCK_FILES)} (load with "
-              f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r}))")
-    else:
-        print(f"wrote {args.out}: {', '.join(OWN_FILES)}: onegpu's own model, as {gap.split(':')[0]} and the like "
-              f"have no stock class (load with transformers.AutoModelForCausalLM.from_pretrained({args.out!r}, "
-              f"trust_remote_code=True))")
+    cfg = ckpt.config.model
+    gap = CK.stock_gap(cfg)
+    own = "" if gap is None else f": onegpu's own model, as {gap.split(':')[0]} and the like have no stock class"
+    print(f"wrote {args.out}: {', '.join(files_for(cfg))}{own} (load with transformers.AutoModelForCausalLM."
+          f"from_pretrained({args.out!r}{'' if gap is None else ', trust_remote_code=True'}))")
 
 
 if __name__ == "__main__":

@@ -708,13 +708,13 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
     if parts:
         say(f"model parts: {', '.join(parts)}")
     groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)
-    momentum = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
-                f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
+    muon = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
+            f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
     if tcfg.muon and tcfg.muon_momentum_cooldown:
-        momentum += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
+        muon += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
     if tcfg.muon and tcfg.muon_weight_decay and tcfg.muon_cautious:
-        momentum += ", cautious weight decay"
-    say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{momentum}), "
+        muon += ", cautious weight decay"
+    say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{muon}), "
         f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
     length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
               else f"{r.steps} steps = {r.steps * tcfg.batch_tokens:,} tokens")

@@ -1,12 +1,14 @@
 """Shared fixtures: a tiny corpus, tokenizer and shards built once per test session."""
 
 import dataclasses
+import json
 import socket
 
 import numpy as np
 import pytest
 import torch
 
+import config as C
 import data as D
 import fp8
 import model as M
@@ -37,13 +39,12 @@ def cpu_sized_preset(preset: str, data, path):
     """A config file that extends configs/<preset>.toml (its recipe and its [speed] section) and shrinks it to a
     CPU's size: width 64, a 128-token context with 48-key windows (24 on the short layers), the test corpus (data), 3 steps of 512 tokens,
     no compile. Returns path."""
-    import json
-    import config as C
     path.write_text(f'extends = "{C.PRESETS_DIR / (preset + ".toml")}"\n'
                     "[model]\nd_model = 64\nn_heads = 2\nn_kv_heads = 2\nffn_hidden = 128\nvocab_size = 512\n"
                     "context = 128\nattn_window = 48\n"
                     f"[data]\ncorpus = {json.dumps(data.corpus)}\ncache_dir = {json.dumps(data.cache_dir)}\n"
-                    f"val_fraction = {data.val_fraction}\n"
+                    f"val_fraction = {data.val_fraction}\nmax_documents = {data.max_documents}\n"
+                    f"tokenizer_documents = {data.tokenizer_documents}\n"
                     "[train]\nbatch_tokens = 512\nmicro_batch = 2\nsteps = 3\neval_every = 3\neval_tokens = 256\n"
                     "window_start = 32\nsample_tokens = 0\ncompile = false\n")
     return path
@@ -102,7 +103,6 @@ TINY_TRAIN = dict(batch_tokens=512, micro_batch=4, lr=3e-3, warmup_steps=2, step
 
 def tiny_run_config(data_cfg, model: M.ModelConfig | None = None, **train):
     """A complete run config of the tiny test model on the test corpus; train overrides TINY_TRAIN."""
-    import config as C
     return C.Config(model=model or tiny_model_cfg(), data=dataclasses.replace(data_cfg),
                     train=C.TrainConfig(**{**TINY_TRAIN, **train}))
 

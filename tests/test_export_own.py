@@ -18,19 +18,12 @@ import model as M
 import sample as S
 import tokenizer as tk
 import train as TR
-from conftest import DEFAULT_PRESET_CASES, cpu_sized_preset, tiny_run_config
+from conftest import DEFAULT_PRESET_CASES, cpu_sized_preset
 
 transformers = pytest.importorskip("transformers")
 
 PROMPT = "def main():\n    "
-NEW_TOKENS = 40  # with the prompt, past the 48-key window and the 24-key short one
-
-
-def small(preset: str, vocab: int) -> M.ModelConfig:
-    """The preset's recipe (every model setting, its layer count, value tables and attention-free layer) at a width
-    and context a CPU runs in a blink, the windows shortened so that a 40-token continuation crosses them."""
-    return dataclasses.replace(C.preset(preset).model, d_model=64, n_heads=2, n_kv_heads=2, ffn_hidden=128,
-                               vocab_size=vocab, context=128, attn_window=48)
+NEW_TOKENS = 40  # with the prompt, past the 48-key window and the 24-key short one (cpu_sized_preset)
 
 
 def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
@@ -45,11 +38,12 @@ def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module", params=DEFAULT_PRESET_CASES)
 def run(request, data_cfg, tmp_path_factory):
-    """A checkpoint of the preset's recipe (random weights, the test corpus's tokenizer) and its export."""
-    tok_path = D.data_dir(data_cfg, 512) / "tokenizer.json"
-    cfg = tiny_run_config(data_cfg, small(request.param, tk.load_tokenizer(tok_path).get_vocab_size()))
+    """A checkpoint of the preset's recipe at a CPU's size (random weights, the test corpus's tokenizer) and its
+    export."""
     folder = tmp_path_factory.mktemp("runs") / request.param
     folder.mkdir()
+    cfg = C.load_config(cpu_sized_preset(request.param, data_cfg, folder / "small.toml"))
+    tok_path = D.data_dir(data_cfg, cfg.model.vocab_size) / "tokenizer.json"
     CK.save(folder / "ckpt.pt", model=random_weights(cfg.model), optimizer={}, step=0, tokens=0, skipped=0,
             loaders=[], rngs=[], config=cfg, tokenizer_hash=tk.tokenizer_hash(tok_path))
     out = tmp_path_factory.mktemp("exported") / f"own_{request.param}"  # each its own module name in transformers
@@ -178,7 +172,7 @@ def test_a_stock_export_forced_over_our_own_leaves_none_of_its_sources(run, tmp_
     shutil.copytree(out, again)
     ckpt = CK.load(folder, "cpu")
     stock = dataclasses.replace(C.preset("tiny").model, vocab_size=ckpt.config.model.vocab_size)
-    plain = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, model=stock),
-                                model=M.Llama(stock).state_dict())
+    tiny = dataclasses.replace(C.preset("tiny"), model=stock, data=ckpt.config.data)  # a stock class computes it
+    plain = dataclasses.replace(ckpt, config=tiny, model=M.Llama(stock).state_dict())
     E.export(plain, CK.tokenizer_for(ckpt)[1], again)
     assert {p.name for p in again.iterdir()} == set(E.STOCK_FILES)
