@@ -84,18 +84,18 @@ def lr_at(step: int, cfg: C.TrainConfig, steps: int) -> float:
 
 # --- Muon ----------------------------------------------------------------------------------
 
-def muon_momentum_at(step: int, cfg: C.TrainConfig, steps: int = 0) -> float:
+def muon_momentum_at(step: int, cfg: C.TrainConfig, steps: int | None = None) -> float:
     """Muon's momentum at `step` of `steps`: from muon_momentum_start up to muon_momentum, linearly over the first
     muon_momentum_warmup steps (modded-nanogpt: 0.85 to 0.95 over 300 steps), constant, then back down to
-    muon_momentum_start over the last muon_momentum_cooldown steps (modded-nanogpt record #39: 50). A lower
-    momentum early averages over fewer of the first, fast-changing gradients; late, it lets the last steps of the
-    cool-down count more."""
+    muon_momentum_start over the last muon_momentum_cooldown steps (modded-nanogpt record #39: 50; none where
+    steps is None, a length not known yet). A lower momentum early averages over fewer of the first, fast-changing
+    gradients; late, it lets the last steps of the cool-down count more."""
     low, high = cfg.muon_momentum_start, cfg.muon_momentum
     if step < cfg.muon_momentum_warmup:
         frac = step / cfg.muon_momentum_warmup
         return (1 - frac) * low + frac * high
-    cooldown_start = steps - cfg.muon_momentum_cooldown
-    if cfg.muon_momentum_cooldown and step > cooldown_start:
+    cooldown_start = (steps or 0) - cfg.muon_momentum_cooldown
+    if cfg.muon_momentum_cooldown and steps is not None and step > cooldown_start:
         frac = min(1.0, (step - cooldown_start) / cfg.muon_momentum_cooldown)
         return (1 - frac) * high + frac * low
     return high

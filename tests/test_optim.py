@@ -72,6 +72,12 @@ def test_muon_momentum_cools_down_over_the_last_steps():
     assert O.muon_momentum_at(1000, off, 1000) == 0.95  # no cool-down: as configured
 
 
+def test_muon_momentum_has_no_cool_down_before_the_runs_length_is_known():
+    """configure_optimizer asks for step 0's momentum without the run's length (a --seconds run sizes it later)."""
+    cfg = C.TrainConfig(steps=1, muon=True, muon_momentum=0.95, muon_momentum_cooldown=50)
+    assert O.muon_momentum_at(0, cfg) == 0.95
+
+
 def test_cautious_weight_decay_decays_only_where_the_update_agrees_in_float64():
     """Records #43/#50: p -= lr * wd * p * (update * p >= 0) + lr * update, with update the step Muon takes."""
     torch.manual_seed(0)
