@@ -336,7 +336,9 @@ def test_wandb_logs_offline_and_a_resume_continues_the_same_run(data_cfg, tmp_pa
     assert {i for i, _, _ in logged} == {run_id}
     assert [s for _, s, d in logged if "train/loss" in d] == [1, 2, 3, 4, 5, 6]
     assert [s for _, s, d in logged if "val/val_loss" in d] == [3, 6]
-    assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one folder per session, one run id
+    # W&B names a session's folder by the second it began, so two quick sessions may share one; none names another id
+    folders = list((run / "wandb").glob("offline-run-*"))
+    assert folders and all(f.name.endswith(f"-{run_id}") for f in folders)
 
 
 def test_help_after_config_shows_that_files_values():
