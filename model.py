@@ -37,7 +37,7 @@ MLPKind = Literal["swiglu", "relu2"]
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
-                "attn_window", "short_windows", "skip_attn_layer", "attn_scale")
+                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "backout")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -72,6 +72,9 @@ class ModelConfig:
     short_windows: bool = False  # half the window on all layers but every fourth and the last (record #28's long-short)
     skip_attn_layer: int = -1  # this layer has no attention, only its MLP (record #28: layer 7 of 12); -1: none
     attn_scale: float = 0.0  # the attention logits' scale; 0: 1/sqrt(head_dim) (modded-nanogpt's: 0.12 at head 128)
+    # modded-nanogpt's records since #28 (records/track_1_short/ READMEs), each off until measured here:
+    bigram_rows: int = 0  # rows of a hashed (previous, current) token-pair table added to every block's input (#62)
+    backout: bool = False  # subtract a learned multiple of the stream at 2/3 depth before the head (record #40)
 
     def __post_init__(self):
         for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale"):  # NaN and inf pass a "< 0" test
@@ -124,6 +127,9 @@ class ModelConfig:
         if self.skip_attn_layer != -1 and self.value_table(self.skip_attn_layer) is not None:
             raise ValueError(f"model.skip_attn_layer={self.skip_attn_layer} is a layer that mixes a value embedding "
                              f"into its attention (model.value_embeds={self.value_embeds}): pick a middle layer")
+        if self.bigram_rows == 1 or self.bigram_rows < 0:
+            raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows "
+                             f"(modded-nanogpt: 5 x the vocabulary)")
         if self.mlp not in ("swiglu", "relu2"):
             raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
@@ -155,6 +161,13 @@ class ModelConfig:
         keys (None: attn_window; 0: no window). short is half of long, or 0 without short_windows."""
         window = self.attn_window if window is None else window
         return window, (max(1, window // 2) if self.short_windows and window else 0)
+
+    @property
+    def backout_layer(self) -> int:
+        """The block whose output backout subtracts (a multiple of) before the head: the one at 2/3 depth, as
+        modded-nanogpt's layer 7 of 12 (its record #40): the first layers' output that only builds context for
+        the later ones, not the next token's prediction."""
+        return max(0, 2 * self.n_layers // 3 - 1)
 
     def value_table(self, layer: int) -> int | None:
         """The value-embedding table layer `layer` mixes in, or None: tables 0..k-1 serve the first k
@@ -245,6 +258,28 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, pos, k.to(self.k.dtype))
         self.v.index_copy_(2, pos, v.to(self.v.dtype))
         return self.k, self.v
+
+
+class TokenCache(nn.Module):
+    """The token ids generation has seen, (batch, context), written in place at their positions as KVCache
+    writes keys: the bigram table reads each new token's predecessor here. A buffer, never saved."""
+
+    def __init__(self, batch: int, context: int, device):
+        super().__init__()
+        self.register_buffer("ids", torch.zeros(batch, context, dtype=torch.long, device=device), persistent=False)
+
+    def update(self, pos, idx):
+        """Write idx (B, T) at positions pos (T,); return every position's id (B, context)."""
+        self.ids.index_copy_(1, pos, idx)
+        return self.ids
+
+
+def bigram_row(prev, idx, rows: int):
+    """The bigram table's row for each (previous, current) token pair, prev and idx (B, T) int64: a hash
+    spread over rows - 1 rows (modded-nanogpt's multipliers, record #62); the last row stands for "no
+    previous token" (prev -1). Distinct pairs may share a row; the frequent ones rarely collide."""
+    hashed = torch.bitwise_xor(36313 * idx, 27191 * prev) % (rows - 1)
+    return torch.where(prev < 0, rows - 1, hashed)
 
 
 class Attention(nn.Module):
@@ -411,6 +446,15 @@ class Llama(nn.Module):
         # U-net: the last L/2 blocks each add a learned multiple (from 1) of a first-half block's output,
         # the last block's from the first block's, and so on inwards.
         self.skip_weights = nn.Parameter(torch.empty(cfg.n_layers // 2)) if cfg.unet_skips else None
+        # The bigram table (bigram_rows, d), zero at init: block i's input gains bigram_mix[i] (from 0.1) times the
+        # row of each token's (previous, current) pair, so next-token statistics of pairs need not be built by
+        # attention. A lookup, like the embedding.
+        rows = cfg.bigram_rows
+        self.bigram = nn.Embedding(rows, cfg.d_model, _weight=torch.empty(rows, cfg.d_model)) if rows else None
+        self.bigram_mix = nn.Parameter(torch.empty(cfg.n_layers)) if rows else None
+        self.history = None  # a TokenCache while generating with the bigram table (setup_cache)
+        # Backout: the head reads x - b * (block backout_layer's output), b learned from 0.5.
+        self.backout_mix = nn.Parameter(torch.empty(1)) if cfg.backout else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_gains)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.output = Output(cfg)
@@ -434,7 +478,7 @@ class Llama(nn.Module):
         model (x0_mix (1, 0), skip weights 1) or halfway (v_mix (0.5, 0.5)), the gate at zero, and the
         value embeddings, and the embedding behind embed_norm when untied, at nn.Embedding's N(0, 1):
         a norm follows them, so only their scale against the Adam step matters."""
-        scalars = {"x0_mix": (1.0, 0.0), "v_mix": (0.5, 0.5)}
+        scalars = {"x0_mix": (1.0, 0.0), "v_mix": (0.5, 0.5), "bigram_mix": (0.1,), "backout_mix": (0.5,)}
         unit_embedding = self.cfg.embed_norm and not self.cfg.tie_embeddings
         for name, p in self.named_parameters():
             if p.is_meta:  # shapes only (counting a 7B model): there are no values to set
@@ -442,11 +486,12 @@ class Llama(nn.Module):
             output_projection = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
             last = name.rsplit(".", 1)[-1]
             if last in scalars:
-                with torch.no_grad():
-                    p.copy_(torch.tensor(scalars[last][:p.numel()]))  # a lone v_mix is (a,)
+                with torch.no_grad():  # a lone v_mix is (a,); bigram_mix is a layer's 0.1 each
+                    p.copy_(torch.tensor(scalars[last][:p.numel()], dtype=p.dtype).expand(p.shape))
             elif name.startswith("value_embeds.") or (name == "embed.weight" and unit_embedding):
                 nn.init.normal_(p, mean=0.0, std=1.0)
-            elif (output_projection or name == "head.weight") and self.cfg.zero_init or name.endswith("attn.gate.weight"):
+            elif ((output_projection or name == "head.weight") and self.cfg.zero_init or name.endswith("attn.gate.weight")
+                  or name == "bigram.weight"):
                 nn.init.zeros_(p)
             elif p.dim() == 2:
                 std = 0.02
@@ -467,10 +512,26 @@ class Llama(nn.Module):
             cache = attn.cache
             if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:
                 attn.cache = attn.new_cache(batch, device, dtype)
+        if self.bigram is not None and (self.history is None or self.history.ids.shape[0] != batch
+                                        or self.history.ids.device != device):
+            self.history = TokenCache(batch, self.cfg.context, device)
 
     def value_rows(self, idx) -> list:
         """Each value-embedding table's rows for idx (B, T): a list of (B, T, n_kv_heads * head_dim)."""
         return [table(idx) for table in self.value_embeds]
+
+    def bigram_rows(self, idx, masks: A.Masks):
+        """The bigram table's rows for idx (B, T), (B, T, d), or None without one. Each token's predecessor is the
+        one before it in the sequence (across a packed document's start, as modded-nanogpt's); generating
+        (masks.pos), the first new token's comes from the tokens seen so far (history)."""
+        if self.bigram is None:
+            return None
+        if masks.pos is None:
+            prev = torch.cat([idx.new_full((idx.shape[0], 1), -1), idx[:, :-1]], dim=1)
+        else:
+            seen, before = self.history.update(masks.pos, idx), masks.pos - 1  # (B, context), (T,)
+            prev = torch.where(before >= 0, seen[:, before.clamp(min=0)], -1)
+        return self.bigram(bigram_row(prev, idx, self.cfg.bigram_rows))
 
     def attentions(self) -> list:
         """The blocks' attention modules (a skip_attn_layer block has none), first layer first."""
@@ -492,15 +553,21 @@ class Llama(nn.Module):
         at = slice(0, T) if masks.pos is None else masks.pos
         rope = self.cos[at].to(x.dtype), self.sin[at].to(x.dtype)  # (T, head_dim) each
         x = self.stream(x)
-        x0, ve, skips = x, self.value_rows(idx), []
+        x0, ve, xb, skips = x, self.value_rows(idx), self.bigram_rows(idx, masks), []
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output
                 x = x + self.skip_weights[i - (len(self.blocks) - n_skips)] * skips.pop()
+            if xb is not None:
+                x = x + self.bigram_mix[i] * xb.type_as(x)
             table = self.cfg.value_table(i)
             x = block(x, x0, rope, masks, ve[table] if table is not None else None)
             if i < n_skips:
                 skips.append(x)
+            if i == self.cfg.backout_layer:
+                backout = x
+        if self.backout_mix is not None:
+            x = x - self.backout_mix * backout
         x = self.norm(x)
         if targets is None:
             return self.output.logits(x, self.output_weight())
@@ -538,14 +605,15 @@ def param_count(cfg: ModelConfig) -> int:
     if cfg.value_scale:  # every other layer with attention: its a
         value += sum(cfg.value_table(i) is None and cfg.attends(i) for i in range(cfg.n_layers))
     skips = cfg.n_layers // 2 if cfg.unet_skips else 0
-    return embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips
+    bigram = cfg.bigram_rows * d + cfg.n_layers if cfg.bigram_rows else 0  # the table and a layer's mix each
+    return embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips + bigram + cfg.backout
 
 
 def multiplied_params(cfg: ModelConfig) -> int:
     """The parameters that multiply the activations: all but the lookup tables (an untied input
-    embedding and the value embeddings), which a token only indexes."""
+    embedding, the value embeddings and the bigram table), which a token only indexes."""
     lookups = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    lookups += cfg.value_embeds * cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim
+    lookups += cfg.value_embeds * cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim + cfg.bigram_rows * cfg.d_model
     return param_count(cfg) - lookups
 
 

@@ -8,7 +8,8 @@ transformers runs is onegpu's own `model.Llama`, every recipe setting included; 
   - OnegpuConfig carries the checkpoint's ModelConfig (`onegpu` in config.json) and the few names transformers'
     tools read (hidden_size, num_hidden_layers, ...), derived from it;
   - OnegpuForCausalLM holds the Llama as `model` and, while `generate()` runs, lends each attention layer one
-    layer of transformers' own cache (CacheLayer), where onegpu's sampler gives it a preallocated KVCache.
+    layer of transformers' own cache (CacheLayer), where onegpu's sampler gives it a preallocated KVCache (and,
+    with the bigram table, the tokens that cache holds: TokenHistory).
 This file is never imported by onegpu itself: as a file of a package (the export folder) it imports its
 neighbours relatively.
 """
@@ -48,6 +49,18 @@ class CacheLayer:
 
     def update(self, pos, k, v):
         return self.cache.update(k, v, self.layer)
+
+
+class TokenHistory:
+    """Stands where model.TokenCache stands while transformers generates (a model with the bigram table): the ids of
+    the tokens transformers' cache holds, (B, S), kept with that cache, whose update(pos, idx) appends idx (B, T)."""
+
+    def __init__(self):
+        self.ids = None
+
+    def update(self, pos, idx):
+        self.ids = idx if self.ids is None else torch.cat([self.ids, idx], dim=1)
+        return self.ids
 
 
 class OnegpuForCausalLM(PreTrainedModel, GenerationMixin):
@@ -99,12 +112,15 @@ class OnegpuForCausalLM(PreTrainedModel, GenerationMixin):
         attentions = self.model.attentions()
         for layer, attn in enumerate(attentions):
             attn.cache = CacheLayer(cache, layer)
+        if cfg.bigram_rows:  # the tokens so far, for each new token's predecessor: kept with the cache they match
+            self.model.history = cache.__dict__.setdefault("onegpu_tokens", TokenHistory())
         try:
             pos = torch.arange(past, past + T, device=input_ids.device)
             return self.model(input_ids, masks=cache_masks(pos, past + T, cfg.windows()))
         finally:
             for attn in attentions:
                 attn.cache = None
+            self.model.history = None
 
 
 def check_padding(attention_mask):

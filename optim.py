@@ -331,7 +331,7 @@ def stacked_rows(name: str, p: torch.Tensor, cfg: M.ModelConfig) -> list[int] | 
 
 def param_groups(model: M.Llama) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """(name, parameter) pairs by role: "matrices" are the block matrices (weight decay with AdamW,
-    Muon's with muon); "embed" the token and value embeddings, "head" an untied head, "scalars" the
+    Muon's with muon); "embed" the token, value and bigram embeddings, "head" an untied head, "scalars" the
     norm gains and mixing scalars. None of the last three is decayed: a tied embedding is also the
     head, and a rare token's row would shrink between the few steps that update it; decay would pull
     norm gains toward zero, not toward one."""
@@ -339,7 +339,7 @@ def param_groups(model: M.Llama) -> dict[str, list[tuple[str, torch.Tensor]]]:
     for name, p in model.named_parameters():
         if p.dim() == 2 and name.startswith("blocks."):
             role = "matrices"
-        elif name == "embed.weight" or name.startswith("value_embeds."):
+        elif name in ("embed.weight", "bigram.weight") or name.startswith("value_embeds."):
             role = "embed"
         else:
             role = "head" if name == "head.weight" else "scalars"

@@ -35,13 +35,13 @@ needs_cpu_fp8 = pytest.mark.skipif(not cpu_rows_fp8(), reason="this torch's CPU 
 DEFAULT_PRESET_CASES = (*(pytest.param(p, marks=pytest.mark.slow) for p in ("22m", "47m", "88m")), "126m")
 
 
-def cpu_sized_preset(preset: str, data, path):
+def cpu_sized_preset(preset: str, data, path, model_lines: str = ""):
     """A config file that extends configs/<preset>.toml (its recipe and its [speed] section) and shrinks it to a
     CPU's size: width 64, a 128-token context with 48-key windows (24 on the short layers), the test corpus (data), 3 steps of 512 tokens,
-    no compile. Returns path."""
+    no compile; model_lines adds settings to its [model] section. Returns path."""
     path.write_text(f'extends = "{C.PRESETS_DIR / (preset + ".toml")}"\n'
                     "[model]\nd_model = 64\nn_heads = 2\nn_kv_heads = 2\nffn_hidden = 128\nvocab_size = 512\n"
-                    "context = 128\nattn_window = 48\n"
+                    f"context = 128\nattn_window = 48\n{model_lines}"
                     f"[data]\ncorpus = {json.dumps(data.corpus)}\ncache_dir = {json.dumps(data.cache_dir)}\n"
                     f"val_fraction = {data.val_fraction}\nmax_documents = {data.max_documents}\n"
                     f"tokenizer_documents = {data.tokenizer_documents}\n"

@@ -36,17 +36,23 @@ def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
     return model.state_dict()
 
 
-@pytest.fixture(scope="module", params=DEFAULT_PRESET_CASES)
+# The newest record's parts, off in the presets until measured to pay: exported with the default preset's recipe.
+NEWEST_PARTS = {"126m+bigram-backout": "bigram_rows = 2560\nbackout = true\n"}
+
+
+@pytest.fixture(scope="module", params=(*DEFAULT_PRESET_CASES, *NEWEST_PARTS))
 def run(request, data_cfg, tmp_path_factory):
     """A checkpoint of the preset's recipe at a CPU's size (random weights, the test corpus's tokenizer) and its
     export."""
     folder = tmp_path_factory.mktemp("runs") / request.param
     folder.mkdir()
-    cfg = C.load_config(cpu_sized_preset(request.param, data_cfg, folder / "small.toml"))
+    small = cpu_sized_preset(request.param.split("+")[0], data_cfg, folder / "small.toml",
+                             NEWEST_PARTS.get(request.param, ""))
+    cfg = C.load_config(small)
     tok_path = D.data_dir(data_cfg, cfg.model.vocab_size) / "tokenizer.json"
     CK.save(folder / "ckpt.pt", model=random_weights(cfg.model), optimizer={}, step=0, tokens=0, skipped=0,
             loaders=[], rngs=[], config=cfg, tokenizer_hash=tk.tokenizer_hash(tok_path))
-    out = tmp_path_factory.mktemp("exported") / f"own_{request.param}"  # each its own module name in transformers
+    out = tmp_path_factory.mktemp("exported") / f"own_{request.param.replace('+', '_').replace('-', '_')}"  # each its own module name
     E.main(["--ckpt", str(folder), "--out", str(out)])
     return folder, out
 

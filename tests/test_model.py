@@ -245,6 +245,54 @@ def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
             M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": layer})
 
 
+def bigram_row_reference(prev: int, token: int, rows: int) -> int:
+    """modded-nanogpt's get_bigram_hash (record #62) for one pair, in Python's unbounded integers."""
+    return rows - 1 if prev < 0 else ((36313 * token) ^ (27191 * prev)) % (rows - 1)
+
+
+def test_the_bigram_tables_row_for_each_pair_enters_every_blocks_input():
+    """bigram_rows: block i's input gains bigram_mix[i] times the table's row of (previous, current) token, the first
+    position's from the "no previous" row; the table starts at zero and each mix at 0.1; it is counted, a lookup."""
+    parts = dict(bigram_rows=11, x0_mix=True)
+    cfg, plain = M.ModelConfig(**{**SMALL, **parts}), M.ModelConfig(**SMALL, x0_mix=True)
+    model = small_model(**parts)
+    assert model.bigram.weight.abs().sum() == 0 and model.bigram_mix.tolist() == pytest.approx([0.1, 0.1])
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == M.param_count(plain) + 11 * 64 + 2
+    assert M.multiplied_params(cfg) == M.multiplied_params(plain) + 2
+    idx = torch.tensor([[5, 96, 5, 96, 0, 7]])
+    rows = [bigram_row_reference(p, t, 11) for p, t in zip([-1] + idx[0, :-1].tolist(), idx[0].tolist())]
+    assert rows[0] == 10 and rows[1] == rows[3] and max(rows[1:]) < 10
+    inputs, outputs = [], [model.embed(idx)]  # the stream before block 0 is the embedding (no embed_norm here)
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+        block.register_forward_hook(lambda module, args, out: outputs.append(out))
+    table = torch.randn(11, 64, dtype=torch.float64)
+    with torch.no_grad():
+        model.bigram_mix.copy_(torch.tensor([0.3, -2.0], dtype=torch.float64))
+        model.bigram.weight.copy_(table)
+        model(idx)
+    for i, mix in enumerate((0.3, -2.0)):
+        torch.testing.assert_close(inputs[i] - outputs[i], mix * table[rows][None], rtol=0, atol=1e-12)
+
+
+def test_backout_subtracts_a_multiple_of_the_two_thirds_stream_before_the_head():
+    """backout: the head reads norm(x - b * h), h block backout_layer's output (2/3 deep), b from 0.5."""
+    parts = dict(n_layers=6, backout=True)
+    model = small_model(**parts)
+    assert model.cfg.backout_layer == 3 and M.ModelConfig(**{**SMALL, "n_layers": 12}).backout_layer == 7
+    assert model.backout_mix.tolist() == [0.5]
+    outputs = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, out: outputs.append(out))
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.backout_mix.fill_(0.7)
+        logits = model(idx)
+        expected = model.output.logits(model.norm(outputs[-1] - 0.7 * outputs[3]), model.output_weight())
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(model.cfg)
+
+
 def test_the_record_preset_has_the_record_holders_parameter_count():
     """configs/126m.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
     attention-free layer 7 and untied head included, and the module's tensors agree with param_count
@@ -439,9 +487,10 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
 @pytest.mark.parametrize("windowed, parts", [(False, {}), (True, {}), (True, RECORD_PARTS),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "short_windows": True}),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1}),
-                                             (True, {"attn_scale": 0.4, "attn_window": 6})],
+                                             (True, {"attn_scale": 0.4, "attn_window": 6}),
+                                             (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
-                              "attention-scale"])
+                              "attention-scale", "bigram-backout"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions
@@ -450,7 +499,7 @@ def test_kv_cache_decode_equals_full_forward(windowed, parts):
     model = small_model(**parts)
     with torch.no_grad():  # a gate and a mix off their init, so a decode path that skips them fails
         for name, p in model.named_parameters():
-            if name.endswith(("gate.weight", "v_mix", "x0_mix")):
+            if name.endswith(("gate.weight", "v_mix", "x0_mix", "bigram.weight", "bigram_mix", "backout_mix")):
                 p.copy_(torch.randn_like(p))
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
     window = (lambda end: end) if windowed else (lambda end: None)
