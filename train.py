@@ -704,7 +704,9 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     (f"no attention in layer {m.skip_attn_layer}", m.skip_attn_layer != -1),
                                     (f"attention scale {m.attn_scale:g}", m.attn_scale),
                                     (f"window {m.attn_window}" + (f", {m.windows()[1]} on short layers" if m.short_windows
-                                                                  else ""), m.attn_window)) if on]
+                                                                  else ""), m.attn_window),
+                                    (f"bigram table of {m.bigram_rows:,} rows", m.bigram_rows),
+                                    (f"backout of layer {m.backout_layer}", m.backout)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
     groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)
