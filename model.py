@@ -37,7 +37,7 @@ MLPKind = Literal["swiglu", "relu2"]
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
-                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "backout")
+                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "backout", "smear")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -75,6 +75,7 @@ class ModelConfig:
     # modded-nanogpt's records since #28 (records/track_1_short/ READMEs), each off until measured here:
     bigram_rows: int = 0  # rows of a hashed (previous, current) token-pair table added to every block's input (#62)
     backout: bool = False  # subtract a learned multiple of the stream at 2/3 depth before the head (record #40)
+    smear: bool = False  # each token's embedding gains a gated multiple of its predecessor's (record #34)
 
     def __post_init__(self):
         for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale"):  # NaN and inf pass a "< 0" test
@@ -101,22 +102,19 @@ class ModelConfig:
         if self.ffn_hidden < 0:
             raise ValueError(f"model.ffn_hidden must be >= 0 (0 means automatic), got {self.ffn_hidden}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps ({self.norm_eps}) "
-                             f"must be positive")
+            raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps ({self.norm_eps}) must be positive")
         if self.logit_softcap < 0:
             raise ValueError(f"model.logit_softcap must be >= 0 (0 turns it off), got {self.logit_softcap}")
         if not 0 <= self.value_embeds <= self.n_layers // 2:
-            raise ValueError(f"model.value_embeds={self.value_embeds} is out of range: the first and the last "
-                             f"value_embeds layers each take one table, so it must be in [0, n_layers/2 = "
-                             f"{self.n_layers // 2}]")
-        if self.attn_gate and self.d_model < GATE_CHANNELS:
-            raise ValueError(f"model.attn_gate reads {GATE_CHANNELS} channels, more than d_model={self.d_model}: "
-                             f"use --no-attn-gate or a wider model")
+            raise ValueError(f"model.value_embeds={self.value_embeds}: the first and the last value_embeds layers each "
+                             f"take one table, so it must be in [0, n_layers/2 = {self.n_layers // 2}]")
+        if (self.attn_gate or self.smear) and self.d_model < GATE_CHANNELS:
+            raise ValueError(f"model.attn_gate and model.smear read {GATE_CHANNELS} channels, more than d_model="
+                             f"{self.d_model}: use --no-attn-gate --no-smear or a wider model")
         if self.attn_scale < 0:
             raise ValueError(f"model.attn_scale must be >= 0 (0: 1/sqrt(head size)), got {self.attn_scale}")
         if self.attn_window < 0:
-            raise ValueError(f"model.attn_window must be >= 0 (0: attend over the whole context), got "
-                             f"{self.attn_window}")
+            raise ValueError(f"model.attn_window must be >= 0 (0: attend over the whole context), got {self.attn_window}")
         if self.short_windows and not self.windowed:
             raise ValueError(f"model.short_windows halves model.attn_window on most layers, but attn_window="
                              f"{self.attn_window} hides nothing in a context of {self.context}: set attn_window "
@@ -164,9 +162,7 @@ class ModelConfig:
 
     @property
     def backout_layer(self) -> int:
-        """The block whose output backout subtracts (a multiple of) before the head: the one at 2/3 depth, as
-        modded-nanogpt's layer 7 of 12 (its record #40): the first layers' output that only builds context for
-        the later ones, not the next token's prediction."""
+        """The block at 2/3 depth (modded-nanogpt's 7 of 12), whose output builds context, not the prediction."""
         return max(0, 2 * self.n_layers // 3 - 1)
 
     def value_table(self, layer: int) -> int | None:
@@ -241,11 +237,9 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values for generation, preallocated for the whole context:
-    (batch, n_kv_heads, context, head_dim), sized for the kv heads, not the query heads.
-    Tokens are written in place at their positions, so every decode step sees tensors of the
-    same shape at the same address, which is what lets a compiled step replay as a CUDA graph
-    (generate.GraphDecoder). Buffers of the model, not persistent: never saved."""
+    """One layer's keys and values for generation, (batch, n_kv_heads, context, head_dim), preallocated and
+    written in place at their positions: every decode step sees tensors of the same shape at the same
+    address, which lets a compiled step replay as a CUDA graph (generate.GraphDecoder). Never saved."""
 
     def __init__(self, batch: int, n_kv_heads: int, context: int, head_dim: int, device, dtype):
         super().__init__()
@@ -261,8 +255,8 @@ class KVCache(nn.Module):
 
 
 class TokenCache(nn.Module):
-    """The token ids generation has seen, (batch, context), written in place at their positions as KVCache
-    writes keys: the bigram table reads each new token's predecessor here. A buffer, never saved."""
+    """The token ids generation has seen, (batch, context), written in place as KVCache's keys: where each new
+    token's predecessor is read (Llama.previous). Never saved."""
 
     def __init__(self, batch: int, context: int, device):
         super().__init__()
@@ -275,9 +269,8 @@ class TokenCache(nn.Module):
 
 
 def bigram_row(prev, idx, rows: int):
-    """The bigram table's row for each (previous, current) token pair, prev and idx (B, T) int64: a hash
-    spread over rows - 1 rows (modded-nanogpt's multipliers, record #62); the last row stands for "no
-    previous token" (prev -1). Distinct pairs may share a row; the frequent ones rarely collide."""
+    """The bigram table's row of each (previous, current) pair, prev and idx (B, T): a hash over rows - 1 rows
+    (modded-nanogpt's, record #62), the last for "none before" (prev -1). The frequent pairs rarely collide."""
     hashed = torch.bitwise_xor(36313 * idx, 27191 * prev) % (rows - 1)
     return torch.where(prev < 0, rows - 1, hashed)
 
@@ -416,6 +409,19 @@ class Stream(nn.Module):
         return rms_norm(x, self.eps) if self.norm else x
 
 
+class Smear(nn.Module):
+    """x + m * sigmoid(gate(x[..., :12])) * x_prev: each token's embedding x (B, T, d) gains a gated multiple of
+    its predecessor's, x_prev (modded-nanogpt record #34). Gate and m start at zero: the model starts without it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(GATE_CHANNELS, 1, bias=False)
+        self.mix = nn.Parameter(torch.empty(1))
+
+    def forward(self, x, x_prev):
+        return x + self.mix * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS])) * x_prev
+
+
 class Output(nn.Module):
     """Where it ends: logits = softcap(x W^T) (W the head's, or the tied embedding's), and in training the mean
     cross-entropy against the targets. x: (B, T, d); W: (vocab, d); targets: (B, T)."""
@@ -438,6 +444,7 @@ class Llama(nn.Module):
         # An empty weight skips nn.Embedding's own init (reset_parameters below sets it), which on
         # the meta device would import torch.compile's machinery and cost a second.
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
+        self.smear = Smear() if cfg.smear else None
         self.stream = Stream(cfg)
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, kv_dim, _weight=torch.empty(cfg.vocab_size, kv_dim))
@@ -446,9 +453,8 @@ class Llama(nn.Module):
         # U-net: the last L/2 blocks each add a learned multiple (from 1) of a first-half block's output,
         # the last block's from the first block's, and so on inwards.
         self.skip_weights = nn.Parameter(torch.empty(cfg.n_layers // 2)) if cfg.unet_skips else None
-        # The bigram table (bigram_rows, d), zero at init: block i's input gains bigram_mix[i] (from 0.1) times the
-        # row of each token's (previous, current) pair, so next-token statistics of pairs need not be built by
-        # attention. A lookup, like the embedding.
+        # The bigram table (bigram_rows, d), zero at init: block i's input gains bigram_mix[i] (from 0.1) times
+        # the row of each token's (previous, current) pair, statistics attention need not build. A lookup.
         rows = cfg.bigram_rows
         self.bigram = nn.Embedding(rows, cfg.d_model, _weight=torch.empty(rows, cfg.d_model)) if rows else None
         self.bigram_mix = nn.Parameter(torch.empty(cfg.n_layers)) if rows else None
@@ -467,18 +473,16 @@ class Llama(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """GPT-2's init, as nanoGPT and llm.c use it: every matrix normal with std 0.02, and the
-        two projections that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * layers),
-        so the stream's variance does not grow with depth. Norm gains start at one. With zero_init
-        those two start at zero instead (modded-nanogpt): each block starts as the identity, and the
-        first steps' gradients choose the projections' directions; an untied head starts at zero too
-        (modded-nanogpt), so the first logits are uniform.
+        """GPT-2's init, as nanoGPT and llm.c use it: every matrix normal with std 0.02, and the two projections
+        that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * layers), so the stream's variance does
+        not grow with depth. Norm gains start at one. With zero_init those two start at zero instead (modded-
+        nanogpt): each block starts as the identity; an untied head starts at zero too: uniform first logits.
 
-        The modded-nanogpt parts start where that code starts them: the mixing scalars as the plain
-        model (x0_mix (1, 0), skip weights 1) or halfway (v_mix (0.5, 0.5)), the gate at zero, and the
-        value embeddings, and the embedding behind embed_norm when untied, at nn.Embedding's N(0, 1):
-        a norm follows them, so only their scale against the Adam step matters."""
-        scalars = {"x0_mix": (1.0, 0.0), "v_mix": (0.5, 0.5), "bigram_mix": (0.1,), "backout_mix": (0.5,)}
+        The modded-nanogpt parts start where that code starts them: the mixing scalars as the plain model
+        (x0_mix (1, 0), skip weights 1, smear's 0) or not far (v_mix (0.5, 0.5), bigram_mix 0.1, backout_mix 0.5),
+        gates and the bigram table at zero, and the value embeddings, and the embedding behind embed_norm when
+        untied, at nn.Embedding's N(0, 1): a norm follows them, so only their scale against Adam's step matters."""
+        scalars = {"x0_mix": (1.0, 0.0), "v_mix": (0.5, 0.5), "bigram_mix": (0.1,), "backout_mix": (0.5,), "mix": (0.0,)}
         unit_embedding = self.cfg.embed_norm and not self.cfg.tie_embeddings
         for name, p in self.named_parameters():
             if p.is_meta:  # shapes only (counting a 7B model): there are no values to set
@@ -491,7 +495,7 @@ class Llama(nn.Module):
             elif name.startswith("value_embeds.") or (name == "embed.weight" and unit_embedding):
                 nn.init.normal_(p, mean=0.0, std=1.0)
             elif ((output_projection or name == "head.weight") and self.cfg.zero_init or name.endswith("attn.gate.weight")
-                  or name == "bigram.weight"):
+                  or name in ("bigram.weight", "smear.gate.weight")):
                 nn.init.zeros_(p)
             elif p.dim() == 2:
                 std = 0.02
@@ -505,14 +509,14 @@ class Llama(nn.Module):
         return self.embed.weight if self.head is None else self.head.weight
 
     def setup_cache(self, batch: int, dtype=None):
-        """Give every layer a KVCache for `batch` sequences (see KVCache). A cache of the same
-        size and dtype is kept, not reallocated: a captured CUDA graph holds its address."""
+        """Give every layer a KVCache for `batch` sequences (and a TokenCache where a part reads predecessors). A
+        cache of the same size and dtype is kept, not reallocated: a captured CUDA graph holds its address."""
         device, dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
         for attn in self.attentions():
             cache = attn.cache
             if cache is None or cache.k.shape[0] != batch or cache.k.dtype != dtype or cache.k.device != device:
                 attn.cache = attn.new_cache(batch, device, dtype)
-        if self.bigram is not None and (self.history is None or self.history.ids.shape[0] != batch
+        if self.reads_previous and (self.history is None or self.history.ids.shape[0] != batch
                                         or self.history.ids.device != device):
             self.history = TokenCache(batch, self.cfg.context, device)
 
@@ -520,18 +524,26 @@ class Llama(nn.Module):
         """Each value-embedding table's rows for idx (B, T): a list of (B, T, n_kv_heads * head_dim)."""
         return [table(idx) for table in self.value_embeds]
 
-    def bigram_rows(self, idx, masks: A.Masks):
-        """The bigram table's rows for idx (B, T), (B, T, d), or None without one. Each token's predecessor is the
-        one before it in the sequence (across a packed document's start, as modded-nanogpt's); generating
-        (masks.pos), the first new token's comes from the tokens seen so far (history)."""
-        if self.bigram is None:
+    @property
+    def reads_previous(self) -> bool:
+        return self.bigram is not None or self.smear is not None
+
+    def previous(self, idx, masks: A.Masks):
+        """Each token's predecessor (B, T), -1 before a sequence's first (across a packed document's start, as
+        modded-nanogpt's); generating (masks.pos), read from the tokens seen so far. None where no part reads it."""
+        if not self.reads_previous:
             return None
         if masks.pos is None:
-            prev = torch.cat([idx.new_full((idx.shape[0], 1), -1), idx[:, :-1]], dim=1)
-        else:
-            seen, before = self.history.update(masks.pos, idx), masks.pos - 1  # (B, context), (T,)
-            prev = torch.where(before >= 0, seen[:, before.clamp(min=0)], -1)
-        return self.bigram(bigram_row(prev, idx, self.cfg.bigram_rows))
+            return torch.cat([idx.new_full((idx.shape[0], 1), -1), idx[:, :-1]], dim=1)
+        seen, before = self.history.update(masks.pos, idx), masks.pos - 1  # (B, context), (T,)
+        return torch.where(before >= 0, seen[:, before.clamp(min=0)], -1)
+
+    def embedded(self, idx, prev):
+        """The stream's start (B, T, d): the token embedding, smeared with its predecessor's (smear), normed."""
+        x = self.embed(idx)
+        if self.smear is not None:
+            x = self.smear(x, self.embed(prev.clamp(min=0)) * (prev >= 0)[..., None])
+        return self.stream(x)
 
     def attentions(self) -> list:
         """The blocks' attention modules (a skip_attn_layer block has none), first layer first."""
@@ -549,11 +561,12 @@ class Llama(nn.Module):
             raise ValueError(
                 f"sequence of {T} tokens is longer than model.context={self.cfg.context}: "
                 f"cut the input to the last {self.cfg.context} tokens or train with a longer context")
-        x = self.embed(idx)
+        prev = self.previous(idx, masks)
+        x = self.embedded(idx, prev)
         at = slice(0, T) if masks.pos is None else masks.pos
         rope = self.cos[at].to(x.dtype), self.sin[at].to(x.dtype)  # (T, head_dim) each
-        x = self.stream(x)
-        x0, ve, xb, skips = x, self.value_rows(idx), self.bigram_rows(idx, masks), []
+        xb = None if self.bigram is None else self.bigram(bigram_row(prev, idx, self.cfg.bigram_rows))
+        x0, ve, skips = x, self.value_rows(idx), []
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output
@@ -606,7 +619,8 @@ def param_count(cfg: ModelConfig) -> int:
         value += sum(cfg.value_table(i) is None and cfg.attends(i) for i in range(cfg.n_layers))
     skips = cfg.n_layers // 2 if cfg.unet_skips else 0
     bigram = cfg.bigram_rows * d + cfg.n_layers if cfg.bigram_rows else 0  # the table and a layer's mix each
-    return embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips + bigram + cfg.backout
+    smear = GATE_CHANNELS + 1 if cfg.smear else 0
+    return embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips + bigram + cfg.backout + smear
 
 
 def multiplied_params(cfg: ModelConfig) -> int:

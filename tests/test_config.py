@@ -117,10 +117,11 @@ MODEL_OUT_OF_RANGE = {
     "rope_theta": (0.0, r"model\.rope_theta \(0\.0\) and model\.norm_eps"),
     "norm_eps": (0.0, r"model\.rope_theta \(10000\.0\) and model\.norm_eps \(0\.0\) must be positive"),
     "logit_softcap": (-1.0, r"model\.logit_softcap must be >= 0"),
-    "value_embeds": (2, r"model\.value_embeds=2 is out of range"),  # 2 layers hold one table each side
+    "value_embeds": (2, r"model\.value_embeds=2: the first and the last"),  # 2 layers hold one table each side
     "attn_window": (-1, r"model\.attn_window must be >= 0"),
     "attn_scale": (-0.1, r"model\.attn_scale must be >= 0"),
     "skip_attn_layer": (2, r"model\.skip_attn_layer=2 is not a layer after the first of 2"),
+    "bigram_rows": (1, r"model\.bigram_rows=1: give 0 \(no bigram table\) or at least 2 rows"),
 }
 
 

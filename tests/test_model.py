@@ -275,6 +275,25 @@ def test_the_bigram_tables_row_for_each_pair_enters_every_blocks_input():
         torch.testing.assert_close(inputs[i] - outputs[i], mix * table[rows][None], rtol=0, atol=1e-12)
 
 
+def test_smear_adds_a_gated_multiple_of_the_predecessors_embedding():
+    """smear: the stream starts from e[t] + m * sigmoid(e[t, :12] . g) * e[t-1] (e the embedding), e[0] alone; m and g
+    start at zero, so the model starts without it; 13 parameters."""
+    model = small_model(smear=True)
+    assert model.smear.mix.item() == 0 and model.smear.gate.weight.abs().sum() == 0
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(model.cfg) == M.param_count(M.ModelConfig(**SMALL)) + 13
+    seen = []
+    model.stream.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    idx = torch.tensor([[3, 40, 40, 7, 96]])
+    g = torch.randn(12, dtype=torch.float64)
+    with torch.no_grad():
+        model.smear.gate.weight.copy_(g[None])
+        model.smear.mix.fill_(1.5)
+        model(idx)
+    e = model.embed.weight[idx[0]].detach()
+    expected = torch.stack([e[0]] + [e[t] + 1.5 * torch.sigmoid(e[t, :12] @ g) * e[t - 1] for t in range(1, 5)])
+    torch.testing.assert_close(seen[0][0], expected, rtol=0, atol=1e-12)
+
+
 def test_backout_subtracts_a_multiple_of_the_two_thirds_stream_before_the_head():
     """backout: the head reads norm(x - b * h), h block backout_layer's output (2/3 deep), b from 0.5."""
     parts = dict(n_layers=6, backout=True)
@@ -488,9 +507,9 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                                              (True, {**RECORD_PARTS, "n_layers": 3, "short_windows": True}),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1}),
                                              (True, {"attn_scale": 0.4, "attn_window": 6}),
-                                             (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True})],
+                                             (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
-                              "attention-scale", "bigram-backout"])
+                              "attention-scale", "bigram-backout-smear"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions
@@ -499,7 +518,7 @@ def test_kv_cache_decode_equals_full_forward(windowed, parts):
     model = small_model(**parts)
     with torch.no_grad():  # a gate and a mix off their init, so a decode path that skips them fails
         for name, p in model.named_parameters():
-            if name.endswith(("gate.weight", "v_mix", "x0_mix", "bigram.weight", "bigram_mix", "backout_mix")):
+            if name.endswith(("gate.weight", "v_mix", "x0_mix", "bigram.weight", "bigram_mix", "backout_mix", "smear.mix")):
                 p.copy_(torch.randn_like(p))
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
     window = (lambda end: end) if windowed else (lambda end: None)
