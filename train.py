@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import attention as A
@@ -306,15 +307,39 @@ def masks_for(batch, device: torch.device, windows: tuple[int, int] | None = Non
     return A.masks(batch[0].shape[1], device, doc_ids, windows or (0, 0))
 
 
-def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] | None = None):
-    """Mean loss of one micro-batch (x, y[, doc_ids])."""
+def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] | None = None,
+                 mtp: tuple[float, ...] = (1.0,)):
+    """Mean loss of one micro-batch (x, y[, doc_ids]); with later tokens weighted in mtp (mtp_weights_at), the
+    multi-token loss of the model's logits."""
     masks = masks_for(batch, device, windows)
     with autocast(cfg, device):
-        return model(batch[0], batch[1], masks)
+        if not any(mtp[1:]):
+            return model(batch[0], batch[1], masks)
+        return multi_token_loss(model(batch[0], masks=masks), batch[1], mtp)
+
+
+def multi_token_loss(logits, targets, weights: tuple[float, ...]):
+    """sum_j weights[j] * the mean cross-entropy of the logits (B, T, vocab) at each position t against the target
+    (B, T) at t + j, over the positions that have one: each position's logits also learn the tokens after the
+    next, with no parameter added (modded-nanogpt record #53). weights[0] = 1 is the next-token loss. The softmax
+    in float32; no fused kernel computes it, so the logits stand whole in memory."""
+    log_p = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    T = targets.shape[1]
+    return sum(w * -log_p[:, :T - j].gather(-1, targets[:, j:, None]).mean() for j, w in enumerate(weights) if w)
+
+
+def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
+    """The multi-token loss's weights at `step` of `steps` (train.mtp_tokens of them): 1, 1/2, 1/4, ... with the
+    run cut in `tokens` parts, part p predicting the first tokens - p, its last weight fading linearly to 0.
+    For 3, modded-nanogpt's [1, 0.5, 0.25 -> 0] -> [1, 0.5 -> 0] -> [1]."""
+    part, into = divmod(min(1.0, step / max(1, steps)) * tokens, 1.0)
+    kept = max(1, tokens - int(part))  # the last step is the last part's
+    return tuple(0.0 if j >= kept else 0.5 ** j * ((1 - into) if j == kept - 1 and j else 1.0) for j in range(tokens))
 
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
-               momentum: float | None = None, windows: tuple[int, int] | None = None, scaler=None, prefetch=None):
+               momentum: float | None = None, windows: tuple[int, int] | None = None, scaler=None, prefetch=None,
+               mtp: tuple[float, ...] = (1.0,)):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
@@ -323,7 +348,8 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
     scaler: fp16's GradScaler: the loss is scaled before backward, the gradients unscaled before
     clipping, and a step whose gradients overflowed is skipped by the scaler (its norm comes back inf).
     prefetch: called once the last micro-batch's backward is queued, to draw the next step's first
-    micro-batch while the GPU works (data.ShardLoader.prefetch); None: it is drawn when that step asks."""
+    micro-batch while the GPU works (data.ShardLoader.prefetch); None: it is drawn when that step asks.
+    mtp: the multi-token loss's weights at this step (mtp_weights_at)."""
     O.set_step_rates(optimizer, lr, momentum)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
@@ -340,7 +366,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
         # Under DDP, only the last micro-batch all-reduces the accumulated gradients.
         sync = i == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with contextlib.nullcontext() if sync else model.no_sync():
-            loss = forward_loss(model, batch, cfg, device, windows) / accum  # mean over the whole step
+            loss = forward_loss(model, batch, cfg, device, windows, mtp) / accum  # mean over the whole step
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach()
     if prefetch is not None:
@@ -876,7 +902,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
         windows = r.cfg.model.windows() if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
                                      O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps), windows,
-                                     r.scaler, prefetch)
+                                     r.scaler, prefetch, mtp_weights_at(p.step, r.steps, tcfg.mtp_tokens))
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()

@@ -45,16 +45,17 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.0})
 
 
-# modded-nanogpt's parts on documents masked apart, with Polar Express and NorMuon (whose second moments a resume
-# must restore), Muon's momentum and the sliding window both growing over the 6 steps (16, 32, 32, 32, 48, 48
-# tokens): a stop after step 3 resumes inside both.
+# modded-nanogpt's parts (the newest record's bigram table, backout and smear too) on documents masked apart, with
+# Polar Express and NorMuon (whose second moments a resume must restore), Muon's momentum, the sliding window (16,
+# 32, 32, 32, 48, 48 tokens) and the multi-token loss's weights all changing over the 6 steps: a stop after step 3
+# resumes inside each.
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
-                  "attn_gate": True, "attn_window": 48},
+                  "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "backout": True, "smear": True},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
-                  "muon_iteration": "polar-express", "muon_beta2": 0.95})
+                  "muon_iteration": "polar-express", "muon_beta2": 0.95, "mtp_tokens": 3})
 
 
 # fp16 with its gradient scaler (the path of GPUs without bf16), which CPU autocast runs too: the
@@ -138,6 +139,33 @@ def test_accumulation_matches_one_big_batch(train_config):
     torch.testing.assert_close(updated[0][0], updated[1][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(updated[0][1], updated[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_multi_token_loss_weights_each_later_target_in_float64(train_config):
+    """multi_token_loss: sum_j w_j * the mean over t < T - j of -log softmax(logits[t])[y[t + j]], written out here
+    position by position; with only the next token weighted, train_step's loss is the model's own."""
+    logits = torch.randn(2, 6, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    log_p = torch.log_softmax(logits, dim=-1)
+    expected = sum(w * -sum(log_p[b, t, y[b, t + j]] for b in range(2) for t in range(6 - j)) / (2 * (6 - j))
+                   for j, w in enumerate((1.0, 0.5, 0.25)))
+    torch.testing.assert_close(TR.multi_token_loss(logits, y, (1.0, 0.5, 0.25)), expected, rtol=1e-12, atol=0)
+    cfg = train_config.model
+    model = M.Llama(cfg).eval()
+    x, y = torch.randint(0, cfg.vocab_size, (2, 2, 32), generator=torch.Generator().manual_seed(2))
+    tcfg, cpu = train_config.train, torch.device("cpu")
+    with torch.no_grad():
+        plain = TR.forward_loss(model, (x, y), tcfg, cpu)
+        torch.testing.assert_close(TR.forward_loss(model, (x, y), tcfg, cpu, mtp=(1.0, 0.0)), plain)
+        torch.testing.assert_close(TR.forward_loss(model, (x, y), tcfg, cpu, mtp=(1.0, 0.5)),
+                                   TR.multi_token_loss(model(x), y, (1.0, 0.5)), rtol=1e-6, atol=0)
+
+
+def test_the_multi_token_weights_fade_as_modded_nanogpts():
+    """3 tokens: [1, 0.5, 0.25 -> 0] over the first third, [1, 0.5 -> 0] over the second, [1] after (record #53)."""
+    at = [w for step in (0, 10, 20, 30, 40, 60) for w in TR.mtp_weights_at(step, 60, 3)]
+    assert at == pytest.approx([1, 0.5, 0.25, 1, 0.5, 0.125, 1, 0.5, 0, 1, 0.25, 0, 1, 0, 0, 1, 0, 0])
+    assert TR.mtp_weights_at(30, 60, 1) == (1.0,) and TR.mtp_weights_at(15, 60, 2) == pytest.approx((1, 0.25))
 
 
 def test_the_next_steps_first_micro_batch_is_drawn_before_the_update(train_config, tmp_path, monkeypatch):
