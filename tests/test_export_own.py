@@ -40,7 +40,8 @@ def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
 NEWEST_PARTS = {"126m+bigram-backout-smear": "bigram_rows = 2560\nbackout = true\nsmear = true\n"}
 
 
-@pytest.fixture(scope="module", params=(*DEFAULT_PRESET_CASES, *NEWEST_PARTS))
+@pytest.fixture(scope="module",
+                params=(*DEFAULT_PRESET_CASES, *(pytest.param(k, marks=pytest.mark.slow) for k in NEWEST_PARTS)))
 def run(request, data_cfg, tmp_path_factory):
     """A checkpoint of the preset's recipe at a CPU's size (random weights, the test corpus's tokenizer) and its
     export."""
