@@ -895,6 +895,10 @@ def add_recipe_flags(recipes, here: str, cuda: bool):
                          "that reaches the article's loss is the recipe's time to it")
     recipes.add_argument("--seconds", type=float, default=None, metavar="S", help="the record ladder: every rung "
                          "trained for this many training seconds (e.g. 150), its steps sized from its own speed")
+    recipes.add_argument("--newest", nargs="*", default=None, choices=list(RE.NEWEST), metavar="IDEA",
+                         help=f"with --seconds: instead of the ladder, the default and each of the newest records' "
+                              f"ideas on top of it alone, every one once per seed, with each seed's loss minus the "
+                              f"default's; no IDEA: all of {', '.join(RE.NEWEST)}")
     recipes.add_argument("--seeds", type=int, default=2, metavar="N",
                          help="seeds for the article and the final recipe (default 2)")
     recipes.add_argument("--tokens", type=int, default=None, metavar="N",
@@ -915,6 +919,8 @@ def main(argv=None):
     if args.seconds is not None and (not args.recipes or args.versus or args.tokens or args.seconds <= 0):
         p.error(f"--seconds {args.seconds:g}: the record ladder's training seconds per rung, more than 0; give it "
                 f"with --recipes, without --versus or --tokens")
+    if args.newest is not None and args.seconds is None:
+        p.error("--newest: its ideas are measured at equal training seconds; add --recipes --seconds S (e.g. 70)")
     if args.fractions and not (args.recipes and args.versus):
         p.error("--fractions: they size the default recipe's schedules in --recipes --versus; add both flags")
     if args.muon and not (args.recipes and args.versus):
@@ -1001,8 +1007,9 @@ def recipes_study(args, argv):
         print(f"note: every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, days of work "
               f"at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny", flush=True)
     if args.seconds:
+        newest = tuple(args.newest or RE.NEWEST) if args.newest is not None else ()
         found = RE.seconds_study(preset, args.seconds, args.seeds, corpus, args.micro_batch, where["out"],
-                                 args.timeout, args.resume, devices)
+                                 args.timeout, args.resume, devices, newest)
         print(RE.report_record(found, preset, **where))
     else:
         found = RE.study(preset, args.tokens, args.seeds, corpus, args.micro_batch, where["out"], args.timeout,

@@ -179,6 +179,22 @@ RECORD_CHAIN = (
                                                                                  "train__adam_eps": 2.5e-16}),
     ("+ norms without gains (modded's norm(x))", {"model__norm_gains": False}),
 )
+# The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
+# --seconds and --newest, each on top of today's default alone, once per seed. One seed draws the same data and the
+# same first weights for every rung, so an idea's loss minus the default's at the same seed (paired) shows its
+# effect with the seed's share taken out: at 126m and 70 s, two seeds' losses sit 0.03 apart for either recipe.
+NEWEST = {
+    "bigram": ("+ bigram hash table, 5x the vocabulary (#62)", lambda cfg: {"model__bigram_rows": 5 * cfg.model.vocab_size}),
+    "backout": ("+ backout (#40)", {"model__backout": True}),
+    "smear": ("+ smear (#34)", {"model__smear": True}),
+    "mtp": ("+ multi-token loss over 3 tokens (#53)", {"train__mtp_tokens": 3}),
+    "normuon": ("+ Polar Express and NorMuon (#38, #41)", {"train__muon_iteration": "polar-express",
+                                                          "train__muon_beta2": 0.95}),
+    # The record decays p by wd * lr * lr_eff a step (1.2 * 0.023 * 0.023 at its peak, 6.3e-4); ours by
+    # muon_lr * muon_weight_decay: 0.013 at our 0.05 is the same step.
+    "cautious-wd": ("+ cautious weight decay on Muon (#43, #50)", {"train__muon_weight_decay": 0.013,
+                                                                  "train__muon_cautious": True}),
+}
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
 SECONDS_WARMUP = 30
@@ -348,6 +364,24 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
     return plan
 
 
+def newest_plan(preset: str, seeds: int, keys: tuple[str, ...]) -> list[Recipe]:
+    """configs/<preset>.toml, then each NEWEST idea named in keys on top of it alone, each once per seed."""
+    base, plan = C.preset(preset), [Recipe("default", preset, "default", {}, SEED + i) for i in range(seeds)]
+    for key in keys:
+        name, change = NEWEST[key]
+        overrides = change(base) if callable(change) else dict(change)
+        plan += [Recipe(name, preset, "newest", overrides, SEED + i) for i in range(seeds)]
+    return plan
+
+
+def paired(plan: list[Recipe], results: dict, name: str) -> list[float]:
+    """Rung `name`'s final loss minus the default's at each seed both finished (the seed's share taken out)."""
+    final = {(r.name, r.seed): results[r.folder]["curve"][-1]["val_loss"] for r in plan
+             if results.get(r.folder, {}).get("curve")}
+    return [final[(name, r.seed)] - final[("default", r.seed)] for r in plan
+            if r.name == name and (name, r.seed) in final and ("default", r.seed) in final]
+
+
 # --- Reading the runs (pure functions) --------------------------------------------------------
 
 def eval_curve(log_rows: list[dict]) -> list[dict]:
@@ -388,6 +422,8 @@ def summarize(name: str, runs: list[dict], target: float | None, article_tok_s: 
            "val_loss_1024": float(np.mean([equal_context(f) for f in finals])),
            "val_bpb_1024": float(np.mean([equal_context(f, "val_bpb") for f in finals])),
            "spread_1024": float(np.ptp([equal_context(f) for f in finals]))}
+    if all("val_loss_whole" in f for f in finals):  # a sliding-window run's loss with each token's whole window
+        row["val_loss_whole"] = float(np.mean([f["val_loss_whole"] for f in finals]))
     if target is not None:
         reached = [time_to(r["curve"], target) for r in runs if r.get("curve")]
         if all(reached):
@@ -434,15 +470,21 @@ def table(rows: list[dict]) -> str:
 
 
 def seconds_table(rows: list[dict]) -> str:
-    """The record ladder as markdown: every rung had the same training seconds."""
-    lines = ["| rung | seeds | val loss as trained | on plain 1,024-token windows | spread | steps | tokens | "
-             "training s | tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The record ladder as markdown: every rung had the same training seconds. Rows with paired differences
+    (the newest ideas) add them, each seed's loss minus the default's."""
+    pairs = any("paired" in r for r in rows)
+    lines = ["| rung | seeds | val loss as trained | with whole windows | on plain 1,024-token windows | spread | steps | "
+             "tokens | training s | tok/s |" + (" minus the default, per seed |" if pairs else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if pairs else "")]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['rung']} | skipped: {r['skipped']} ||||||||")
+            lines.append(f"| {r['rung']} | skipped: {r['skipped']} |||||||||" + ("|" if pairs else ""))
             continue
-        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {r['val_loss_1024']:.4f} | {spread_text(r)} | "
-                     f"{r['steps']:,} | {tokens_text(r['tokens'])} | {r['train_seconds']:,.1f} | {r['tok_s']:,.0f} |")
+        whole = f"{r['val_loss_whole']:.4f}" if "val_loss_whole" in r else "-"
+        diffs = " " + " ".join(f"{d:+.4f}" for d in r.get("paired", [])) + " |" if pairs else ""
+        lines.append(f"| {r['rung']} | {r['seeds']} | {r['val_loss']:.4f} | {whole} | {r['val_loss_1024']:.4f} | "
+                     f"{spread_text(r)} | {r['steps']:,} | {tokens_text(r['tokens'])} | {r['train_seconds']:,.1f} | "
+                     f"{r['tok_s']:,.0f} |{diffs}")
     return "\n".join(lines)
 
 
@@ -599,22 +641,26 @@ def check_and_prepare(plan: list[Recipe], fixed: dict, sized: bool = True) -> C.
 
 
 def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_batch: int | None, out: Path,
-                  timeout: int, resume: bool, devices: list[str | None]) -> dict:
-    """Run the record ladder: every rung for `seconds` training seconds. Returns rows and curves."""
-    base = C.preset(muon_preset(preset))
+                  timeout: int, resume: bool, devices: list[str | None], newest: tuple[str, ...] = ()) -> dict:
+    """Run the record ladder (or, given newest, the default and those NEWEST ideas): every rung for `seconds`
+    training seconds. Returns rows and curves."""
+    base = C.preset(preset if newest else muon_preset(preset))
     micro_batch = micro_batch or base.train.micro_batch
     fixed = {**fixed_settings(base, 0, corpus, micro_batch), "train__seconds": seconds,
              "train__eval_every": SECONDS_EVAL_EVERY, "train__ckpt_every": 10**6}  # saved at the end and on a signal
-    plan = record_plan(preset, seeds, micro_batch)
-    runs_dir = out / "recipes" / f"{preset}_{corpus}_{seconds:g}s"
+    plan = newest_plan(preset, seeds, newest) if newest else record_plan(preset, seeds, micro_batch)
+    runs_dir = out / "recipes" / f"{preset}_{corpus}_{seconds:g}s{'_newest' if newest else ''}"
     cfg = check_and_prepare(plan, fixed, sized=False)
     print(f"recipes: {preset} on {corpus}, {seconds:g} training seconds per rung, {len(plan)} runs, "
           f"{len(devices)} at a time", flush=True)
     results = run_all(plan, fixed, runs_dir, devices, timeout, resume, sized=False)
     names = list(dict.fromkeys(r.name for r in plan))
     rows = [summarize(n, [results[r.folder] for r in plan if r.name == n], None, None) for n in names]
+    for row in rows[1:] if newest else []:
+        row["paired"] = paired(plan, results, row["rung"])
     curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
-    return {"rows": rows, "curves": curves, "seconds": seconds, "corpus": corpus, "params": M.param_count(cfg.model)}
+    return {"rows": rows, "curves": curves, "seconds": seconds, "corpus": corpus, "params": M.param_count(cfg.model),
+            "newest": bool(newest)}
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
@@ -745,10 +791,11 @@ def report_ladder(found: dict, preset: str, versus: bool, out: Path, device_name
 
 def report_record(found: dict, preset: str, out: Path, device_name: str, devices: list, command: str) -> str:
     """Save a --recipes --seconds study (seconds_study()) and return its table."""
-    name, seconds = f"record-{preset}", found["seconds"]
+    name, seconds = f"{'newest' if found.get('newest') else 'record'}-{preset}", found["seconds"]
     date = save(found, name, f"validation loss as trained | {preset} | {found['corpus']} | {seconds:g} training s",
                 preset, out, device_name, devices, command)
-    return (f"## record ladder | {preset} | {found['corpus']} corpus | {seconds:g} training seconds per rung | "
+    title = "the newest records' ideas, each on the default" if found.get("newest") else "record ladder"
+    return (f"## {title} | {preset} | {found['corpus']} corpus | {seconds:g} training seconds per rung | "
             f"{device_name} | {date}\n\nseconds are training seconds (compile, evaluation and saving left out); each "
             f"rung's steps were sized from its own first steps\n\n{seconds_table(found['rows'])}\n\n"
             f"{out / name}.json, {out / name}.png")

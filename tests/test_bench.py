@@ -441,6 +441,16 @@ def test_every_study_runs_on_cpu(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_the_newest_ideas_study_runs_on_cpu(tmp_path, capsys):
+    B.main(["--recipes", "--seconds", "2", "--newest", "smear", "--preset", "tiny", "--seeds", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "## the newest records' ideas, each on the default | tiny | stdlib corpus | 2 training seconds" in out
+    rows = json.loads((tmp_path / "newest-tiny.json").read_text())["rows"]
+    assert [r["rung"] for r in rows] == ["default", RE.NEWEST["smear"][0]] and len(rows[1]["paired"]) == 1
+    assert rows[1]["paired"][0] == pytest.approx(rows[1]["val_loss"] - rows[0]["val_loss"])
+
+
+@pytest.mark.slow
 def test_loss_curves_train_each_fast_path_through_train_py(tmp_path):
     B.main(["--loss-curves", "--curve-steps", "3", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "loss_curves.json").read_text())

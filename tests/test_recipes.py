@@ -235,8 +235,37 @@ def test_the_record_table_compares_rungs_at_equal_seconds():
                                                                    "tok_s": 100.0}], None, None),
             RE.summarize("default", [{"curve": [dict(CURVE[-1], step=50)], "tok_s": 120.0}], None, None)]
     table = RE.seconds_table(rows)
-    assert "| all | 2 | 2.6000 | 2.5000 | 0.8000 | 40 |" in table
-    assert "| default | 1 | 3.0000 | 3.0000 |  | 50 |" in table  # one seed: no spread; its own loss is plain
+    assert "| all | 2 | 2.6000 | - | 2.5000 | 0.8000 | 40 |" in table
+    assert "| default | 1 | 3.0000 | - | 3.0000 |  | 50 |" in table  # one seed: no spread; its own loss is plain
+
+
+def test_the_newest_ideas_run_each_on_the_default_alone_and_compare_by_seed():
+    """--newest: the default, then each idea on top of it alone (not carried), once per seed; each rung's config
+    loads; the table gives each seed's loss minus the default's at that seed, and the whole-window loss."""
+    plan = RE.newest_plan("126m", 2, ("bigram", "mtp"))
+    assert [(r.name, r.seed) for r in plan] == [("default", 1337), ("default", 1338), (RE.NEWEST["bigram"][0], 1337),
+                                                (RE.NEWEST["bigram"][0], 1338), (RE.NEWEST["mtp"][0], 1337),
+                                                (RE.NEWEST["mtp"][0], 1338)]
+    assert plan[2].overrides == {"model__bigram_rows": 5 * 32768} and plan[4].overrides == {"train__mtp_tokens": 3}
+    fixed = {**RE.fixed_settings(C.preset("126m"), 0, "python", 12), "train__seconds": 70.0}
+    for key in RE.NEWEST:
+        r = RE.newest_plan("126m", 1, (key,))[-1]
+        assert C.preset(r.config, **{**fixed, **r.overrides}) != C.preset("126m", **fixed), key
+    final = lambda loss: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=loss - 0.1)], "tok_s": 1.0}
+    results = {plan[0].folder: final(3.0), plan[1].folder: final(2.9), plan[2].folder: final(2.95),
+               plan[3].folder: final(2.8), plan[4].folder: final(3.1), plan[5].folder: {"error": "timed out"}}
+    assert RE.paired(plan, results, plan[2].name) == pytest.approx([-0.05, -0.1])
+    assert RE.paired(plan, results, plan[4].name) == pytest.approx([0.1])  # the seed that finished
+    row = RE.summarize(plan[2].name, [results[plan[2].folder], results[plan[3].folder]], None, None)
+    row["paired"] = RE.paired(plan, results, plan[2].name)
+    assert "| 2 | 2.8750 | 2.7750 | 2.8750 | 0.1500 | 3 | 300 | 3.0 | 1 | -0.0500 -0.1000 |" in RE.seconds_table([row])
+
+
+def test_newest_ideas_are_measured_at_equal_seconds(capsys):
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--recipes", "--newest", "bigram"])
+    assert "--newest: its ideas are measured at equal training seconds" in capsys.readouterr().err
 
 
 def test_seconds_belong_to_the_record_ladder(capsys):
