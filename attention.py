@@ -6,13 +6,14 @@ all of that once per micro-batch into a Masks object, outside any compiled model
 masks on a GPU that runs them (blocks wholly hidden cost nothing), boolean masks elsewhere, nothing at all
 for plain causal attention (the fastest kernel). Generation reads the KV cache through cache_masks().
 
-model.py calls attend() in training and evaluation and cached_attention() when generating; nothing else
-here is the model's business.
+model.py calls attend() in training and evaluation and cached_attention() when generating, through the caches
+generation writes in place (KVCache, TokenCache); nothing else here is the model's business.
 """
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 # SDPA's backends a speed setting may pin (fastpaths.SpeedConfig.attention); "sdpa" lets PyTorch pick (cuDNN
@@ -229,3 +230,37 @@ def block_mask_from_documents(doc_ids, reach: int, T: int, mask_mod, device):
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(every), BLOCK_SIZE=S, mask_mod=mask_mod,
                                     seq_lengths=(T, T))
+
+
+# --- Generation's caches -----------------------------------------------------------------
+
+class KVCache(nn.Module):
+    """One layer's keys and values for generation, (batch, n_kv_heads, context, head_dim), preallocated and
+    written in place at their positions: every decode step sees tensors of the same shape at the same
+    address, which lets a compiled step replay as a CUDA graph (generate.GraphDecoder). Never saved."""
+
+    def __init__(self, batch: int, n_kv_heads: int, context: int, head_dim: int, device, dtype):
+        super().__init__()
+        shape = (batch, n_kv_heads, context, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, pos, k, v):
+        """Write k, v (B, Hkv, T, hd) at positions pos (T,); return the whole cache."""
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+class TokenCache(nn.Module):
+    """The token ids generation has seen, (batch, context), written in place as KVCache's keys: where each new
+    token's predecessor is read (Llama.previous). Never saved."""
+
+    def __init__(self, batch: int, context: int, device):
+        super().__init__()
+        self.register_buffer("ids", torch.zeros(batch, context, dtype=torch.long, device=device), persistent=False)
+
+    def update(self, pos, idx):
+        """Write idx (B, T) at positions pos (T,); return every position's id (B, context)."""
+        self.ids.index_copy_(1, pos, idx)
+        return self.ids

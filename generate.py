@@ -2,7 +2,7 @@
 
 generate() reads the prompt in one pass (prefill), then feeds one token per step through
 decode_one, which writes that token's keys and values into the preallocated cache
-(model.KVCache) and attends over the positions written so far. Without the cache
+(attention.KVCache) and attends over the positions written so far. Without the cache
 (use_cache=False) every step re-reads the whole sequence: the slow reference.
 
 Its fast paths: GraphDecoder replays the decode step as CUDA graphs (decoder(fast=False) is the plain step
@@ -363,7 +363,7 @@ class FusedDecodeAttention(M.Attention):
     cached positions over many programs (split_decode); pdl: launched as a dependent (decode_pdl)."""
     split = pdl = False
 
-    def new_cache(self, batch: int, device, dtype) -> M.KVCache:
+    def new_cache(self, batch: int, device, dtype) -> A.KVCache:
         cache = super().new_cache(batch, device, dtype)
         # split_decode's count of each head's finished programs, zero between steps
         cache.register_buffer("counts", torch.zeros(batch, self.n_kv_heads, device=device, dtype=torch.int32),

@@ -236,38 +236,6 @@ def apply_rope(x, cos, sin):
 
 
 
-class KVCache(nn.Module):
-    """One layer's keys and values for generation, (batch, n_kv_heads, context, head_dim), preallocated and
-    written in place at their positions: every decode step sees tensors of the same shape at the same
-    address, which lets a compiled step replay as a CUDA graph (generate.GraphDecoder). Never saved."""
-
-    def __init__(self, batch: int, n_kv_heads: int, context: int, head_dim: int, device, dtype):
-        super().__init__()
-        shape = (batch, n_kv_heads, context, head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-    def update(self, pos, k, v):
-        """Write k, v (B, Hkv, T, hd) at positions pos (T,); return the whole cache."""
-        self.k.index_copy_(2, pos, k.to(self.k.dtype))
-        self.v.index_copy_(2, pos, v.to(self.v.dtype))
-        return self.k, self.v
-
-
-class TokenCache(nn.Module):
-    """The token ids generation has seen, (batch, context), written in place as KVCache's keys: where each new
-    token's predecessor is read (Llama.previous). Never saved."""
-
-    def __init__(self, batch: int, context: int, device):
-        super().__init__()
-        self.register_buffer("ids", torch.zeros(batch, context, dtype=torch.long, device=device), persistent=False)
-
-    def update(self, pos, idx):
-        """Write idx (B, T) at positions pos (T,); return every position's id (B, context)."""
-        self.ids.index_copy_(1, pos, idx)
-        return self.ids
-
-
 def bigram_row(prev, idx, rows: int):
     """The bigram table's row of each (previous, current) pair, prev and idx (B, T): a hash over rows - 1 rows
     (modded-nanogpt's, record #62), the last for "none before" (prev -1). The frequent pairs rarely collide."""
@@ -299,10 +267,10 @@ class Attention(nn.Module):
         # The gate: (B, T, 12) -> (B, T, H), zero-initialised, so every head starts at half its output
         # and can learn to switch itself off per token ("sparse attention gate", modded-nanogpt).
         self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
-        self.cache = None  # a KVCache while generating (Llama.setup_cache)
+        self.cache = None  # an attention.KVCache while generating (Llama.setup_cache)
 
-    def new_cache(self, batch: int, device, dtype) -> KVCache:
-        return KVCache(batch, self.n_kv_heads, self.context, self.head_dim, device, dtype)
+    def new_cache(self, batch: int, device, dtype) -> A.KVCache:
+        return A.KVCache(batch, self.n_kv_heads, self.context, self.head_dim, device, dtype)
 
     def mixed_values(self, v, ve=None):
         """v (B, T, Hkv, hd) with the value embedding ve (B, T, Hkv * hd) mixed in, or scaled alone
@@ -458,7 +426,7 @@ class Llama(nn.Module):
         rows = cfg.bigram_rows
         self.bigram = nn.Embedding(rows, cfg.d_model, _weight=torch.empty(rows, cfg.d_model)) if rows else None
         self.bigram_mix = nn.Parameter(torch.empty(cfg.n_layers)) if rows else None
-        self.history = None  # a TokenCache while generating with the bigram table (setup_cache)
+        self.history = None  # an attention.TokenCache while generating with the bigram table (setup_cache)
         # Backout: the head reads x - b * (block backout_layer's output), b learned from 0.5.
         self.backout_mix = nn.Parameter(torch.empty(1)) if cfg.backout else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_gains)
@@ -509,8 +477,8 @@ class Llama(nn.Module):
         return self.embed.weight if self.head is None else self.head.weight
 
     def setup_cache(self, batch: int, dtype=None):
-        """Give every layer a KVCache for `batch` sequences (and a TokenCache where a part reads predecessors). A
-        cache of the same size and dtype is kept, not reallocated: a captured CUDA graph holds its address."""
+        """Give every layer an attention.KVCache for `batch` sequences (and the model a TokenCache where a part reads
+        predecessors). A cache of the same size and dtype is kept, not reallocated: a graph holds its address."""
         device, dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
         for attn in self.attentions():
             cache = attn.cache
@@ -518,7 +486,7 @@ class Llama(nn.Module):
                 attn.cache = attn.new_cache(batch, device, dtype)
         if self.reads_previous and (self.history is None or self.history.ids.shape[0] != batch
                                         or self.history.ids.device != device):
-            self.history = TokenCache(batch, self.cfg.context, device)
+            self.history = A.TokenCache(batch, self.cfg.context, device)
 
     def value_rows(self, idx) -> list:
         """Each value-embedding table's rows for idx (B, T): a list of (B, T, n_kv_heads * head_dim)."""

@@ -40,7 +40,7 @@ class OnegpuConfig(PretrainedConfig):
 
 
 class CacheLayer:
-    """Stands where model.KVCache stands while transformers generates: update(pos, k, v) appends the new keys
+    """Stands where attention.KVCache stands while transformers generates: update(pos, k, v) appends the new keys
     and values (B, Hkv, T, hd) to one layer of transformers' cache and returns that layer's keys and values so
     far, (B, Hkv, S, hd), which the model's attention reads through cache_masks' (T, S) mask."""
 
@@ -52,7 +52,7 @@ class CacheLayer:
 
 
 class TokenHistory:
-    """Stands where model.TokenCache stands while transformers generates (a model with the bigram table): the ids of
+    """Stands where attention.TokenCache stands while transformers generates (a model with the bigram table): the ids of
     the tokens transformers' cache holds, (B, S), kept with that cache, whose update(pos, idx) appends idx (B, T)."""
 
     def __init__(self):

@@ -304,7 +304,7 @@ if AVAILABLE:
         (B, 1, H, hd). A custom op: torch.compile calls it as one opaque step of the compiled decode, and
         the CUDA graph captures its launch; what it folds in would otherwise be kernels of their own
         around it (the gate's one-row matmul was one, docs/LOG.md, 2026-12-02). With counts ((B, Hkv)
-        int32 zeros, left zero: model.KVCache's), each head's cached positions are split over
+        int32 zeros, left zero: attention.KVCache's), each head's cached positions are split over
         decode_splits(B, Hkv) programs (model.split_decode). pdl: launched behind the kernel before it
         (dependent_launch; model.decode_pdl)."""
         # Every argument by position: torch 2.11's custom ops bump a mutated argument's version by its
@@ -1098,7 +1098,7 @@ def chosen_tiles(kernel) -> str:
 def device_supported(device: torch.device) -> bool:
     """Whether these kernels run on `device`: an NVIDIA GPU of compute capability 8.0 (Ampere) or
     newer, the oldest Triton supports and the first with bfloat16 arithmetic; on CPU, Triton's
-    interpreter. Called outside compiled code (model.KVCache, train.setup)."""
+    interpreter. Called outside compiled code (attention.KVCache, train.setup)."""
     if device.type == "cuda":
         return AVAILABLE and torch.cuda.get_device_capability(device) >= (8, 0)
     return AVAILABLE and INTERPRET
@@ -1113,7 +1113,7 @@ def decode_splits(batch: int, kv_heads: int) -> int:
 
 def decode_step_supported(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether decode_step handles these inputs, on a device that device_supported allows (the
-    caller asks that once, model.KVCache.fusable): one new token per sequence (qkv: (B, 1, heads,
+    caller asks that once, generate.apply): one new token per sequence (qkv: (B, 1, heads,
     hd)), 16-bit floats (tl.dot would round float32 to TF32) in the cache too, a power-of-two head
     size of at least 16, rows contiguous."""
     hd = qkv.shape[-1]

@@ -6,7 +6,7 @@
 
 The prompt is read in one pass (prefill), then each new token is one decode step through the
 KV cache. On CUDA the decode step is compiled once and replays as a CUDA graph (every step has
-the same shapes: see model.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
+the same shapes: see attention.KVCache and generate.GraphDecoder); --no-compile runs it eagerly and
 --no-cache re-reads the whole sequence every token (the slow reference both are tested against).
 On GPUs of compute capability 8.0 and newer each new token's RoPE, cache write and attention run
 as one Triton kernel (onegpu_kernels.py), split over many programs with split_decode, and with
