@@ -37,7 +37,8 @@ MLPKind = Literal["swiglu", "relu2"]
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
-                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "backout", "smear")
+                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "backout", "smear",
+                "key_offset")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -76,6 +77,7 @@ class ModelConfig:
     bigram_rows: int = 0  # rows of a hashed (previous, current) token-pair table added to every block's input (#62)
     backout: bool = False  # subtract a learned multiple of the stream at 2/3 depth before the head (record #40)
     smear: bool = False  # each token's embedding gains a gated multiple of its predecessor's (record #34)
+    key_offset: bool = False  # long layers' keys take their unrotated dims from the token before (record #49)
 
     def __post_init__(self):
         for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale"):  # NaN and inf pass a "< 0" test
@@ -128,6 +130,9 @@ class ModelConfig:
         if self.bigram_rows == 1 or self.bigram_rows < 0:
             raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows "
                              f"(modded-nanogpt: 5 x the vocabulary)")
+        if self.key_offset and not self.rope_truncate:
+            raise ValueError("model.key_offset moves the key dims truncated RoPE leaves unrotated, and without "
+                             "model.rope_truncate every dim rotates: add --rope-truncate or use --no-key-offset")
         if self.mlp not in ("swiglu", "relu2"):
             raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
@@ -247,6 +252,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.short = cfg.short_layer(layer)  # attends over the short window (Masks.short)
+        self.key_offset = cfg.key_offset and not self.short  # the long layers', which carry the far context
         self.scale = cfg.attn_scale or None  # None: each kernel's own 1/sqrt(head size)
         self.backend = "sdpa"  # attention.attend's kernel: PyTorch's pick (fastpaths may pin one)
         self.window = cfg.windows()[1 if self.short else 0]  # the keys decoding sees (0: all before it)
@@ -306,12 +312,23 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self.heads(qkv, rope, ve))  # (B, heads, T, hd)
         mask = masks.short if self.short else masks.long
         if masks.pos is None:
-            y = A.attend(q, k, v, mask, self.scale, self.backend)
+            y = A.attend(q, self.offset(k), v, mask, self.scale, self.backend)
         else:
             k, v = self.cache.update(masks.pos, k, v)
             read = mask.cache.shape[1]
-            y = A.cached_attention(q, k[:, :, :read].to(q.dtype), v[:, :, :read].to(q.dtype), mask.cache, self.scale)
+            k, v = self.offset(k[:, :, :read]).to(q.dtype), v[:, :, :read].to(q.dtype)
+            y = A.cached_attention(q, k, v, mask.cache, self.scale)
         return y.transpose(1, 2)
+
+    def offset(self, k):
+        """The keys (B, Hkv, S, hd) of a sequence from its start, with key_offset each one's unrotated dims (hd/4 to
+        hd/2 and 3hd/4 to hd under truncated RoPE) taken from the key before it, the first keeping its own: a
+        query can then find "the token after an X" in one layer (modded-nanogpt record #49)."""
+        if not self.key_offset:
+            return k
+        lo, hi = self.head_dim // 4, self.head_dim // 2
+        before = torch.cat([k[:, :, :1], k[:, :, :-1]], dim=2)
+        return torch.cat([k[..., :lo], before[..., lo:hi], k[..., hi:hi + lo], before[..., hi + lo:]], dim=-1)
 
 
 class SwiGLU(nn.Module):

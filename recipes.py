@@ -187,6 +187,7 @@ NEWEST = {
     "bigram": ("+ bigram hash table, 5x the vocabulary (#62)", lambda cfg: {"model__bigram_rows": 5 * cfg.model.vocab_size}),
     "backout": ("+ backout (#40)", {"model__backout": True}),
     "smear": ("+ smear (#34)", {"model__smear": True}),
+    "key-offset": ("+ partial key offset on the long layers (#49)", {"model__key_offset": True}),
     "mtp": ("+ multi-token loss over 3 tokens (#53)", {"train__mtp_tokens": 3}),
     "normuon": ("+ Polar Express and NorMuon (#38, #41)", {"train__muon_iteration": "polar-express",
                                                           "train__muon_beta2": 0.95}),

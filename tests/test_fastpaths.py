@@ -195,6 +195,13 @@ def test_fast_accumulation_runs_only_beside_an_fp8_path():
     assert FP.fast_path_alone("fp8") == {"fp8": True}
 
 
+def test_the_decode_kernel_stays_out_of_a_model_with_the_key_offset_which_it_does_not_compute():
+    speed = FP.SpeedConfig(fused_decode=True, split_decode=True, decode_mlp=True)
+    cfg = M.ModelConfig(mlp="relu2", rope_truncate=True)
+    assert FP.running(FP.GENERATION_FAST_PATHS, cfg, speed) == ["fused_decode", "split_decode", "decode_mlp"]
+    assert FP.running(FP.GENERATION_FAST_PATHS, replace(cfg, key_offset=True), speed) == ["decode_mlp"]
+
+
 @needs_cpu_fp8
 def test_fp8_model_trains_and_shares_checkpoints_with_the_plain_one():
     torch.manual_seed(0)

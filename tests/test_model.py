@@ -294,6 +294,27 @@ def test_smear_adds_a_gated_multiple_of_the_predecessors_embedding():
     torch.testing.assert_close(seen[0][0], expected, rtol=0, atol=1e-12)
 
 
+def test_the_key_offset_gives_the_long_layers_keys_their_predecessors_unrotated_dims():
+    """key_offset: on the long layers (not the short), each key's dims hd/4..hd/2 and 3hd/4..hd, those truncated RoPE
+    leaves unrotated, are the key's one position before (the first keeps its own); it needs truncated RoPE."""
+    parts = dict(n_layers=4, rope_truncate=True, attn_window=6, short_windows=True, key_offset=True)
+    model = small_model(**parts)
+    assert [b.attn.key_offset for b in model.blocks] == [True, False, False, True]
+    k = torch.randn(2, 2, 5, 16, dtype=torch.float64)
+    moved = model.blocks[0].attn.offset(k)
+    still = torch.zeros(16, dtype=torch.bool)
+    still[4:8] = still[12:] = True
+    assert torch.equal(moved[:, :, 1:, still], k[:, :, :-1, still]) and torch.equal(moved[..., ~still], k[..., ~still])
+    assert torch.equal(moved[:, :, 0], k[:, :, 0]) and model.blocks[1].attn.offset(k) is k
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    plain = small_model(**{**parts, "key_offset": False})
+    with torch.no_grad():
+        plain.load_state_dict(model.state_dict())
+        assert (model(idx) - plain(idx)).abs().max() > 1e-6
+    with pytest.raises(ValueError, match="model.key_offset moves the key dims truncated RoPE leaves unrotated"):
+        M.ModelConfig(**SMALL, key_offset=True)
+
+
 def test_backout_subtracts_a_multiple_of_the_two_thirds_stream_before_the_head():
     """backout: the head reads norm(x - b * h), h block backout_layer's output (2/3 deep), b from 0.5."""
     parts = dict(n_layers=6, backout=True)
@@ -507,7 +528,8 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                                              (True, {**RECORD_PARTS, "n_layers": 3, "short_windows": True}),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1}),
                                              (True, {"attn_scale": 0.4, "attn_window": 6}),
-                                             (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True})],
+                                             (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True,
+                                                     "key_offset": True})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
                               "attention-scale", "bigram-backout-smear"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):

@@ -51,7 +51,8 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
 # resumes inside each.
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
-                  "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "backout": True, "smear": True},
+                  "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "backout": True, "smear": True,
+                  "key_offset": True},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
@@ -820,7 +821,9 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe, free_port)
         assert process.returncode == 0, out[-3000:] + err[-3000:]
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in one:
-        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-5)
+        # Adam steps an entry of a rarely seen bigram row by about its lr whatever its gradient's size, so there the
+        # ranks' summation order shows more: 1.6e-5 measured once, at lr 0.05
+        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-4 if k == "bigram.weight" else 1e-5)
     for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two")):
         assert a == pytest.approx(b, rel=1e-5)
     assert len(losses(tmp_path / "two")) == 3
