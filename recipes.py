@@ -183,8 +183,17 @@ RECORD_CHAIN = (
 # --seconds and --newest, each on top of today's default alone, once per seed. One seed draws the same data and the
 # same first weights for every rung, so an idea's loss minus the default's at the same seed (paired) shows its
 # effect with the seed's share taken out: at 126m and 70 s, two seeds' losses sit 0.03 apart for either recipe.
+def _growing_batch(base: C.Config, micro_batch: int) -> dict:
+    """Three stages of the batch, each in whole micro-batches: the largest micro-batch up to the study's that divides
+    a step into a multiple of 3 (126m at 12: 8, six micro-batches a step)."""
+    T, batch = base.model.context, base.train.batch_tokens
+    fits = [b for b in range(micro_batch, 0, -1) if batch % (b * T) == 0 and batch // (b * T) % 3 == 0]
+    return {"train__batch_stages": 3, **({"train__micro_batch": fits[0]} if fits and fits[0] != micro_batch else {})}
+
+
 NEWEST = {
-    "bigram": ("+ bigram hash table, 5x the vocabulary (#62)", lambda cfg: {"model__bigram_rows": 5 * cfg.model.vocab_size}),
+    "bigram": ("+ bigram hash table, 5x the vocabulary (#62)",
+               lambda base, micro_batch: {"model__bigram_rows": 5 * base.model.vocab_size}),
     "backout": ("+ backout (#40)", {"model__backout": True}),
     "smear": ("+ smear (#34)", {"model__smear": True}),
     "key-offset": ("+ partial key offset on the long layers (#49)", {"model__key_offset": True}),
@@ -195,6 +204,7 @@ NEWEST = {
     # muon_lr * muon_weight_decay: 0.013 at our 0.05 is the same step.
     "cautious-wd": ("+ cautious weight decay on Muon (#43, #50)", {"train__muon_weight_decay": 0.013,
                                                                   "train__muon_cautious": True}),
+    "batch-stages": ("+ the batch grown in three stages, rates by sqrt(stage) (#46)", _growing_batch),
 }
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
@@ -365,12 +375,12 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
     return plan
 
 
-def newest_plan(preset: str, seeds: int, keys: tuple[str, ...]) -> list[Recipe]:
+def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int) -> list[Recipe]:
     """configs/<preset>.toml, then each NEWEST idea named in keys on top of it alone, each once per seed."""
     base, plan = C.preset(preset), [Recipe("default", preset, "default", {}, SEED + i) for i in range(seeds)]
     for key in keys:
         name, change = NEWEST[key]
-        overrides = change(base) if callable(change) else dict(change)
+        overrides = change(base, micro_batch) if callable(change) else dict(change)
         plan += [Recipe(name, preset, "newest", overrides, SEED + i) for i in range(seeds)]
     return plan
 
@@ -649,7 +659,7 @@ def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_ba
     micro_batch = micro_batch or base.train.micro_batch
     fixed = {**fixed_settings(base, 0, corpus, micro_batch), "train__seconds": seconds,
              "train__eval_every": SECONDS_EVAL_EVERY, "train__ckpt_every": 10**6}  # saved at the end and on a signal
-    plan = newest_plan(preset, seeds, newest) if newest else record_plan(preset, seeds, micro_batch)
+    plan = newest_plan(preset, seeds, newest, micro_batch) if newest else record_plan(preset, seeds, micro_batch)
     runs_dir = out / "recipes" / f"{preset}_{corpus}_{seconds:g}s{'_newest' if newest else ''}"
     cfg = check_and_prepare(plan, fixed, sized=False)
     print(f"recipes: {preset} on {corpus}, {seconds:g} training seconds per rung, {len(plan)} runs, "

@@ -28,10 +28,38 @@ def fitted_warmup(cfg: C.TrainConfig, steps: int, done: int = 0) -> int:
 
 
 def total_steps(cfg: C.TrainConfig) -> int:
-    """The run's optimizer steps; UNSIZED until a train.seconds run has measured its speed."""
+    """The run's optimizer steps; UNSIZED until a train.seconds run has measured its speed. A train.tokens budget
+    is the most steps whose batches (the batch schedule's) fit in it, at least one."""
     if cfg.steps > 0:
         return cfg.steps
-    return max(1, cfg.tokens // cfg.batch_tokens) if cfg.tokens else UNSIZED
+    if not cfg.tokens:
+        return UNSIZED
+    steps = max(1, cfg.tokens // cfg.batch_tokens)  # as many whole batches: a growing batch's steps are no larger
+    while cfg.batch_stages > 1 and run_tokens(cfg, steps + 1) <= cfg.tokens:
+        steps += 1
+    return steps
+
+
+def batch_stage(step: int, steps: int, stages: int) -> int:
+    """train.batch_stages: the stage (1 to stages) of the growing batch at `step` of `steps`, each an equal share of
+    the steps; stage i trains on i/stages of train.batch_tokens at sqrt(i) times the learning rates (modded-nanogpt
+    record #46: 131K, 262K, then 393K tokens, its rates 1, 1.52 and 1.73 times its first). Small batches learn the
+    common patterns as well as large ones, in fewer tokens. An unsized train.seconds run probes at stage 1."""
+    if stages == 1 or steps == UNSIZED:
+        return 1
+    return min(stages, 1 + stages * step // steps)
+
+
+def step_tokens(cfg: C.TrainConfig, step: int, steps: int) -> int:
+    """The tokens step `step` of `steps` trains on: its stage's share of train.batch_tokens."""
+    return cfg.batch_tokens * batch_stage(step, steps, cfg.batch_stages) // cfg.batch_stages
+
+
+def run_tokens(cfg: C.TrainConfig, steps: int, start: int = 0) -> int:
+    """The tokens a run of `steps` steps trains on from step `start` to its end."""
+    if cfg.batch_stages == 1:
+        return (steps - start) * cfg.batch_tokens
+    return sum(step_tokens(cfg, step, steps) for step in range(start, steps))
 
 
 def step_time_fit(times: list, windows: list):
@@ -47,12 +75,13 @@ def step_time_fit(times: list, windows: list):
     return lambda window: float(intercept + slope * window)
 
 
-def steps_to_fill(seconds: float, done: int, step_time, window) -> int:
+def steps_to_fill(seconds: float, done: int, step_time, window, share=lambda step, steps: 1.0) -> int:
     """The most steps (at least done + 1) whose predicted times from step `done` on fit in `seconds`:
-    step_time(window) from step_time_fit, window(step, steps) the long window the schedule gives a
-    step of a run of `steps`. The total grows with the steps, so a doubling then a bisection finds it."""
+    step_time(window) from step_time_fit (a whole batch's), window(step, steps) the long window the schedule gives
+    a step of a run of `steps`, share(step, steps) the share of the whole batch it trains on (the batch schedule's).
+    The total grows with the steps, so a doubling then a bisection finds it."""
     def cost(steps: int) -> float:
-        return sum(step_time(window(s, steps)) for s in range(done, steps))
+        return sum(step_time(window(s, steps)) * share(s, steps) for s in range(done, steps))
     fits, over = done + 1, done + 2
     while cost(over) <= seconds:
         fits, over = over, done + 2 * (over - done)

@@ -256,6 +256,12 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     set_precision(tcfg)
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
+    if accum % tcfg.batch_stages:
+        fits = [b for b in range(B, 0, -1) if tcfg.batch_tokens % (b * T * world) == 0
+                and tcfg.batch_tokens // (b * T * world) % tcfg.batch_stages == 0]
+        raise ValueError(f"train.batch_stages={tcfg.batch_stages} grows the batch in whole micro-batches, but a step's "
+                         f"micro-batches ({accum} of {B} x {T} tokens a rank) do not divide into {tcfg.batch_stages}: "
+                         + (f"use --micro-batch {fits[0]}" if fits else "change batch_tokens or micro_batch"))
     steps = SZ.total_steps(tcfg)
     if steps != SZ.UNSIZED and SZ.fitted_warmup(tcfg, steps) < tcfg.warmup_steps:
         say(f"note: train.warmup_steps={tcfg.warmup_steps} would warm up over more than half of the run's {steps} "
@@ -326,6 +332,12 @@ def multi_token_loss(logits, targets, weights: tuple[float, ...]):
     log_p = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     T = targets.shape[1]
     return sum(w * -log_p[:, :T - j].gather(-1, targets[:, j:, None]).mean() for j, w in enumerate(weights) if w)
+
+
+def step_lr(step: int, tcfg: C.TrainConfig, steps: int) -> float:
+    """The scheduled learning rate at `step` (optim.lr_at), times sqrt(stage) of the batch schedule (sizing.batch_stage):
+    each group's rate follows it at its own ratio."""
+    return O.lr_at(step, tcfg, steps) * math.sqrt(SZ.batch_stage(step, steps, tcfg.batch_stages))
 
 
 def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
@@ -566,6 +578,7 @@ class Progress:
 class Session:
     """This process's share of a run: what the summary reports beside the Progress."""
     first_step: int
+    first_tokens: int = 0  # the run's tokens before this session
     start: float = field(default_factory=time.perf_counter)
     rates: list = field(default_factory=list)  # tok/s of each step after the first
     step_seconds: list = field(default_factory=list)  # and their times (train.seconds sizes the run by them)
@@ -745,7 +758,7 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
     say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{muon}), "
         f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
     length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
-              else f"{r.steps} steps = {r.steps * tcfg.batch_tokens:,} tokens")
+              else f"{r.steps} steps = {SZ.run_tokens(tcfg, r.steps):,} tokens")
     say(f"batch: {tcfg.batch_tokens:,} tokens = {tcfg.micro_batch} seq x {m.context} tokens x {r.accum} accumulation "
         f"x {r.world} rank(s); {length}")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16 and not tcfg.fp16} fp16={tcfg.fp16}"
@@ -800,7 +813,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     boards = BO.open_boards(tcfg, run_dir, p.step if resumed else None, r.cfg.to_dict()) if r.rank == 0 else []
-    stopper, session = Stopper(say, ckpt_path), Session(first_step=p.step)
+    stopper, session = Stopper(say, ckpt_path), Session(first_step=p.step, first_tokens=p.tokens)
     if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary: nothing to train
         session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
     last_saved = p.step if resumed else None
@@ -863,7 +876,7 @@ def sized_now(r: Run, p: Progress, session: Session, run_dir: Path, say) -> bool
 
 def pace_note(r: Run, p: Progress, row: dict, say):
     """Where the steps left would take over an hour at this step's pace, say how long, once."""
-    left = (r.steps - p.step) * r.cfg.train.batch_tokens / max(row["tok_s"], 1e-9)
+    left = SZ.run_tokens(r.cfg.train, r.steps, p.step) / max(row["tok_s"], 1e-9)
     if left > PACE_NOTE_SECONDS:
         say(f"note: at {row['tok_s']:,.0f} tok/s the {r.steps - p.step:,} steps left take about {left / 3600:,.1f} h")
 
@@ -900,9 +913,10 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
     t0 = time.perf_counter()
     try:
         windows = r.cfg.model.windows() if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
-        loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum, tcfg, r.device,
-                                     O.lr_at(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps), windows,
-                                     r.scaler, prefetch, mtp_weights_at(p.step, r.steps, tcfg.mtp_tokens))
+        stage = SZ.batch_stage(p.step, r.steps, tcfg.batch_stages)
+        loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum * stage // tcfg.batch_stages, tcfg,
+                                     r.device, step_lr(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps),
+                                     windows, r.scaler, prefetch, mtp_weights_at(p.step, r.steps, tcfg.mtp_tokens))
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
@@ -933,15 +947,16 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
         warn = "" if abs(loss_value - expected) < 1.0 else "  WARNING: far from ln(vocab); check the init and the data"
         say(f"step 0 loss {loss_value:.4f} vs ln(vocab) = {expected:.4f}{warn}")
     p.step += 1
-    p.tokens += tcfg.batch_tokens
-    tok_s = tcfg.batch_tokens / dt
+    tokens = SZ.step_tokens(tcfg, p.step - 1, r.steps)
+    p.tokens += tokens
+    tok_s = tokens / dt
     if p.step > session.first_step + 1:  # the first step includes compilation and warm-up
         session.rates.append(tok_s)
-        session.step_seconds.append(dt)
+        session.step_seconds.append(dt * tcfg.batch_tokens / tokens)  # as a whole batch's: what sizing counts in
         session.step_windows.append(windows[0])
         p.train_seconds += dt * (2 if p.step == session.first_step + 2 else 1)  # this step and the first one
     lrs = {g.get("role", f"group{i}"): g["lr"] for i, g in enumerate(r.optimizer.param_groups)}  # as this step ran
-    return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": O.lr_at(p.step - 1, tcfg, r.steps), "lrs": lrs,
+    return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": step_lr(p.step - 1, tcfg, r.steps), "lrs": lrs,
             "grad_norm": norm_value if tcfg.grad_clip else None, "window": windows[0], "tok_s": round(tok_s),
             "mfu": meter.mfu(tok_s, r.world),
             "peak_mem_gib": round(peak_memory_gib(r.device), 3), "step_s": round(dt, 4), "skipped": p.skipped,
@@ -957,7 +972,8 @@ def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again:
     tcfg = r.cfg.train
     step_time = SZ.step_time_fit(session.step_seconds[1:], session.step_windows[1:])
     steps = SZ.steps_to_fill(SZ.seconds_to_fill(tcfg.seconds, p.train_seconds), p.step, step_time,
-                          lambda step, steps: window_at(step, steps, r.cfg)[0])
+                             lambda step, steps: window_at(step, steps, r.cfg)[0],
+                             lambda step, steps: SZ.step_tokens(tcfg, step, steps) / tcfg.batch_tokens)
     if dist.is_initialized():  # every rank must take the same number of steps: the slowest rank's count
         t = torch.tensor(steps, device=r.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -973,9 +989,9 @@ def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again:
                                         f"give train.seconds more time")
     pace = (f"steps take {step_time(r.cfg.model.windows()[0]) * 1e3:.1f} ms" if not tcfg.window_start else
             f"steps take {step_time(tcfg.window_start) * 1e3:.1f} to {step_time(r.cfg.model.attn_window) * 1e3:.1f} ms "
-            f"from the first window to the last")
+            f"from the first window to the last") + (" at the whole batch" if tcfg.batch_stages > 1 else "")
     say(f"train.seconds={tcfg.seconds:g}: {'at step ' + str(p.step) + ', ' if again else ''}{pace}, so the run "
-        f"takes {steps} steps ({steps * tcfg.batch_tokens:,} tokens){note}")
+        f"takes {steps} steps ({p.tokens + SZ.run_tokens(tcfg, steps, p.step):,} tokens){note}")
     if r.rank == 0:
         saved = json.loads((run_dir / "config.json").read_text())
         saved["config"] = r.cfg.to_dict()
@@ -995,7 +1011,7 @@ def summarize(r: Run, p: Progress, session: Session, meter: Meter, run_dir: Path
     if r.rank != 0:
         return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    say(f"done: step {p.step}, {p.tokens - session.first_step * r.cfg.train.batch_tokens:,} tokens in this "
+    say(f"done: step {p.step}, {p.tokens - session.first_tokens:,} tokens in this "
         f"session's {elapsed:.0f} s (its steps alone at a mean {summary['mean_tok_s'] or 0:,} tok/s, compiling and "
         f"evaluating left out), MFU {'n/a' if summary['mfu'] is None else format(summary['mfu'], '.1%') + ' of ' + meter.peak_name}, "
         + (f"val loss {last_eval['val_loss']:.4f} (ln vocab {math.log(r.cfg.model.vocab_size):.2f}), "

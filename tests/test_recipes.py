@@ -242,14 +242,16 @@ def test_the_record_table_compares_rungs_at_equal_seconds():
 def test_the_newest_ideas_run_each_on_the_default_alone_and_compare_by_seed():
     """--newest: the default, then each idea on top of it alone (not carried), once per seed; each rung's config
     loads; the table gives each seed's loss minus the default's at that seed, and the whole-window loss."""
-    plan = RE.newest_plan("126m", 2, ("bigram", "mtp"))
+    plan = RE.newest_plan("126m", 2, ("bigram", "mtp"), 12)
     assert [(r.name, r.seed) for r in plan] == [("default", 1337), ("default", 1338), (RE.NEWEST["bigram"][0], 1337),
                                                 (RE.NEWEST["bigram"][0], 1338), (RE.NEWEST["mtp"][0], 1337),
                                                 (RE.NEWEST["mtp"][0], 1338)]
     assert plan[2].overrides == {"model__bigram_rows": 5 * 32768} and plan[4].overrides == {"train__mtp_tokens": 3}
+    assert RE.newest_plan("126m", 1, ("batch-stages",), 12)[-1].overrides == {"train__batch_stages": 3,
+                                                                              "train__micro_batch": 8}
     fixed = {**RE.fixed_settings(C.preset("126m"), 0, "python", 12), "train__seconds": 70.0}
     for key in RE.NEWEST:
-        r = RE.newest_plan("126m", 1, (key,))[-1]
+        r = RE.newest_plan("126m", 1, (key,), 12)[-1]
         assert C.preset(r.config, **{**fixed, **r.overrides}) != C.preset("126m", **fixed), key
     final = lambda loss: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=loss - 0.1)], "tok_s": 1.0}
     results = {plan[0].folder: final(3.0), plan[1].folder: final(2.9), plan[2].folder: final(2.95),

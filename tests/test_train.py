@@ -47,8 +47,8 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
 
 # modded-nanogpt's parts (the newest record's bigram table, backout and smear too) on documents masked apart, with
 # Polar Express and NorMuon (whose second moments a resume must restore), Muon's momentum, the sliding window (16,
-# 32, 32, 32, 48, 48 tokens) and the multi-token loss's weights all changing over the 6 steps: a stop after step 3
-# resumes inside each.
+# 32, 32, 32, 48, 48 tokens), the multi-token loss's weights and the batch (half, then whole) all changing over the 6
+# steps: a stop after step 3 resumes inside each.
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
                   "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "backout": True, "smear": True,
@@ -56,7 +56,7 @@ RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embed
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
-                  "muon_iteration": "polar-express", "muon_beta2": 0.95, "mtp_tokens": 3})
+                  "muon_iteration": "polar-express", "muon_beta2": 0.95, "mtp_tokens": 3, "batch_stages": 2})
 
 
 # fp16 with its gradient scaler (the path of GPUs without bf16), which CPU autocast runs too: the
@@ -960,6 +960,33 @@ def test_run_length_in_steps_from_steps_or_tokens():
     assert SZ.total_steps(C.TrainConfig(tokens=10 * 524_288 + 5)) == 10  # whole steps of batch_tokens
     assert SZ.total_steps(C.TrainConfig(tokens=1000)) == 1  # fewer tokens than one step still takes one
     assert SZ.total_steps(C.TrainConfig(tokens=0, seconds=60, schedule="wsd")) == SZ.UNSIZED  # train.seconds sizes it later
+
+
+def test_a_growing_batch_takes_equal_shares_of_the_steps_and_counts_its_tokens():
+    """batch_stages: stage i of n trains on i/n of batch_tokens over an equal share of the steps, the run's tokens
+    are their sum, a token budget is the most steps that fit it, and sizing counts each step at its share."""
+    cfg = C.TrainConfig(batch_tokens=300, micro_batch=1, batch_stages=3, steps=9)
+    assert [SZ.batch_stage(s, 9, 3) for s in range(9)] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert [SZ.step_tokens(cfg, s, 9) for s in (0, 3, 8)] == [100, 200, 300] and SZ.run_tokens(cfg, 9) == 1800
+    assert SZ.batch_stage(5, SZ.UNSIZED, 3) == 1 and SZ.batch_stage(5, 9, 1) == 1  # an unsized run probes at stage 1
+    assert SZ.total_steps(dataclasses.replace(cfg, steps=0, tokens=1800)) == 9
+    assert SZ.total_steps(dataclasses.replace(cfg, steps=0, tokens=1799)) == 8  # 8 steps: 3 x 100 + 3 x 200 + 2 x 300
+    # a whole batch takes 1 s: 9 steps at shares 1/3, 2/3, 1 take 6 s, and 7 s fit 10 (with 0 + 1 + 2 + 2.67 + ...)
+    share = lambda step, steps: SZ.step_tokens(cfg, step, steps) / cfg.batch_tokens
+    assert SZ.steps_to_fill(6.0, 0, lambda w: 1.0, lambda s, n: 0, share) == 9
+
+
+def test_the_growing_batch_draws_its_stages_micro_batches_at_sqrt_stage_times_the_rate(train_config, tmp_path):
+    """Over 6 steps of batch_stages 2: 1 micro-batch of 4 x 64 tokens a step, then 2; the log's tokens and rate
+    follow; micro-batches that do not divide into the stages are refused in one line, naming a micro-batch that does."""
+    cfg = with_train(train_config, batch_stages=2, warmup_steps=0, schedule="wsd", warmdown_fraction=0.5)
+    TR.train(cfg, tmp_path / "run", **QUIET)
+    rows = [r for r in PL.read_log(tmp_path / "run" / "log.jsonl") if "loss" in r]
+    assert [r["tokens"] for r in rows] == [256, 512, 768, 1280, 1792, 2304]
+    assert [r["lr"] for r in rows][2:4] == pytest.approx([3e-3, 3e-3 * math.sqrt(2)])  # the warm-down starts at 3
+    with pytest.raises(ValueError, match=r"^train.batch_stages=2 grows the batch in whole micro-batches, but a step's "
+                                         r"micro-batches \(1 of 8 x 64 tokens a rank\) do not divide into 2: use --micro-batch 4$"):
+        TR.train(with_train(train_config, batch_stages=2, micro_batch=8), tmp_path / "bad", **QUIET)
 
 
 @pytest.mark.parametrize("fp16, bf16, dtype", [(False, True, torch.bfloat16), (True, False, torch.float16),
