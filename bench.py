@@ -896,9 +896,12 @@ def add_recipe_flags(recipes, here: str, cuda: bool):
     recipes.add_argument("--seconds", type=float, default=None, metavar="S", help="the record ladder: every rung "
                          "trained for this many training seconds (e.g. 150), its steps sized from its own speed")
     recipes.add_argument("--newest", nargs="*", default=None, choices=list(RE.NEWEST), metavar="IDEA",
-                         help=f"with --seconds: instead of the ladder, the default and each of the newest records' "
-                              f"ideas on top of it alone, every one once per seed, with each seed's loss minus the "
-                              f"default's; no IDEA: all of {', '.join(RE.NEWEST)}")
+                         help=f"with --seconds or --tokens: instead of the ladder, the default and each of the newest "
+                              f"records' ideas on top of it alone, every one once per seed, with each seed's loss "
+                              f"minus the default's; no IDEA: all of {', '.join(RE.NEWEST)}")
+    recipes.add_argument("--at-once", type=int, default=1, metavar="K",
+                         help="with --newest --tokens: K rungs side by side on each GPU (their losses compare; "
+                              "their speeds share the card), at a micro-batch that leaves each a K-th of its memory")
     recipes.add_argument("--seeds", type=int, default=2, metavar="N",
                          help="seeds for the article and the final recipe (default 2)")
     recipes.add_argument("--tokens", type=int, default=None, metavar="N",
@@ -919,8 +922,12 @@ def main(argv=None):
     if args.seconds is not None and (not args.recipes or args.versus or args.tokens or args.seconds <= 0):
         p.error(f"--seconds {args.seconds:g}: the record ladder's training seconds per rung, more than 0; give it "
                 f"with --recipes, without --versus or --tokens")
-    if args.newest is not None and args.seconds is None:
-        p.error("--newest: its ideas are measured at equal training seconds; add --recipes --seconds S (e.g. 70)")
+    if args.newest is not None and not (args.recipes and (args.seconds or args.tokens)):
+        p.error("--newest: its ideas are measured at equal training seconds or equal tokens; add --recipes and "
+                "--seconds S (e.g. 70) or --tokens N")
+    if args.at_once != 1 and (args.newest is None or args.seconds or args.at_once < 1):
+        p.error(f"--at-once {args.at_once}: rungs share a card only where their speed is not compared: give it "
+                f"with --newest --tokens N, at least 1")
     if args.fractions and not (args.recipes and args.versus):
         p.error("--fractions: they size the default recipe's schedules in --recipes --versus; add both flags")
     if args.muon and not (args.recipes and args.versus):
@@ -1006,10 +1013,14 @@ def recipes_study(args, argv):
         budget = C.preset(f"{preset}-gpt3").train.tokens
         print(f"note: every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, days of work "
               f"at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny", flush=True)
-    if args.seconds:
-        newest = tuple(args.newest or RE.NEWEST) if args.newest is not None else ()
+    if args.newest is not None:
+        found = RE.newest_study(preset, tuple(args.newest or RE.NEWEST), args.seeds, corpus, args.micro_batch,
+                                where["out"], args.timeout, args.resume, devices * args.at_once,
+                                seconds=args.seconds or 0.0, tokens=args.tokens or 0)
+        print(RE.report_record(found, preset, **{**where, "devices": devices * args.at_once}))
+    elif args.seconds:
         found = RE.seconds_study(preset, args.seconds, args.seeds, corpus, args.micro_batch, where["out"],
-                                 args.timeout, args.resume, devices, newest)
+                                 args.timeout, args.resume, devices)
         print(RE.report_record(found, preset, **where))
     else:
         found = RE.study(preset, args.tokens, args.seeds, corpus, args.micro_batch, where["out"], args.timeout,

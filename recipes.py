@@ -652,26 +652,47 @@ def check_and_prepare(plan: list[Recipe], fixed: dict, sized: bool = True) -> C.
 
 
 def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_batch: int | None, out: Path,
-                  timeout: int, resume: bool, devices: list[str | None], newest: tuple[str, ...] = ()) -> dict:
-    """Run the record ladder (or, given newest, the default and those NEWEST ideas): every rung for `seconds`
-    training seconds. Returns rows and curves."""
-    base = C.preset(preset if newest else muon_preset(preset))
+                  timeout: int, resume: bool, devices: list[str | None]) -> dict:
+    """Run the record ladder: every rung for `seconds` training seconds. Returns rows and curves."""
+    base = C.preset(muon_preset(preset))
     micro_batch = micro_batch or base.train.micro_batch
-    fixed = {**fixed_settings(base, 0, corpus, micro_batch), "train__seconds": seconds,
+    plan = record_plan(preset, seeds, micro_batch)
+    found, _ = budget_study(plan, base, preset, corpus, micro_batch, out / "recipes" / f"{preset}_{corpus}_{seconds:g}s",
+                            timeout, resume, devices, seconds=seconds)
+    return found
+
+
+def newest_study(preset: str, keys: tuple[str, ...], seeds: int, corpus: str, micro_batch: int | None, out: Path,
+                 timeout: int, resume: bool, devices: list[str | None], seconds: float = 0.0, tokens: int = 0) -> dict:
+    """The default and each NEWEST idea in keys on top of it alone, once per seed, at equal training seconds (each
+    run's steps sized from its own speed) or at equal tokens; each idea's row carries its paired differences."""
+    base = C.preset(preset)
+    micro_batch = micro_batch or base.train.micro_batch
+    plan = newest_plan(preset, seeds, keys, micro_batch)
+    folder = f"{preset}_{corpus}_newest_{f'{seconds:g}s' if seconds else f'{tokens}-tokens'}"
+    found, results = budget_study(plan, base, preset, corpus, micro_batch, out / "recipes" / folder, timeout, resume,
+                                  devices, seconds=seconds, tokens=tokens)
+    for row in found["rows"][1:]:
+        row["paired"] = paired(plan, results, row["rung"])
+    return {**found, "newest": True}
+
+
+def budget_study(plan: list[Recipe], base: C.Config, preset: str, corpus: str, micro_batch: int, runs_dir: Path,
+                 timeout: int, resume: bool, devices: list[str | None], seconds: float = 0.0,
+                 tokens: int = 0) -> tuple[dict, dict]:
+    """Run `plan`, every rung for `seconds` training seconds or else `tokens` tokens, evaluated every
+    SECONDS_EVAL_EVERY steps. Returns (rows and curves, the runs by folder)."""
+    fixed = {**fixed_settings(base, 0 if seconds else tokens, corpus, micro_batch), "train__seconds": seconds,
              "train__eval_every": SECONDS_EVAL_EVERY, "train__ckpt_every": 10**6}  # saved at the end and on a signal
-    plan = newest_plan(preset, seeds, newest, micro_batch) if newest else record_plan(preset, seeds, micro_batch)
-    runs_dir = out / "recipes" / f"{preset}_{corpus}_{seconds:g}s{'_newest' if newest else ''}"
     cfg = check_and_prepare(plan, fixed, sized=False)
-    print(f"recipes: {preset} on {corpus}, {seconds:g} training seconds per rung, {len(plan)} runs, "
-          f"{len(devices)} at a time", flush=True)
+    budget = f"{seconds:g} training seconds" if seconds else f"{tokens:,} tokens"
+    print(f"recipes: {preset} on {corpus}, {budget} per rung, {len(plan)} runs, {len(devices)} at a time", flush=True)
     results = run_all(plan, fixed, runs_dir, devices, timeout, resume, sized=False)
     names = list(dict.fromkeys(r.name for r in plan))
     rows = [summarize(n, [results[r.folder] for r in plan if r.name == n], None, None) for n in names]
-    for row in rows[1:] if newest else []:
-        row["paired"] = paired(plan, results, row["rung"])
     curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
-    return {"rows": rows, "curves": curves, "seconds": seconds, "corpus": corpus, "params": M.param_count(cfg.model),
-            "newest": bool(newest)}
+    return {"rows": rows, "curves": curves, "seconds": seconds, "tokens": tokens, "corpus": corpus,
+            "params": M.param_count(cfg.model)}, results
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
@@ -801,12 +822,16 @@ def report_ladder(found: dict, preset: str, versus: bool, out: Path, device_name
 
 
 def report_record(found: dict, preset: str, out: Path, device_name: str, devices: list, command: str) -> str:
-    """Save a --recipes --seconds study (seconds_study()) and return its table."""
-    name, seconds = f"{'newest' if found.get('newest') else 'record'}-{preset}", found["seconds"]
-    date = save(found, name, f"validation loss as trained | {preset} | {found['corpus']} | {seconds:g} training s",
+    """Save a --recipes --seconds study (seconds_study(), or newest_study() at seconds or tokens) and return its
+    table."""
+    seconds, tokens = found["seconds"], found.get("tokens")
+    name = f"newest-{preset}{'' if seconds else '-tokens'}" if found.get("newest") else f"record-{preset}"
+    budget = f"{seconds:g} training seconds" if seconds else f"{tokens:,} tokens"
+    date = save(found, name, f"validation loss as trained | {preset} | {found['corpus']} | {budget}",
                 preset, out, device_name, devices, command)
     title = "the newest records' ideas, each on the default" if found.get("newest") else "record ladder"
-    return (f"## {title} | {preset} | {found['corpus']} corpus | {seconds:g} training seconds per rung | "
-            f"{device_name} | {date}\n\nseconds are training seconds (compile, evaluation and saving left out); each "
-            f"rung's steps were sized from its own first steps\n\n{seconds_table(found['rows'])}\n\n"
-            f"{out / name}.json, {out / name}.png")
+    how = ("each rung's steps were sized from its own first steps" if seconds else
+           f"equal tokens; {len(devices)} rung(s) at a time, so tok/s is each rung's share of its card, not its speed")
+    return (f"## {title} | {preset} | {found['corpus']} corpus | {budget} per rung | {device_name} | {date}\n\n"
+            f"seconds are training seconds (compile, evaluation and saving left out); {how}\n\n"
+            f"{seconds_table(found['rows'])}\n\n{out / name}.json, {out / name}.png")

@@ -263,11 +263,15 @@ def test_the_newest_ideas_run_each_on_the_default_alone_and_compare_by_seed():
     assert "| 2 | 2.8750 | 2.7750 | 2.8750 | 0.1500 | 3 | 300 | 3.0 | 1 | -0.0500 -0.1000 |" in RE.seconds_table([row])
 
 
-def test_newest_ideas_are_measured_at_equal_seconds(capsys):
+@pytest.mark.parametrize("args, message", [
+    (["--recipes", "--newest", "bigram"], "--newest: its ideas are measured at equal training seconds or equal tokens"),
+    (["--recipes", "--newest", "--seconds", "70", "--at-once", "2"], "--at-once 2: rungs share a card only where"),
+    (["--recipes", "--tokens", "1000", "--at-once", "2"], "--at-once 2: rungs share a card only where")])
+def test_newest_ideas_are_measured_at_equal_seconds_alone_or_equal_tokens(args, message, capsys):
     import bench
     with pytest.raises(SystemExit):
-        bench.main(["--recipes", "--newest", "bigram"])
-    assert "--newest: its ideas are measured at equal training seconds" in capsys.readouterr().err
+        bench.main(args)
+    assert message in capsys.readouterr().err
 
 
 def test_seconds_belong_to_the_record_ladder(capsys):
