@@ -19,6 +19,7 @@ for each of a micro-batch's (B, T) tokens:
   - logits = 15 tanh(x W / 15) with W an untied head (logit_softcap, tie_embeddings = false), and the mean
     cross-entropy against the targets.
 The norms have no gains (norm_gains = false) and the output projections and head start at zero (zero_init).
+The newest records' parts (bigram_rows, backout, smear, key_offset) are settings, off until measured to pay.
 Every recipe option defaults to the article's Llama 2, so a config that names none computes that.
 """
 

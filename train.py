@@ -745,7 +745,8 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     (f"window {m.attn_window}" + (f", {m.windows()[1]} on short layers" if m.short_windows
                                                                   else ""), m.attn_window),
                                     (f"bigram table of {m.bigram_rows:,} rows", m.bigram_rows),
-                                    (f"backout of layer {m.backout_layer}", m.backout)) if on]
+                                    (f"backout of layer {m.backout_layer}", m.backout), ("smear", m.smear),
+                                    ("key offset on the long layers", m.key_offset)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
     groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)
@@ -759,8 +760,10 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
         f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
     length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
               else f"{r.steps} steps = {SZ.run_tokens(tcfg, r.steps):,} tokens")
+    stages = f", grown over {tcfg.batch_stages} stages" if tcfg.batch_stages > 1 else ""
+    mtp = f"; the loss over the next {tcfg.mtp_tokens} tokens, fading to the next one's" if tcfg.mtp_tokens > 1 else ""
     say(f"batch: {tcfg.batch_tokens:,} tokens = {tcfg.micro_batch} seq x {m.context} tokens x {r.accum} accumulation "
-        f"x {r.world} rank(s); {length}")
+        f"x {r.world} rank(s){stages}; {length}{mtp}")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16 and not tcfg.fp16} fp16={tcfg.fp16}"
         f"{' (gradient scaler)' if tcfg.fp16 else ''} compile={tcfg.compile}"
         f"{'(' + tcfg.compile_mode + ')' if tcfg.compile else ''} adamw={tcfg.optimizer} pin={tcfg.pin} "
