@@ -277,16 +277,22 @@ class TrainingLoss(M.Output):
     def loss(self, x, weight, targets):
         if not torch.is_grad_enabled():
             return super().loss(x, weight, targets)
-        if self.fp8_head and self.loss_kernel and K.runs_on(x):
+        multi = isinstance(targets, M.MultiTargets)  # the multi-token loss: its own kernel, after the head
+        if self.fp8_head and self.loss_kernel and K.runs_on(x) and not multi:
             return fp8_head_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.cap,
                                           fast_accum=self.fast_accum)
-        if self.fp8_head:
-            logits = fp8_linear(x, weight, grad_bound=1.0 / targets.numel(), fast_accum=self.fast_accum)
+        rows, targets_a_row = x.shape[:-1].numel(), targets.ids.shape[-1] if multi else 1
+        if self.fp8_head:  # each logit's gradient is at most its row's weights' sum (each at most 1) over the rows
+            logits = fp8_linear(x, weight, grad_bound=targets_a_row / rows, fast_accum=self.fast_accum)
         else:
             logits = F.linear(x, weight)
         logits = logits.flatten(0, 1)
         if self.loss_kernel and K.cross_entropy_supported(logits):
+            if multi:
+                return K.multi_cross_entropy(logits, targets.ids.flatten(0, 1), targets.weights, self.cap)[0].mean()
             return K.cross_entropy(logits, targets.flatten(), self.cap)[0].mean()
+        if multi:
+            return M.cross_entropy(logits, targets.ids.flatten(0, 1), self.cap, targets.weights)
         return M.cross_entropy(logits, targets.flatten(), self.cap)
 
 
@@ -294,6 +300,8 @@ class FusedLoss(M.Output):
     """Head and loss over row chunks, never holding all the logits (linear_cross_entropy)."""
 
     def loss(self, x, weight, targets):
+        if isinstance(targets, M.MultiTargets):  # its chunks hold one target a row: the plain loss, logits whole
+            return super().loss(x, weight, targets)
         return linear_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.cap)
 
 

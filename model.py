@@ -25,7 +25,7 @@ Every recipe option defaults to the article's Llama 2, so a config that names no
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -408,9 +408,16 @@ class Smear(nn.Module):
         return x + self.mix * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS])) * x_prev
 
 
+class MultiTargets(NamedTuple):
+    """The multi-token loss's targets (train.mtp_tokens): ids (B, T, K), the k+1-th token after each position (-1
+    past the sequence's end), and weights (K,), each one's share of the loss (modded-nanogpt record #53)."""
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
 class Output(nn.Module):
     """Where it ends: logits = softcap(x W^T) (W the head's, or the tied embedding's), and in training the mean
-    cross-entropy against the targets. x: (B, T, d); W: (vocab, d); targets: (B, T)."""
+    cross-entropy against the targets. x: (B, T, d); W: (vocab, d); targets: (B, T), or MultiTargets."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -420,7 +427,8 @@ class Output(nn.Module):
         return softcap(F.linear(x, weight), self.cap)
 
     def loss(self, x, weight, targets):
-        return cross_entropy(F.linear(x, weight).flatten(0, 1), targets.flatten(), self.cap)
+        ids, weights = targets if isinstance(targets, MultiTargets) else (targets, None)
+        return cross_entropy(F.linear(x, weight).flatten(0, 1), ids.flatten(0, 1), self.cap, weights)
 
 
 class Llama(nn.Module):
@@ -573,10 +581,15 @@ class Llama(nn.Module):
         return self.output.loss(x, self.output_weight(), targets)
 
 
-def cross_entropy(logits, targets, cap: float):
+def cross_entropy(logits, targets, cap: float, weights=None):
     """Mean cross-entropy of softcap(logits, cap) (N, vocab) against targets (N,), the softmax in (at least)
-    float32: bf16 logits lose about three digits of the loss."""
-    return F.cross_entropy(softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), cap), targets)
+    float32: bf16 logits lose about three digits of the loss. With weights (K,), targets (N, K): the mean over rows
+    of sum_k weights[k] * the cross-entropy against targets[:, k], a -1 target counting 0 (MultiTargets)."""
+    logits = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), cap)
+    if weights is None:
+        return F.cross_entropy(logits, targets)
+    nll = -F.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0))  # (N, K)
+    return (nll * (targets >= 0) * weights).sum(-1).mean()
 
 
 def softcap(logits, cap: float):

@@ -608,6 +608,85 @@ if AVAILABLE:
 
     cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_save)
 
+    # The multi-token loss (model.MultiTargets): a row's logits against K targets, each weighted. The row's
+    # logsumexp is one read of it, as above; the K targets' logits are K loads; the gradient one more read,
+    # (softmax(y) * sum of the row's weights - the weights where a column is a target) * dy/dz.
+    @triton.jit
+    def _multi_cross_entropy_forward_kernel(z_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, vocab, cap, K: tl.constexpr,
+                                            BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * vocab
+        lse = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT)
+        loss = 0.0
+        for k in tl.static_range(K):
+            target = tl.load(t_ptr + row * K + k)
+            y_t, _ = _capped(tl.load(z_row + tl.maximum(target, 0)).to(tl.float32), cap, CAPPED)
+            loss += tl.where(target >= 0, tl.load(w_ptr + k) * (lse - y_t), 0.0)
+        tl.store(lse_ptr + row, lse)
+        tl.store(loss_ptr + row, loss)
+
+    @triton.jit
+    def _multi_cross_entropy_backward_kernel(z_ptr, t_ptr, w_ptr, lse_ptr, g_ptr, dz_ptr, vocab, cap,
+                                             K: tl.constexpr, BLOCK: tl.constexpr, CAPPED: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        z_row, dz_row = z_ptr + row * vocab, dz_ptr + row * vocab
+        lse, g = tl.load(lse_ptr + row), tl.load(g_ptr + row)
+        weight = 0.0  # the row's targets' weights, those past the sequence's end (-1) left out
+        for k in tl.static_range(K):
+            weight += tl.where(tl.load(t_ptr + row * K + k) >= 0, tl.load(w_ptr + k), 0.0)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            keep = cols < vocab
+            y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
+            hit = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in tl.static_range(K):
+                hit += tl.where(cols == tl.load(t_ptr + row * K + k), tl.load(w_ptr + k), 0.0)
+            d = (tl.exp(y - lse) * weight - hit) * slope * g
+            tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
+
+    @torch.library.custom_op("onegpu::multi_cross_entropy", mutates_args=())
+    def multi_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                            cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, sum_k weights[k] * the cross-entropy of softcap(logits, cap) against targets[:, k] (-1: none,
+        counting 0), in float32, and the row's logsumexp. logits: (N, vocab), contiguous; targets: (N, K) int64;
+        weights: (K,) float32. Returns (loss (N,), lse (N,))."""
+        n, vocab = logits.shape
+        loss, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(2))
+        _multi_cross_entropy_forward_kernel[(n,)](logits, targets.contiguous(), weights.float().contiguous(), loss,
+                                                  lse, vocab, float(cap), K=targets.shape[1], BLOCK=CE_BLOCK,
+                                                  CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40, num_warps=CE_WARPS)
+        return loss, lse
+
+    @multi_cross_entropy.register_fake
+    def _(logits, targets, weights, cap):
+        return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+    @torch.library.custom_op("onegpu::multi_cross_entropy_backward", mutates_args=())
+    def multi_cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                                     lse: torch.Tensor, grad: torch.Tensor, cap: float) -> torch.Tensor:
+        """The gradient with respect to logits (N, vocab), in their dtype, of sum(grad * multi_cross_entropy's loss)."""
+        n, vocab = logits.shape
+        dz = torch.empty_like(logits)
+        _multi_cross_entropy_backward_kernel[(n,)](logits, targets.contiguous(), weights.float().contiguous(), lse,
+                                                   grad.float().contiguous(), dz, vocab, float(cap), K=targets.shape[1],
+                                                   BLOCK=CE_BLOCK, CAPPED=cap > 0, num_warps=CE_WARPS)
+        return dz
+
+    @multi_cross_entropy_backward.register_fake
+    def _(logits, targets, weights, lse, grad, cap):
+        return torch.empty_like(logits)
+
+    def _multi_cross_entropy_save(ctx, inputs, output):
+        logits, targets, weights, cap = inputs
+        ctx.save_for_backward(logits, targets, weights, output[1])
+        ctx.cap = cap
+
+    def _multi_cross_entropy_grad(ctx, grad_loss, grad_lse):
+        logits, targets, weights, lse = ctx.saved_tensors
+        return multi_cross_entropy_backward(logits, targets, weights, lse, grad_loss, ctx.cap), None, None, None
+
+    multi_cross_entropy.register_autograd(_multi_cross_entropy_grad, setup_context=_multi_cross_entropy_save)
+
 
     # The ReLU² MLP's activation in its matmuls' epilogues. Compiled, relu(h)^2 is one elementwise
     # kernel after the up-projection (it reads h and writes a, 2 x 2 bytes per hidden unit) and its

@@ -316,22 +316,18 @@ def masks_for(batch, device: torch.device, windows: tuple[int, int] | None = Non
 def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] | None = None,
                  mtp: tuple[float, ...] = (1.0,)):
     """Mean loss of one micro-batch (x, y[, doc_ids]); with later tokens weighted in mtp (mtp_weights_at), the
-    multi-token loss of the model's logits."""
+    multi-token loss."""
     masks = masks_for(batch, device, windows)
     with autocast(cfg, device):
-        if not any(mtp[1:]):
-            return model(batch[0], batch[1], masks)
-        return multi_token_loss(model(batch[0], masks=masks), batch[1], mtp)
+        return model(batch[0], multi_targets(batch[1], mtp) if any(mtp[1:]) else batch[1], masks)
 
 
-def multi_token_loss(logits, targets, weights: tuple[float, ...]):
-    """sum_j weights[j] * the mean cross-entropy of the logits (B, T, vocab) at each position t against the target
-    (B, T) at t + j, over the positions that have one: each position's logits also learn the tokens after the
-    next, with no parameter added (modded-nanogpt record #53). weights[0] = 1 is the next-token loss. The softmax
-    in float32; no fused kernel computes it, so the logits stand whole in memory."""
-    log_p = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    T = targets.shape[1]
-    return sum(w * -log_p[:, :T - j].gather(-1, targets[:, j:, None]).mean() for j, w in enumerate(weights) if w)
+def multi_targets(y, weights: tuple[float, ...]) -> M.MultiTargets:
+    """y (B, T), each position's next token -> model.MultiTargets: the K = len(weights) tokens after each position,
+    (B, T, K), -1 past the sequence's end, with their weights. Each position's logits also learn the tokens after
+    the next, with no parameter added (modded-nanogpt record #53); weights[0] = 1 is the next-token loss."""
+    ids = torch.stack([F.pad(y[:, k:], (0, k), value=-1) for k in range(len(weights))], dim=-1)
+    return M.MultiTargets(ids, torch.tensor(weights, dtype=torch.float32, device=y.device))
 
 
 def step_lr(step: int, tcfg: C.TrainConfig, steps: int) -> float:

@@ -280,6 +280,38 @@ def cross_entropy_check():
         assert logits.grad.dtype == logits.dtype
 
 
+def multi_cross_entropy_check():
+    """The multi-token loss kernels against model.cross_entropy with weights in float64, forward and backward,
+    float16 logits: three targets weighted 1, 0.5, 0.25, some past the sequence's end (-1), with the soft-cap and
+    without, and a vocabulary the kernel's block does not divide."""
+    g = torch.Generator().manual_seed(3)
+    for n, vocab, cap in [(6, 4096, 15.0), (4, 2500, 0.0)]:
+        logits = (torch.randn(n, vocab, generator=g) * 6).half().requires_grad_()
+        targets = torch.randint(0, vocab, (n, 3), generator=g)
+        targets[-1, 1:] = targets[-2, 2] = -1  # the last rows' later targets lie past the sequence
+        weights = torch.tensor([1.0, 0.5, 0.25])
+        loss, lse = K.multi_cross_entropy(logits, targets, weights, cap)
+        loss.mean().backward()
+        z = logits.detach().double().requires_grad_()
+        reference = M.cross_entropy(z, targets, cap, weights.double())
+        reference.backward()
+        assert loss.dtype == torch.float32 and lse.shape == (n,)
+        assert abs(loss.double().mean() - reference.detach()) < 1e-5, (n, vocab, cap)
+        err = (logits.grad.double() - z.grad).abs().max() / z.grad.abs().max()
+        assert err < 1e-3, (n, vocab, cap, err)
+    # and as the training loss runs it: the loss kernel's output swap, given MultiTargets, against the plain output
+    cfg = M.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=512, context=32,
+                        tie_embeddings=False, logit_softcap=15.0)
+    torch.manual_seed(0)
+    model = M.Llama(cfg).train()
+    torch.nn.init.normal_(model.head.weight, 0, 0.2)
+    idx = torch.randint(0, 512, (2, 32), generator=g)
+    targets = M.MultiTargets(torch.randint(0, 512, (2, 32, 3), generator=g), torch.tensor([1.0, 0.5, 0.25]))
+    plain = model(idx, targets)
+    FP.swap_in(model, FP.SpeedConfig(loss_kernel=True))
+    assert type(model.output) is FP.TrainingLoss and abs(model(idx, targets).item() - plain.item()) < 1e-5
+
+
 def fp8_head_loss_check():
     """model.fp8_head_cross_entropy (the FP8 head and the loss kernel as one function, whose backward
     writes the gradient's FP8 copy in the loss kernel) against the two apart, fp8_linear then the loss
@@ -562,12 +594,15 @@ def decode_mlp_check():
     assert (again - logits[1]).abs().max() < 1e-3
 
 
-def compiled_against_eager(cfg: dict, speed: dict, ops: tuple[str, ...], rel: float):
+def compiled_against_eager(cfg: dict, speed: dict, ops: tuple[str, ...], rel: float, mtp: bool = False):
     """cfg's model with speed's paths in training, compiled by Inductor for the CPU, against the same model eager, with an incoming
     gradient of 1/4, as under gradient accumulation: the loss and every gradient within rel of the eager one's
     largest magnitude. Each of ops (onegpu_kernels' custom ops) must have run in the eager pass; counted eagerly
-    only, since a counting wrapper's side effect inside an autograd.Function stops Dynamo."""
+    only, since a counting wrapper's side effect inside an autograd.Function stops Dynamo. mtp: the multi-token
+    loss's targets (three, weighted 1, 0.5, 0.25)."""
     idx = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7))
+    targets = (M.MultiTargets(torch.stack([idx, idx.roll(1, 1), idx.roll(2, 1)], -1), torch.tensor([1.0, 0.5, 0.25]))
+               if mtp else idx)
     runs = []
     for compiled in (False, True):
         torch.manual_seed(0)
@@ -575,7 +610,7 @@ def compiled_against_eager(cfg: dict, speed: dict, ops: tuple[str, ...], rel: fl
         with contextlib.ExitStack() as stack:
             calls = [stack.enter_context(counted(K, op)) for op in ([] if compiled else ops)]
             # fullgraph: a graph break around a fast path runs it eagerly, where this check still agreed
-            loss = (torch.compile(model, fullgraph=True) if compiled else model)(idx, idx)
+            loss = (torch.compile(model, fullgraph=True) if compiled else model)(idx, targets)
             (loss / 4).backward()
         assert all(calls), dict(zip(ops, calls))
         runs.append([loss.detach()] + [p.grad for p in model.parameters()])
@@ -586,7 +621,7 @@ def compiled_against_eager(cfg: dict, speed: dict, ops: tuple[str, ...], rel: fl
 def compiled_custom_ops_check():
     """The training fast paths that are custom ops (the FP8 head with the loss and its gradient from one
     launch and its gradient's transposed copy, QK-norm + RoPE's backward taking the gradients of q, k and v
-    apart), compiled against eager:
+    apart, the multi-token loss's kernels), compiled against eager:
     their fake implementations and autograd registrations are what compiling exercises, which the eager
     checks above do not."""
     cfg = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, context=16, qk_norm=True,
@@ -595,6 +630,9 @@ def compiled_custom_ops_check():
     compiled_against_eager(cfg, speed, ("qk_norm_rope_backward", "cross_entropy_and_gradient", "transposed"), 1e-5)
     # the FP8 head without the loss kernel (fp8.FP8Matmul), its w8 made column-major by the same kernel
     compiled_against_eager(cfg, {**speed, "loss_kernel": False}, ("transposed",), 1e-5)
+    # the multi-token loss's kernel after the head
+    compiled_against_eager(cfg, {"loss_kernel": True}, ("multi_cross_entropy", "multi_cross_entropy_backward"), 1e-5,
+                           mtp=True)
 
 
 def one_graph_check():

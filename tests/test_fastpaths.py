@@ -72,6 +72,29 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
 
 
 
+def test_the_multi_token_loss_goes_through_each_training_loss(monkeypatch):
+    """MultiTargets through the swapped outputs: the fused loss gives the plain multi-token loss (its chunks hold one
+    target a row, so it hands them back); the FP8 head stays within FP8's rounding of it, its gradient bounded by the
+    targets a row over the rows."""
+    import train as TR
+    bounds = []
+    fp8_linear = F8.fp8_linear
+    monkeypatch.setattr(FP, "fp8_linear", lambda x, w, grad_bound=None, fast_accum=False:
+                        bounds.append(grad_bound) or fp8_linear(x, w, grad_bound, fast_accum))
+    idx, y = torch.randint(0, 97, (2, 2, 30), generator=torch.Generator().manual_seed(7))
+    targets = TR.multi_targets(y, (1.0, 0.5, 0.25))
+    losses = {}
+    for name, speed in (("plain", None), ("fused", FP.SpeedConfig(fused_loss=True)), ("fp8", FP.SpeedConfig(fp8_head=True))):
+        model = small_model(torch.float32, speed, tie_embeddings=False, logit_softcap=15.0)
+        with torch.no_grad():
+            model.head.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
+        model.train()
+        losses[name] = model(idx, targets)
+        losses[name].backward()
+    assert losses["fused"].item() == losses["plain"].item() and bounds == [3 / 60]
+    assert abs(losses["fp8"].item() - losses["plain"].item()) < 0.02 and losses["fp8"].item() != losses["plain"].item()
+
+
 @pytest.mark.parametrize("rows", [7, 64])  # several chunks with a short last one; one chunk
 @pytest.mark.parametrize("cap", [0.0, 0.5])  # no soft-cap; one that bends most logits (they reach about +-1)
 def test_fused_loss_equals_plain_loss_and_gradients(rows, cap, monkeypatch):

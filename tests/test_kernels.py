@@ -22,7 +22,7 @@ from conftest import needs_cpu_fp8
 ROOT = Path(__file__).resolve().parent.parent
 
 # float16 in the checks: the interpreter computes with NumPy, which has no bfloat16.
-CHECKS = ("decode_check", "cross_entropy_check", "relu2_check", "relu2_fp8_check", "transposed_check", "gram_check",
+CHECKS = ("decode_check", "cross_entropy_check", "multi_cross_entropy_check", "relu2_check", "relu2_fp8_check", "transposed_check", "gram_check",
           "swiglu_check",
           "fp8_head_loss_check", "qk_norm_rope_check", "small_matmul_check", "decode_mlp_check",
           "one_graph_check")
@@ -166,6 +166,10 @@ def test_cross_entropy_kernel_matches_the_plain_loss_and_gradient(interpreted):
 
 
 @needs_triton
+def test_the_multi_token_loss_kernel_matches_the_plain_loss_and_gradient(interpreted):
+    run_under_interpreter(interpreted, "multi_cross_entropy_check")
+
+
 def test_the_fp8_head_and_loss_kernel_in_one_function_match_them_apart(interpreted):
     run_under_interpreter(interpreted, "fp8_head_loss_check")
 
@@ -224,6 +228,10 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
      {"t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
     ("_cross_entropy_and_gradient_kernel", dict(BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=False),
      {"t_ptr": "*i64", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
+    ("_multi_cross_entropy_forward_kernel", dict(K=3, BLOCK=2048, CAPPED=True, FIXED_SHIFT=True),
+     {"t_ptr": "*i64", "w_ptr": "*fp32", "loss_ptr": "*fp32", "lse_ptr": "*fp32"}),
+    ("_multi_cross_entropy_backward_kernel", dict(K=3, BLOCK=2048, CAPPED=True),
+     {"t_ptr": "*i64", "w_ptr": "*fp32", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
     ("_relu2_fp8_kernel", dict(BLOCK=4096), {"a8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     ("_relu2_fp8_backward_kernel", dict(BLOCK=4096), {"du8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),

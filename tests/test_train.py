@@ -143,14 +143,20 @@ def test_accumulation_matches_one_big_batch(train_config):
 
 
 def test_the_multi_token_loss_weights_each_later_target_in_float64(train_config):
-    """multi_token_loss: sum_j w_j * the mean over t < T - j of -log softmax(logits[t])[y[t + j]], written out here
-    position by position; with only the next token weighted, train_step's loss is the model's own."""
+    """The multi-token loss: the mean over positions t of sum_j w_j * -log softmax(softcap(logits[t]))[y[t + j]], a
+    target past the sequence counting 0, written out here position by position; with only the next token weighted,
+    train_step's loss is the model's own."""
     logits = torch.randn(2, 6, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
-    log_p = torch.log_softmax(logits, dim=-1)
-    expected = sum(w * -sum(log_p[b, t, y[b, t + j]] for b in range(2) for t in range(6 - j)) / (2 * (6 - j))
-                   for j, w in enumerate((1.0, 0.5, 0.25)))
-    torch.testing.assert_close(TR.multi_token_loss(logits, y, (1.0, 0.5, 0.25)), expected, rtol=1e-12, atol=0)
+    log_p = torch.log_softmax(M.softcap(logits, 3.0), dim=-1)
+    expected = sum(w * -log_p[b, t, y[b, t + j]] for j, w in enumerate((1.0, 0.5, 0.25))
+                   for b in range(2) for t in range(6 - j)) / 12
+    targets = TR.multi_targets(y, (1.0, 0.5, 0.25))
+    assert targets.ids.shape == (2, 6, 3) and targets.ids[0, 5].tolist() == [y[0, 5], -1, -1]
+    found = M.cross_entropy(logits.flatten(0, 1), targets.ids.flatten(0, 1), 3.0, targets.weights.double())
+    torch.testing.assert_close(found, expected, rtol=1e-12, atol=0)
+    next_only = M.cross_entropy(logits.flatten(0, 1), targets.ids.flatten(0, 1), 3.0, torch.tensor([1.0, 0, 0]).double())
+    torch.testing.assert_close(next_only, M.cross_entropy(logits.flatten(0, 1), y.flatten(), 3.0), rtol=1e-12, atol=0)
     cfg = train_config.model
     model = M.Llama(cfg).eval()
     x, y = torch.randint(0, cfg.vocab_size, (2, 2, 32), generator=torch.Generator().manual_seed(2))
@@ -158,8 +164,9 @@ def test_the_multi_token_loss_weights_each_later_target_in_float64(train_config)
     with torch.no_grad():
         plain = TR.forward_loss(model, (x, y), tcfg, cpu)
         torch.testing.assert_close(TR.forward_loss(model, (x, y), tcfg, cpu, mtp=(1.0, 0.0)), plain)
-        torch.testing.assert_close(TR.forward_loss(model, (x, y), tcfg, cpu, mtp=(1.0, 0.5)),
-                                   TR.multi_token_loss(model(x), y, (1.0, 0.5)), rtol=1e-6, atol=0)
+        torch.testing.assert_close(TR.forward_loss(model, (x, y), tcfg, cpu, mtp=(1.0, 0.0, 0.0)), plain)
+        two = TR.forward_loss(model, (x, y), tcfg, cpu, mtp=(1.0, 0.5))
+        assert two > plain
 
 
 def test_the_multi_token_weights_fade_as_modded_nanogpts():
