@@ -167,14 +167,17 @@ def test_fused_decode_step_matches_the_plain_path_in_bf16():
 # The record recipe's attention at this size: windows of 16 and 8 keys, shorter than the 40 positions decoded.
 RECORD_ATTENTION = {"mlp": "relu2", "qk_norm": True, "attn_window": 16, "short_windows": True, "value_embeds": 1,
                     "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
+# The newest records' parts, each reading the token before: through the cache (their model keeps the decode kernel out)
+NEWEST_PARTS = {"bigram_rows": 5000, "smear": True, "key_offset": True, "backout": True}
 
 
 @pytest.mark.parametrize("recipe, fast", [({}, {}), ({"mlp": "relu2", "qk_norm": True}, {}), (RECORD_ATTENTION, {}),
                                           (RECORD_ATTENTION, {"decode_matmuls": True}),
                                           (RECORD_ATTENTION, {"split_decode": True, "decode_mlp": True}),
-                                          (RECORD_ATTENTION, {"split_decode": True, "decode_mlp": True, "decode_pdl": True})],
+                                          (RECORD_ATTENTION, {"split_decode": True, "decode_mlp": True, "decode_pdl": True}),
+                                          ({**RECORD_ATTENTION, **NEWEST_PARTS}, {"decode_mlp": True})],
                          ids=["article", "muon", "record", "record-decode-matmuls", "record-split-decode-mlp",
-                              "record-split-decode-mlp-pdl"])
+                              "record-split-decode-mlp-pdl", "newest-parts"])
 def test_fused_decode_matches_the_plain_step_eager_and_captured(recipe, fast):
     """Teacher-forced: the same tokens go through the plain model, the fused model eagerly and the
     fused model's CUDA graph; their logits agree at every position (bf16 rounding apart). The Muon
@@ -443,6 +446,47 @@ def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
     assert abs(out[0][0] - out[1][0]) < 2e-3 * out[0][0]
     for name, grad in out[0][1].items():
         assert rel(out[1][1][name], grad) < 3e-2, name
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_the_newest_parts_compile_and_match_eager_with_a_block_mask(mtp):
+    """The record's parts with the newest ones (bigram table, smear, key offset, backout), and the multi-token loss
+    through the loss kernel after the FP8 head: compiled, the loss and gradients equal eager's (bf16 apart)."""
+    import train as TR
+    torch.manual_seed(0)
+    model = llama(**{**CFG, "context": 1024}, **RECORD, **NEWEST_PARTS)
+    for p in model.parameters():  # move every weight off its init, so zero-initialised parts carry gradients
+        p.data.add_(0.02 * torch.randn_like(p))
+    idx, y = torch.randint(0, 32768, (2, 2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    targets = TR.multi_targets(y, (1.0, 0.5, 0.25)) if mtp else y
+    doc = torch.cumsum(torch.rand(2, 1024, device="cuda") < 0.003, dim=1).int()
+    out = []
+    for run in (model, torch.compile(model)):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(idx, targets, A.masks(1024, idx.device, doc, model.cfg.windows(256)))
+        loss.backward()
+        out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert abs(out[0][0] - out[1][0]) < 2e-3 * out[0][0]
+    for name, grad in out[0][1].items():
+        assert rel(out[1][1][name], grad) < 3e-2, name
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled):
+    import train as TR
+    idx, y = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    targets = TR.multi_targets(y, (1.0, 0.5, 0.25))
+    out = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = llama(**CFG, **PLAIN, tie_embeddings=False, logit_softcap=15.0, loss_kernel=on)
+        assert isinstance(model.output, FP.TrainingLoss) == on
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = (torch.compile(model) if compiled else model)(idx, targets)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert_close(out, 2e-3, 2e-2)
 
 
 def test_the_88m_defaults_trace_as_one_graph_with_a_block_mask():
