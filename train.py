@@ -942,9 +942,10 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
         say(f"torch.compile split the model at {breaks} graph break(s), each run without Inductor's fusions "
             f"around it: TORCH_LOGS=graph_breaks names them")
     if p.step == 0 and not tcfg.init_from:  # a model started from trained weights is far from ln(vocab) by design
-        expected = math.log(r.cfg.model.vocab_size)
-        warn = "" if abs(loss_value - expected) < 1.0 else "  WARNING: far from ln(vocab); check the init and the data"
-        say(f"step 0 loss {loss_value:.4f} vs ln(vocab) = {expected:.4f}{warn}")
+        times = sum(mtp_weights_at(0, r.steps, tcfg.mtp_tokens))  # the multi-token loss: ln(vocab) for each weight
+        expected, what = times * math.log(r.cfg.model.vocab_size), "ln(vocab)" if times == 1 else f"{times:g} x ln(vocab)"
+        warn = "" if abs(loss_value - expected) < 1.0 else f"  WARNING: far from {what}; check the init and the data"
+        say(f"step 0 loss {loss_value:.4f} vs {what} = {expected:.4f}{warn}")
     p.step += 1
     tokens = SZ.step_tokens(tcfg, p.step - 1, r.steps)
     p.tokens += tokens

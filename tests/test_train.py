@@ -169,6 +169,13 @@ def test_the_multi_token_loss_weights_each_later_target_in_float64(train_config)
         assert two > plain
 
 
+def test_the_first_multi_token_loss_is_checked_against_its_weights_times_ln_vocab(train_config, tmp_path):
+    said = []
+    TR.train(with_train(train_config, mtp_tokens=3, steps=1), tmp_path / "run", log=said.append)
+    first, = [s for s in said if s.startswith("step 0 loss")]
+    assert f"vs 1.75 x ln(vocab) = {1.75 * math.log(train_config.model.vocab_size):.4f}" in first and "WARNING" not in first
+
+
 def test_the_multi_token_weights_fade_as_modded_nanogpts():
     """3 tokens: [1, 0.5, 0.25 -> 0] over the first third, [1, 0.5 -> 0] over the second, [1] after (record #53)."""
     at = [w for step in (0, 10, 20, 30, 40, 60) for w in TR.mtp_weights_at(step, 60, 3)]
