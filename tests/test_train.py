@@ -169,10 +169,9 @@ def test_the_multi_token_loss_weights_each_later_target_in_float64(train_config)
         assert two > plain
 
 
-def test_the_first_multi_token_loss_is_checked_against_its_weights_times_ln_vocab(train_config, tmp_path):
-    said = []
-    TR.train(with_train(train_config, mtp_tokens=3, steps=1), tmp_path / "run", log=said.append)
-    first, = [s for s in said if s.startswith("step 0 loss")]
+def test_the_first_multi_token_loss_is_checked_against_its_weights_times_ln_vocab(train_config, tmp_path, capsys):
+    TR.train(with_train(train_config, mtp_tokens=3, steps=1), tmp_path / "run", **QUIET)
+    first, = [s for s in capsys.readouterr().out.splitlines() if s.startswith("step 0 loss")]  # the progress bar's
     assert f"vs 1.75 x ln(vocab) = {1.75 * math.log(train_config.model.vocab_size):.4f}" in first and "WARNING" not in first
 
 
@@ -806,12 +805,9 @@ def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
 
 # --- Several processes ---------------------------------------------------------------------
 
-# The AdamW and today's-recipe variants run in the slow tier: the record one goes through the same DDP
-# path, with Muon's shared orthogonalisation and the record's parts on top, and each costs about 13 s of
-# the suite's 2 minutes.
-@pytest.mark.parametrize("recipe", [pytest.param(({}, {}), marks=pytest.mark.slow),
-                                    pytest.param(TODAYS_RECIPE, marks=pytest.mark.slow), RECORD_RECIPE],
-                         ids=["article", "muon", "record"])
+# In the slow tier (CI runs it): each costs about 10 s of the suite's 2 minutes, two processes on two cores.
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [({}, {}), TODAYS_RECIPE, RECORD_RECIPE], ids=["article", "muon", "record"])
 def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe, free_port):
     """torchrun with 2 CPU ranks, each half the micro-batches, matches 1 process (same global batch),
     with AdamW and with Muon (each rank orthogonalises the same all-reduced gradients)."""
