@@ -196,7 +196,9 @@ NEWEST = {
                lambda base, micro_batch: {"model__bigram_rows": 5 * base.model.vocab_size}),
     "backout": ("+ backout (#40)", {"model__backout": True}),
     "smear": ("+ smear (#34)", {"model__smear": True}),
-    "key-offset": ("+ partial key offset on the long layers (#49)", {"model__key_offset": True}),
+    # it moves the dims truncated RoPE leaves unrotated: a preset without (tiny) gets that too
+    "key-offset": ("+ partial key offset on the long layers (#49)",
+                   lambda base, micro_batch: {"model__key_offset": True, "model__rope_truncate": True}),
     "mtp": ("+ multi-token loss over 3 tokens (#53)", {"train__mtp_tokens": 3}),
     "normuon": ("+ Polar Express and NorMuon (#38, #41)", {"train__muon_iteration": "polar-express",
                                                           "train__muon_beta2": 0.95}),
