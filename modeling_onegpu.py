@@ -52,14 +52,17 @@ class CacheLayer:
 
 
 class TokenHistory:
-    """Stands where attention.TokenCache stands while transformers generates (a model with the bigram table): the ids of
-    the tokens transformers' cache holds, (B, S), kept with that cache, whose update(pos, idx) appends idx (B, T)."""
+    """Stands where attention.TokenCache stands while transformers generates (a model whose bigram table or smear reads
+    each token's predecessor): every token so far, (B, S). generate() hands them over as seen_ids, in the order of its
+    sequences (a beam search reorders them); a caller of forward() with a cache of its own has them kept with it,
+    update(pos, idx) appending idx (B, T)."""
 
-    def __init__(self):
-        self.ids = None
+    def __init__(self, seen=None):
+        self.ids, self.given = seen, seen is not None
 
     def update(self, pos, idx):
-        self.ids = idx if self.ids is None else torch.cat([self.ids, idx], dim=1)
+        if not self.given:
+            self.ids = idx if self.ids is None else torch.cat([self.ids, idx], dim=1)
         return self.ids
 
 
@@ -84,8 +87,12 @@ class OnegpuForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.embed
 
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        """transformers' own inputs, and every token so far as seen_ids (TokenHistory)."""
+        return {**super().prepare_inputs_for_generation(input_ids, **kwargs), "seen_ids": input_ids}
+
     def forward(self, input_ids, attention_mask=None, cache=None, past_key_values=None, labels=None,
-                use_cache=None, **kwargs):
+                use_cache=None, seen_ids=None, **kwargs):
         """input_ids (B, T) -> logits (B, T, vocab), as model.Llama computes them. With a cache (transformers
         names it `cache` from 5.x's later releases, `past_key_values` before) the tokens follow the ones it
         holds; labels (B, T) add the mean cross-entropy of each token's prediction of the next."""
@@ -93,7 +100,7 @@ class OnegpuForCausalLM(PreTrainedModel, GenerationMixin):
         check_padding(attention_mask)
         if cache is None and use_cache and not self.training:
             cache = DynamicCache(config=self.config)
-        logits = self.model(input_ids) if cache is None else self.cached_logits(input_ids, cache)
+        logits = self.model(input_ids) if cache is None else self.cached_logits(input_ids, cache, seen_ids)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
@@ -101,7 +108,7 @@ class OnegpuForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits,
                                       **{"cache" if "cache" in names else "past_key_values": cache})
 
-    def cached_logits(self, input_ids, cache):
+    def cached_logits(self, input_ids, cache, seen_ids=None):
         """The model's cached forward: new tokens at positions past..past+T-1 read the cache's keys and values
         (CacheLayer lent to each attention layer for this call)."""
         cfg, T = self.model.cfg, input_ids.shape[1]
@@ -112,8 +119,9 @@ class OnegpuForCausalLM(PreTrainedModel, GenerationMixin):
         attentions = self.model.attentions()
         for layer, attn in enumerate(attentions):
             attn.cache = CacheLayer(cache, layer)
-        if cfg.bigram_rows:  # the tokens so far, for each new token's predecessor: kept with the cache they match
-            self.model.history = cache.__dict__.setdefault("onegpu_tokens", TokenHistory())
+        if self.model.reads_previous:  # the tokens so far, for each new token's predecessor
+            self.model.history = (TokenHistory(seen_ids) if seen_ids is not None
+                                  else cache.__dict__.setdefault("onegpu_tokens", TokenHistory()))
         try:
             pos = torch.arange(past, past + T, device=input_ids.device)
             return self.model(input_ids, masks=cache_masks(pos, past + T, cfg.windows()))

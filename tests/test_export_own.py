@@ -37,7 +37,8 @@ def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
 
 
 # The newest record's parts, off in the presets until measured to pay: exported with the default preset's recipe.
-NEWEST_PARTS = {"126m+newest": "bigram_rows = 2560\nbackout = true\nsmear = true\nkey_offset = true\n"}
+NEWEST_PARTS = {"126m+newest": "bigram_rows = 2560\nbackout = true\nsmear = true\nkey_offset = true\n",
+                "126m+smear": "smear = true\n"}
 
 
 @pytest.fixture(scope="module",
@@ -113,6 +114,17 @@ def test_a_cpu_run_of_each_default_preset_exports_and_generates_as_sample_py(pre
     E.main(["--ckpt", str(tmp_path / "r"), "--out", str(out)])
     assert_equal_logits(tmp_path / "r", out)
     assert_greedy_as_sample_py(tmp_path / "r", out, capsys)
+
+
+def test_beam_search_through_the_cache_finds_the_beams_it_finds_without(run):
+    """generate()'s beam search reorders its sequences, and their cache, at every step: through the cache it finds the
+    beams that recomputing the whole sequence each step finds, the newest parts' predecessors included."""
+    folder, out = run
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = tok(PROMPT, return_tensors="pt")["input_ids"]
+    settings = dict(max_new_tokens=12, num_beams=3, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        assert torch.equal(load(out).generate(prompt, **settings), load(out).generate(prompt, use_cache=False, **settings))
 
 
 def test_the_test_fails_when_the_exported_model_drops_a_recipe_part(run, tmp_path):
