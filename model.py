@@ -19,7 +19,7 @@ for each of a micro-batch's (B, T) tokens:
   - logits = 15 tanh(x W / 15) with W an untied head (logit_softcap, tie_embeddings = false), and the mean
     cross-entropy against the targets.
 The norms have no gains (norm_gains = false) and the output projections and head start at zero (zero_init).
-The newest records' parts (bigram_rows, backout, smear, key_offset) are settings, off until measured to pay.
+The newest records' parts (bigram_rows, backout, smear, key_offset, value_gate) are settings, off until measured.
 Every recipe option defaults to the article's Llama 2, so a config that names none computes that.
 """
 
@@ -39,7 +39,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
                 "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "backout", "smear",
-                "key_offset")
+                "key_offset", "value_gate")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -79,6 +79,7 @@ class ModelConfig:
     backout: bool = False  # subtract a learned multiple of the stream at 2/3 depth before the head (record #40)
     smear: bool = False  # each token's embedding gains a gated multiple of its predecessor's (record #34)
     key_offset: bool = False  # long layers' keys take their unrotated dims from the token before (record #49)
+    value_gate: bool = False  # each value embedding times a gate of the input, per token and kv head (record #55)
 
     def __post_init__(self):
         for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale"):  # NaN and inf pass a "< 0" test
@@ -111,9 +112,9 @@ class ModelConfig:
         if not 0 <= self.value_embeds <= self.n_layers // 2:
             raise ValueError(f"model.value_embeds={self.value_embeds}: the first and the last value_embeds layers each "
                              f"take one table, so it must be in [0, n_layers/2 = {self.n_layers // 2}]")
-        if (self.attn_gate or self.smear) and self.d_model < GATE_CHANNELS:
-            raise ValueError(f"model.attn_gate and model.smear read {GATE_CHANNELS} channels, more than d_model="
-                             f"{self.d_model}: use --no-attn-gate --no-smear or a wider model")
+        if (self.attn_gate or self.smear or self.value_gate) and self.d_model < GATE_CHANNELS:
+            raise ValueError(f"model.attn_gate, smear and value_gate read {GATE_CHANNELS} channels, more than d_model="
+                             f"{self.d_model}: turn them off or use a wider model")
         if self.attn_scale < 0:
             raise ValueError(f"model.attn_scale must be >= 0 (0: 1/sqrt(head size)), got {self.attn_scale}")
         if self.attn_window < 0:
@@ -129,11 +130,11 @@ class ModelConfig:
             raise ValueError(f"model.skip_attn_layer={self.skip_attn_layer} is a layer that mixes a value embedding "
                              f"into its attention (model.value_embeds={self.value_embeds}): pick a middle layer")
         if self.bigram_rows == 1 or self.bigram_rows < 0:
-            raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows "
-                             f"(modded-nanogpt: 5 x the vocabulary)")
-        if self.key_offset and not self.rope_truncate:
-            raise ValueError("model.key_offset moves the key dims truncated RoPE leaves unrotated, and without "
-                             "model.rope_truncate every dim rotates: add --rope-truncate or use --no-key-offset")
+            raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows")
+        for part, needs, why in (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
+                                 ("value_gate", "value_embeds", "it gates the value embeddings")):
+            if getattr(self, part) and not getattr(self, needs):
+                raise ValueError(f"model.{part} needs model.{needs}: {why}; set it or use --no-{part.replace('_', '-')}")
         if self.mlp not in ("swiglu", "relu2"):
             raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
@@ -197,9 +198,8 @@ def rms_norm(x, eps: float):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * g (Zhang & Sennrich 2019): no mean, no bias. Computed in at least float32.
-    gain False (ModelConfig.norm_gains): g stays ones, a buffer no optimizer steps, as modded-nanogpt's
-    norm(x); the fused kernels and export read it as they read a learned gain."""
+    """x / rms(x) * g (Zhang & Sennrich 2019): no mean, no bias, in at least float32. gain False (norm_gains): g
+    stays ones, a buffer no optimizer steps (modded-nanogpt's norm(x)), read as the fused kernels read a gain."""
 
     def __init__(self, dim: int, eps: float, gain: bool = True):
         super().__init__()
@@ -214,12 +214,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, length: int, theta: float, truncate: bool = False):
-    """cos and sin, each (length, head_dim), in the "rotate half" layout HuggingFace Llama uses,
-    so exported q/k weights need no permutation. Frequencies from Su et al. (2021).
-
-    truncate: modded-nanogpt's half-truncated RoPE. The first head_dim/4 frequencies run from 1 down to
-    1/1024 radians per token (a base tuned there in place of theta), the other head_dim/4 are zero:
-    those dimensions are not rotated at all and can match keys by content at any distance."""
+    """cos and sin, each (length, head_dim), in the "rotate half" layout HuggingFace Llama uses, so exported q/k
+    weights need no permutation. Frequencies from Su et al. (2021). truncate: modded-nanogpt's half-truncated RoPE:
+    the first head_dim/4 frequencies run from 1 down to 1/1024 radians per token (a base tuned there in place of
+    theta), the other head_dim/4 are zero: those dims are not rotated and match keys by content at any distance."""
     # Computed on the CPU in float64 whatever the default device: exact, and cheap on "meta".
     if truncate:
         rotated = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
@@ -232,10 +230,9 @@ def rope_tables(head_dim: int, length: int, theta: float, truncate: bool = False
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, T, heads, head_dim), the QKV projection's own layout; cos, sin: (T, head_dim).
-    Rotates pairs (i, i + head_dim/2). Applied before q and k are transposed for attention: in
-    this layout each token's heads are contiguous, so the compiled forward and backward are one
-    coalesced pass over the projection's output (on (B, heads, T, hd) views they were strided)."""
+    """x: (B, T, heads, head_dim), the QKV projection's own layout; cos, sin: (T, head_dim). Rotates pairs (i, i +
+    head_dim/2), before q and k are transposed for attention: here each token's heads are contiguous, so the
+    compiled forward and backward are one coalesced pass (on (B, heads, T, hd) views they were strided)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
@@ -274,6 +271,8 @@ class Attention(nn.Module):
         # The gate: (B, T, 12) -> (B, T, H), zero-initialised, so every head starts at half its output
         # and can learn to switch itself off per token ("sparse attention gate", modded-nanogpt).
         self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
+        # value_gate: ve times 2 sigmoid(a gate of the same 12 channels), per kv head: 1 at init
+        self.ve_gate = nn.Linear(GATE_CHANNELS, cfg.n_kv_heads, bias=False) if mixes and cfg.value_gate else None
         self.cache = None  # an attention.KVCache while generating (Llama.setup_cache)
 
     def new_cache(self, batch: int, device, dtype) -> A.KVCache:
@@ -305,6 +304,8 @@ class Attention(nn.Module):
         """x: (B, T, d) the normed stream; ve: this layer's value embedding (B, T, Hkv * hd) or None."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        if self.ve_gate is not None:
+            ve = (ve.view(B, T, self.n_kv_heads, -1) * 2 * torch.sigmoid(self.ve_gate(x[..., :GATE_CHANNELS]))[..., None])
         return self.wo(self.gated(self.attend(qkv, rope, masks, ve), x).reshape(B, T, -1))
 
     def attend(self, qkv, rope, masks: A.Masks, ve=None):
@@ -384,8 +385,7 @@ class Block(nn.Module):
 
 
 class Stream(nn.Module):
-    """Where the residual stream starts: the token embedding (B, T, d), RMS-normed without a gain where
-    embed_norm (modded-nanogpt record #8)."""
+    """Where the stream starts: the token embedding (B, T, d), RMS-normed without a gain where embed_norm (record #8)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -435,8 +435,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # An empty weight skips nn.Embedding's own init (reset_parameters below sets it), which on
-        # the meta device would import torch.compile's machinery and cost a second.
+        # An empty weight skips nn.Embedding's own init (reset_parameters sets it; on "meta" it costs a second).
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.smear = Smear() if cfg.smear else None
         self.stream = Stream(cfg)
@@ -488,8 +487,8 @@ class Llama(nn.Module):
                     p.copy_(torch.tensor(scalars[last][:p.numel()], dtype=p.dtype).expand(p.shape))
             elif name.startswith("value_embeds.") or (name == "embed.weight" and unit_embedding):
                 nn.init.normal_(p, mean=0.0, std=1.0)
-            elif ((output_projection or name == "head.weight") and self.cfg.zero_init or name.endswith("attn.gate.weight")
-                  or name in ("bigram.weight", "smear.gate.weight")):
+            elif ((output_projection or name == "head.weight") and self.cfg.zero_init
+                  or name.endswith(("attn.gate.weight", "attn.ve_gate.weight", "bigram.weight", "smear.gate.weight"))):
                 nn.init.zeros_(p)
             elif p.dim() == 2:
                 std = 0.02
@@ -519,7 +518,7 @@ class Llama(nn.Module):
         return [table(idx) for table in self.value_embeds]
 
     @property
-    def reads_previous(self) -> bool:
+    def reads_previous(self) -> bool:  # whether a part reads each token's predecessor (previous)
         return self.bigram is not None or self.smear is not None
 
     def previous(self, idx, masks: A.Masks):
@@ -614,6 +613,7 @@ def param_count(cfg: ModelConfig) -> int:
     embed = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     value = cfg.value_embeds * (cfg.vocab_size * kv + 2 * 2)  # a table and two layers' (a, b) each
+    value += cfg.value_embeds * 2 * GATE_CHANNELS * cfg.n_kv_heads if cfg.value_gate else 0  # and their gates
     if cfg.value_scale:  # every other layer with attention: its a
         value += sum(cfg.value_table(i) is None and cfg.attends(i) for i in range(cfg.n_layers))
     skips = cfg.n_layers // 2 if cfg.unet_skips else 0
@@ -631,12 +631,10 @@ def multiplied_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token, PaLM appendix B: 6N for the weights that multiply (2 forward, 4
-    backward) plus 12 * L * H * Q * T for attention's two weightless matmuls (the full T x T square,
-    as PaLM counts it, masked half included). The token and value embeddings are lookups, not
-    matmuls: an untied input embedding and the value tables are left out of N. A layer's sliding
-    window of w keys counts as T = min(T, 2w), the same square with its masked half; what a document
-    mask hides is not known in advance and still counts."""
+    """Training FLOPs per token, PaLM appendix B: 6N for the weights that multiply (2 forward, 4 backward) plus
+    12 * L * H * Q * T for attention's two weightless matmuls (the full T x T square, as PaLM counts it, masked half
+    included). The lookup tables are not matmuls: they are left out of N (multiplied_params). A layer's sliding
+    window of w keys counts as T = min(T, 2w); what a document mask hides is not known in advance and still counts."""
     T = cfg.context if seq_len is None else seq_len
     long, short = cfg.windows()
     reach = sum(min(T, 2 * w) if w else T

@@ -199,6 +199,7 @@ NEWEST = {
     # it moves the dims truncated RoPE leaves unrotated: a preset without (tiny) gets that too
     "key-offset": ("+ partial key offset on the long layers (#49)",
                    lambda base, micro_batch: {"model__key_offset": True, "model__rope_truncate": True}),
+    "value-gate": ("+ gates on the value embeddings (#55)", {"model__value_gate": True}),
     "mtp": ("+ multi-token loss over 3 tokens (#53)", {"train__mtp_tokens": 3}),
     "normuon": ("+ Polar Express and NorMuon (#38, #41)", {"train__muon_iteration": "polar-express",
                                                           "train__muon_beta2": 0.95}),

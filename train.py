@@ -742,7 +742,8 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                                                   else ""), m.attn_window),
                                     (f"bigram table of {m.bigram_rows:,} rows", m.bigram_rows),
                                     (f"backout of layer {m.backout_layer}", m.backout), ("smear", m.smear),
-                                    ("key offset on the long layers", m.key_offset)) if on]
+                                    ("key offset on the long layers", m.key_offset),
+                                    ("value-embedding gates", m.value_gate)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
     groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)

@@ -218,11 +218,13 @@ def test_fast_accumulation_runs_only_beside_an_fp8_path():
     assert FP.fast_path_alone("fp8") == {"fp8": True}
 
 
-def test_the_decode_kernel_stays_out_of_a_model_with_the_key_offset_which_it_does_not_compute():
+def test_the_decode_kernel_stays_out_of_a_model_with_the_key_offset_or_value_gates_which_it_does_not_compute():
     speed = FP.SpeedConfig(fused_decode=True, split_decode=True, decode_mlp=True)
     cfg = M.ModelConfig(mlp="relu2", rope_truncate=True)
     assert FP.running(FP.GENERATION_FAST_PATHS, cfg, speed) == ["fused_decode", "split_decode", "decode_mlp"]
     assert FP.running(FP.GENERATION_FAST_PATHS, replace(cfg, key_offset=True), speed) == ["decode_mlp"]
+    gated = replace(cfg, key_offset=False, value_embeds=1, value_gate=True)
+    assert FP.running(FP.GENERATION_FAST_PATHS, gated, speed) == ["decode_mlp"]
 
 
 @needs_cpu_fp8

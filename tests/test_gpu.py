@@ -168,7 +168,7 @@ def test_fused_decode_step_matches_the_plain_path_in_bf16():
 RECORD_ATTENTION = {"mlp": "relu2", "qk_norm": True, "attn_window": 16, "short_windows": True, "value_embeds": 1,
                     "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
 # The newest records' parts, each reading the token before: through the cache (their model keeps the decode kernel out)
-NEWEST_PARTS = {"bigram_rows": 5000, "smear": True, "key_offset": True, "backout": True}
+NEWEST_PARTS = {"bigram_rows": 5000, "smear": True, "key_offset": True, "backout": True, "value_gate": True}
 
 
 @pytest.mark.parametrize("recipe, fast", [({}, {}), ({"mlp": "relu2", "qk_norm": True}, {}), (RECORD_ATTENTION, {}),
@@ -450,8 +450,8 @@ def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
 
 @pytest.mark.parametrize("mtp", [False, True])
 def test_the_newest_parts_compile_and_match_eager_with_a_block_mask(mtp):
-    """The record's parts with the newest ones (bigram table, smear, key offset, backout), and the multi-token loss
-    through the loss kernel after the FP8 head: compiled, the loss and gradients equal eager's (bf16 apart)."""
+    """The record's parts with the newest ones (bigram table, smear, key offset, backout, value gates), and the
+    multi-token loss through the loss kernel after the FP8 head: compiled, the loss and gradients equal eager's."""
     import train as TR
     torch.manual_seed(0)
     model = llama(**{**CFG, "context": 1024}, **RECORD, **NEWEST_PARTS)

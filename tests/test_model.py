@@ -311,8 +311,31 @@ def test_the_key_offset_gives_the_long_layers_keys_their_predecessors_unrotated_
     with torch.no_grad():
         plain.load_state_dict(model.state_dict())
         assert (model(idx) - plain(idx)).abs().max() > 1e-6
-    with pytest.raises(ValueError, match="model.key_offset moves the key dims truncated RoPE leaves unrotated"):
+    with pytest.raises(ValueError, match="^model.key_offset needs model.rope_truncate: it moves the dims truncated RoPE "
+                                         "leaves unrotated; set it or use --no-key-offset$"):
         M.ModelConfig(**SMALL, key_offset=True)
+
+
+def test_the_value_gate_multiplies_each_value_embedding_by_twice_a_sigmoid_per_kv_head():
+    """value_gate: a table's layers take ve * 2 sigmoid(x[..., :12] W^T) (W (Hkv, 12), zero at init: ve alone), the
+    model without it given that product computes the same; counted; it needs value embeddings."""
+    parts = dict(value_embeds=1, value_gate=True)
+    model = small_model(**parts)
+    attn, plain = model.blocks[0].attn, small_model(value_embeds=1).blocks[0].attn
+    assert attn.ve_gate.weight.shape == (2, 12) and attn.ve_gate.weight.abs().sum() == 0
+    assert model.blocks[1].attn.ve_gate is not None and sum(p.numel() for p in model.parameters()) == M.param_count(
+        model.cfg) == M.param_count(M.ModelConfig(**SMALL, value_embeds=1)) + 2 * 2 * 12
+    x, ve = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 32, dtype=torch.float64)
+    rope = model.cos[:5], model.sin[:5]
+    with torch.no_grad():
+        attn.ve_gate.weight.normal_()
+        plain.load_state_dict(attn.state_dict(), strict=False)
+        gate = 2 * torch.sigmoid(x[..., :12] @ attn.ve_gate.weight.T)  # (2, 5, Hkv)
+        gated = (ve.view(2, 5, 2, 16) * gate[..., None]).flatten(2)
+        masks = A.window_masks(5, (0, 0))
+        torch.testing.assert_close(attn(x, rope, masks, ve), plain(x, rope, masks, gated), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="^model.value_gate needs model.value_embeds: it gates the value embeddings"):
+        M.ModelConfig(**SMALL, value_gate=True)
 
 
 def test_backout_subtracts_a_multiple_of_the_two_thirds_stream_before_the_head():
@@ -529,7 +552,7 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                                              (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1}),
                                              (True, {"attn_scale": 0.4, "attn_window": 6}),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True,
-                                                     "key_offset": True})],
+                                                     "key_offset": True, "value_gate": True})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
                               "attention-scale", "bigram-backout-smear"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):

@@ -312,7 +312,8 @@ def test_each_architecture_exports_to_the_class_that_computes_it(loaded, tmp_pat
     ("logit_softcap", 15.0, "no transformers class combines a logit soft-cap"),
     *[(name, value, "no transformers class computes it") for name, value in [
         ("embed_norm", True), ("value_embeds", 1), ("value_scale", True), ("unet_skips", True), ("x0_mix", True),
-        ("rope_truncate", True), ("attn_gate", True), ("attn_window", 16)]],
+        ("rope_truncate", True), ("attn_gate", True), ("attn_window", 16), ("bigram_rows", 100), ("backout", True),
+        ("smear", True)]],
     ("skip_attn_layer", 1, "no transformers class has a layer without attention"),
     ("attn_scale", 0.12, "transformers' Llama-family classes scale attention by 1/sqrt")])
 def test_a_setting_no_stock_class_computes_exports_our_own_model(loaded, tmp_path, setting, value, gap):

@@ -52,7 +52,7 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
                   "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "backout": True, "smear": True,
-                  "key_offset": True},
+                  "key_offset": True, "value_gate": True},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
@@ -830,10 +830,11 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe, free_port)
         out, err = process.communicate()
         assert process.returncode == 0, out[-3000:] + err[-3000:]
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    lookups = ("embed.weight", "bigram.weight", "value_embeds.")
     for k in one:
-        # Adam steps an entry of a rarely seen bigram row by about its lr whatever its gradient's size, so there the
-        # ranks' summation order shows more: 1.6e-5 measured once, at lr 0.05
-        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-4 if k == "bigram.weight" else 1e-5)
+        # Adam steps an entry of a rarely seen table row by about its lr whatever its gradient's size, so there the
+        # ranks' summation order shows more (up to 1.7e-4 seen at lr 0.05); every matrix and scalar stays close
+        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=5e-4 if k.startswith(lookups) else 1e-5)
     for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two")):
         assert a == pytest.approx(b, rel=1e-5)
     assert len(losses(tmp_path / "two")) == 3
@@ -1077,10 +1078,11 @@ def test_the_run_header_says_what_runs(train_config, tmp_path):
     assert meter.peak == 100.0 and meter.peak_name == "100 TFLOP/s given"  # MFU against --peak-tflops, on any device
     said.clear()
     newest = dataclasses.replace(train_config, model=dataclasses.replace(
-        train_config.model, bigram_rows=100, backout=True, smear=True, key_offset=True, rope_truncate=True))
+        train_config.model, bigram_rows=100, backout=True, smear=True, key_offset=True, rope_truncate=True,
+        value_embeds=1, value_gate=True))
     TR.announce(TR.setup(with_train(newest, batch_stages=2, mtp_tokens=3), log=said.append), tmp_path, said.append)
-    assert ("model parts: truncated RoPE, bigram table of 100 rows, backout of layer 0, smear, key offset on the long "
-            "layers") in said
+    assert ("model parts: 1 value embeddings, truncated RoPE, bigram table of 100 rows, backout of layer 0, smear, key "
+            "offset on the long layers, value-embedding gates") in said
     assert ("batch: 512 tokens = 4 seq x 64 tokens x 2 accumulation x 1 rank(s), grown over 2 stages; 6 steps = 2,304 "
             "tokens; the loss over the next 3 tokens, fading to the next one's") in said
 
