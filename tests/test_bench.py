@@ -341,6 +341,7 @@ def test_a_compiled_rung_counts_torch_compiles_graph_breaks(monkeypatch):
     assert ME.measure(ME.Rung("eager", "tiny", {**settings, "train__compile": False}, 1)).graph_breaks is None
 
 
+@pytest.mark.slow  # a whole process with its profile: the slow tier's (CI runs it); the in-process rung above stays
 def test_one_rung_through_a_subprocess_returns_a_typed_result():
     result = ME.run_in_subprocess(ME.Rung("fp32", "tiny", {"train__micro_batch": 2, "train__batch_tokens": 1024},
                                           1, kernels=True), timeout=300)
