@@ -278,23 +278,22 @@ class TrainingLoss(M.Output):
     def loss(self, x, weight, targets):
         if not torch.is_grad_enabled():
             return super().loss(x, weight, targets)
-        multi = isinstance(targets, M.MultiTargets)  # the multi-token loss: its own kernel, after the head
+        multi = isinstance(targets, M.MultiTargets)  # the multi-token loss: its own kernel, after the head's matmul
         if self.fp8_head and self.loss_kernel and K.runs_on(x) and not multi:
             return fp8_head_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.cap,
                                           fast_accum=self.fast_accum)
-        rows, targets_a_row = x.shape[:-1].numel(), targets.ids.shape[-1] if multi else 1
-        if self.fp8_head:  # each logit's gradient is at most its row's weights' sum (each at most 1) over the rows
-            logits = fp8_linear(x, weight, grad_bound=targets_a_row / rows, fast_accum=self.fast_accum)
+        ids, weights = (targets.ids.flatten(0, 1), targets.weights) if multi else (targets.flatten(), None)  # (N[, K])
+        if self.fp8_head:  # a logit's gradient is at most its row's weights' sum (each at most 1) over the rows
+            logits = fp8_linear(x, weight, grad_bound=(ids.shape[1] if multi else 1) / ids.shape[0],
+                                fast_accum=self.fast_accum)
         else:
             logits = F.linear(x, weight)
         logits = logits.flatten(0, 1)
         if self.loss_kernel and K.cross_entropy_supported(logits):
             if multi:
-                return K.multi_cross_entropy(logits, targets.ids.flatten(0, 1), targets.weights, self.cap)[0].mean()
-            return K.cross_entropy(logits, targets.flatten(), self.cap)[0].mean()
-        if multi:
-            return M.cross_entropy(logits, targets.ids.flatten(0, 1), self.cap, targets.weights)
-        return M.cross_entropy(logits, targets.flatten(), self.cap)
+                return K.multi_cross_entropy(logits, ids, weights, self.cap)[0].mean()
+            return K.cross_entropy(logits, ids, self.cap)[0].mean()
+        return M.cross_entropy(logits, ids, self.cap, weights)
 
 
 class FusedLoss(M.Output):

@@ -304,8 +304,8 @@ class Attention(nn.Module):
         """x: (B, T, d) the normed stream; ve: this layer's value embedding (B, T, Hkv * hd) or None."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        if self.ve_gate is not None:
-            ve = (ve.view(B, T, self.n_kv_heads, -1) * 2 * torch.sigmoid(self.ve_gate(x[..., :GATE_CHANNELS]))[..., None])
+        if self.ve_gate is not None:  # (B, T, Hkv) gates: each kv head's part of ve times 2 sigmoid(gate)
+            ve = ve.view(B, T, self.n_kv_heads, -1) * 2 * torch.sigmoid(self.ve_gate(x[..., :GATE_CHANNELS]))[..., None]
         return self.wo(self.gated(self.attend(qkv, rope, masks, ve), x).reshape(B, T, -1))
 
     def attend(self, qkv, rope, masks: A.Masks, ve=None):
