@@ -179,10 +179,6 @@ RECORD_CHAIN = (
                                                                                  "train__adam_eps": 2.5e-16}),
     ("+ norms without gains (modded's norm(x))", {"model__norm_gains": False}),
 )
-# The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
-# --seconds and --newest, each on top of today's default alone, once per seed. One seed draws the same data and the
-# same first weights for every rung, so an idea's loss minus the default's at the same seed (paired) shows its
-# effect with the seed's share taken out: at 126m and 70 s, two seeds' losses sit 0.03 apart for either recipe.
 def _growing_batch(base: C.Config, micro_batch: int) -> dict:
     """Three stages of the batch, each in whole micro-batches: the largest micro-batch up to the study's that divides
     a step into a multiple of 3 (126m at 12: 8, six micro-batches a step)."""
@@ -191,6 +187,10 @@ def _growing_batch(base: C.Config, micro_batch: int) -> dict:
     return {"train__batch_stages": 3, **({"train__micro_batch": fits[0]} if fits and fits[0] != micro_batch else {})}
 
 
+# The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
+# --newest, each on top of today's default alone, once per seed. One seed draws the same data and the same first
+# weights for every rung, so an idea's loss minus the default's at the same seed (paired) shows its effect with the
+# seed's share taken out, which at 126m is larger than most ideas' (docs/performance/time-to-loss.md).
 NEWEST = {
     "bigram": ("+ bigram hash table, 5x the vocabulary (#62)",
                lambda base, micro_batch: {"model__bigram_rows": 5 * base.model.vocab_size}),
@@ -389,9 +389,10 @@ def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int
 
 
 def paired(plan: list[Recipe], results: dict, name: str) -> list[float]:
-    """Rung `name`'s final loss minus the default's at each seed both finished (the seed's share taken out)."""
-    final = {(r.name, r.seed): results[r.folder]["curve"][-1]["val_loss"] for r in plan
-             if results.get(r.folder, {}).get("curve")}
+    """Rung `name`'s final loss minus the default's at each seed both finished (the seed's share taken out), with
+    whole windows where the runs measured that (a sliding-window model's), else as trained."""
+    last = {(r.name, r.seed): results[r.folder]["curve"][-1] for r in plan if results.get(r.folder, {}).get("curve")}
+    final = {key: point.get("val_loss_whole", point["val_loss"]) for key, point in last.items()}
     return [final[(name, r.seed)] - final[("default", r.seed)] for r in plan
             if r.name == name and (name, r.seed) in final and ("default", r.seed) in final]
 
@@ -835,6 +836,8 @@ def report_record(found: dict, preset: str, out: Path, device_name: str, devices
     title = "the newest records' ideas, each on the default" if found.get("newest") else "record ladder"
     how = ("each rung's steps were sized from its own first steps" if seconds else
            f"equal tokens; {len(devices)} rung(s) at a time, so tok/s is each rung's share of its card, not its speed")
+    if found.get("newest"):
+        how += "; minus the default: each seed's loss with whole windows (as trained without a window) less the default's"
     return (f"## {title} | {preset} | {found['corpus']} corpus | {budget} per rung | {device_name} | {date}\n\n"
             f"seconds are training seconds (compile, evaluation and saving left out); {how}\n\n"
             f"{seconds_table(found['rows'])}\n\n{out / name}.json, {out / name}.png")

@@ -253,14 +253,14 @@ def test_the_newest_ideas_run_each_on_the_default_alone_and_compare_by_seed():
     for key in RE.NEWEST:
         r = RE.newest_plan("126m", 1, (key,), 12)[-1]
         assert C.preset(r.config, **{**fixed, **r.overrides}) != C.preset("126m", **fixed), key
-    final = lambda loss: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=loss - 0.1)], "tok_s": 1.0}
-    results = {plan[0].folder: final(3.0), plan[1].folder: final(2.9), plan[2].folder: final(2.95),
-               plan[3].folder: final(2.8), plan[4].folder: final(3.1), plan[5].folder: {"error": "timed out"}}
-    assert RE.paired(plan, results, plan[2].name) == pytest.approx([-0.05, -0.1])
+    final = lambda loss, whole: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=whole)], "tok_s": 1.0}
+    results = {plan[0].folder: final(3.0, 2.9), plan[1].folder: final(2.9, 2.8), plan[2].folder: final(2.95, 2.7),
+               plan[3].folder: final(2.8, 2.75), plan[4].folder: final(3.1, 3.0), plan[5].folder: {"error": "timed out"}}
+    assert RE.paired(plan, results, plan[2].name) == pytest.approx([-0.2, -0.05])  # with whole windows
     assert RE.paired(plan, results, plan[4].name) == pytest.approx([0.1])  # the seed that finished
     row = RE.summarize(plan[2].name, [results[plan[2].folder], results[plan[3].folder]], None, None)
     row["paired"] = RE.paired(plan, results, plan[2].name)
-    assert "| 2 | 2.8750 | 2.7750 | 2.8750 | 0.1500 | 3 | 300 | 3.0 | 1 | -0.0500 -0.1000 |" in RE.seconds_table([row])
+    assert "| 2 | 2.8750 | 2.7250 | 2.8750 | 0.1500 | 3 | 300 | 3.0 | 1 | -0.2000 -0.0500 |" in RE.seconds_table([row])
 
 
 @pytest.mark.parametrize("args, message", [
