@@ -196,10 +196,12 @@ NEWEST = {
                lambda base, micro_batch: {"model__bigram_rows": 5 * base.model.vocab_size}),
     "backout": ("+ backout (#40)", {"model__backout": True}),
     "smear": ("+ smear (#34)", {"model__smear": True}),
-    # it moves the dims truncated RoPE leaves unrotated: a preset without (tiny) gets that too
+    # each needs a part the GPU presets have, and tiny has not: there the rung brings it too
     "key-offset": ("+ partial key offset on the long layers (#49)",
                    lambda base, micro_batch: {"model__key_offset": True, "model__rope_truncate": True}),
-    "value-gate": ("+ gates on the value embeddings (#55)", {"model__value_gate": True}),
+    "value-gate": ("+ gates on the value embeddings (#55)",
+                   lambda base, micro_batch: {"model__value_gate": True,
+                                              "model__value_embeds": base.model.value_embeds or 1}),
     "mtp": ("+ multi-token loss over 3 tokens (#53)", {"train__mtp_tokens": 3}),
     "normuon": ("+ Polar Express and NorMuon (#38, #41)", {"train__muon_iteration": "polar-express",
                                                           "train__muon_beta2": 0.95}),

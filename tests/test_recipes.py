@@ -249,10 +249,11 @@ def test_the_newest_ideas_run_each_on_the_default_alone_and_compare_by_seed():
     assert plan[2].overrides == {"model__bigram_rows": 5 * 32768} and plan[4].overrides == {"train__mtp_tokens": 3}
     assert RE.newest_plan("126m", 1, ("batch-stages",), 12)[-1].overrides == {"train__batch_stages": 3,
                                                                               "train__micro_batch": 8}
-    fixed = {**RE.fixed_settings(C.preset("126m"), 0, "python", 12), "train__seconds": 70.0}
-    for key in RE.NEWEST:
-        r = RE.newest_plan("126m", 1, (key,), 12)[-1]
-        assert C.preset(r.config, **{**fixed, **r.overrides}) != C.preset("126m", **fixed), key
+    for preset, corpus in (("126m", "python"), ("tiny", "stdlib")):  # each idea's config loads on each
+        fixed = {**RE.fixed_settings(C.preset(preset), 0, corpus, 12), "train__seconds": 70.0}
+        for key in RE.NEWEST:
+            r = RE.newest_plan(preset, 1, (key,), 12)[-1]
+            assert C.preset(r.config, **{**fixed, **r.overrides}) != C.preset(preset, **fixed), (preset, key)
     final = lambda loss, whole: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=whole)], "tok_s": 1.0}
     results = {plan[0].folder: final(3.0, 2.9), plan[1].folder: final(2.9, 2.8), plan[2].folder: final(2.95, 2.7),
                plan[3].folder: final(2.8, 2.75), plan[4].folder: final(3.1, 3.0), plan[5].folder: {"error": "timed out"}}
