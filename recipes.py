@@ -182,9 +182,8 @@ RECORD_CHAIN = (
 def _growing_batch(base: C.Config, micro_batch: int) -> dict:
     """Three stages of the batch, each in whole micro-batches: the largest micro-batch up to the study's that divides
     a step into a multiple of 3 (126m at 12: 8, six micro-batches a step)."""
-    T, batch = base.model.context, base.train.batch_tokens
-    fits = [b for b in range(micro_batch, 0, -1) if batch % (b * T) == 0 and batch // (b * T) % 3 == 0]
-    return {"train__batch_stages": 3, **({"train__micro_batch": fits[0]} if fits and fits[0] != micro_batch else {})}
+    fits = TR.staged_micro_batch(base.train.batch_tokens, micro_batch, base.model.context, 1, 3)
+    return {"train__batch_stages": 3, **({"train__micro_batch": fits} if fits and fits != micro_batch else {})}
 
 
 # The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with

@@ -71,6 +71,13 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
+def staged_micro_batch(batch_tokens: int, micro_batch: int, context: int, world: int, stages: int) -> int | None:
+    """The largest micro-batch up to micro_batch whose step of batch_tokens divides into `stages` stages of whole
+    micro-batches (train.batch_stages), or None."""
+    return next((b for b in range(micro_batch, 0, -1) if batch_tokens % (b * context * world) == 0
+                 and batch_tokens // (b * context * world) % stages == 0), None)
+
+
 def accumulation_steps(batch_tokens: int, micro_batch: int, context: int, world: int) -> int:
     per_pass = micro_batch * context * world
     if batch_tokens % per_pass:
@@ -257,11 +264,10 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     T, B, V = cfg.model.context, tcfg.micro_batch, cfg.model.vocab_size
     accum = accumulation_steps(tcfg.batch_tokens, B, T, world)
     if accum % tcfg.batch_stages:
-        fits = [b for b in range(B, 0, -1) if tcfg.batch_tokens % (b * T * world) == 0
-                and tcfg.batch_tokens // (b * T * world) % tcfg.batch_stages == 0]
+        fits = staged_micro_batch(tcfg.batch_tokens, B, T, world, tcfg.batch_stages)
         raise ValueError(f"train.batch_stages={tcfg.batch_stages} grows the batch in whole micro-batches, but a step's "
                          f"micro-batches ({accum} of {B} x {T} tokens a rank) do not divide into {tcfg.batch_stages}: "
-                         + (f"use --micro-batch {fits[0]}" if fits else "change batch_tokens or micro_batch"))
+                         + (f"use --micro-batch {fits}" if fits else "change batch_tokens or micro_batch"))
     steps = SZ.total_steps(tcfg)
     if steps != SZ.UNSIZED and SZ.fitted_warmup(tcfg, steps) < tcfg.warmup_steps:
         say(f"note: train.warmup_steps={tcfg.warmup_steps} would warm up over more than half of the run's {steps} "

@@ -427,34 +427,12 @@ def test_a_pinned_loader_copies_every_batch_tensor_from_pinned_memory(tmp_path):
     assert not any(name.startswith("Memcpy") for name in ME.kernel_stats(loader.next_batch, torch.device("cuda")))
 
 
-def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
-    """Every modded-nanogpt part on, trained through a document and window block mask: the
-    compiled model's loss and gradients equal the eager model's (bf16 rounding apart)."""
-    torch.manual_seed(0)
-    model = llama(**{**CFG, "context": 1024}, **RECORD)
-    for p in model.parameters():  # move every weight off its init, so zero-initialised parts carry gradients
-        p.data.add_(0.02 * torch.randn_like(p))
-    idx, targets = torch.randint(0, 32768, (2, 2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
-    doc = torch.cumsum(torch.rand(2, 1024, device="cuda") < 0.003, dim=1).int()
-    out = []
-    for run in (model, torch.compile(model)):
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(idx, targets, A.masks(1024, idx.device, doc, model.cfg.windows(256)))
-        loss.backward()
-        out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert abs(out[0][0] - out[1][0]) < 2e-3 * out[0][0]
-    for name, grad in out[0][1].items():
-        assert rel(out[1][1][name], grad) < 3e-2, name
-
-
-@pytest.mark.parametrize("mtp", [False, True])
-def test_the_newest_parts_compile_and_match_eager_with_a_block_mask(mtp):
-    """The record's parts with the newest ones (bigram table, smear, key offset, backout, value gates), and the
-    multi-token loss through the loss kernel after the FP8 head: compiled, the loss and gradients equal eager's."""
+def assert_compiled_matches_eager_with_a_block_mask(parts: dict, mtp: bool = False):
+    """parts' model, trained through a document and window block mask (with mtp, on the multi-token loss's targets):
+    the compiled model's loss and gradients equal the eager model's (bf16 rounding apart)."""
     import train as TR
     torch.manual_seed(0)
-    model = llama(**{**CFG, "context": 1024}, **RECORD, **NEWEST_PARTS)
+    model = llama(**{**CFG, "context": 1024}, **parts)
     for p in model.parameters():  # move every weight off its init, so zero-initialised parts carry gradients
         p.data.add_(0.02 * torch.randn_like(p))
     idx, y = torch.randint(0, 32768, (2, 2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
@@ -470,6 +448,18 @@ def test_the_newest_parts_compile_and_match_eager_with_a_block_mask(mtp):
     assert abs(out[0][0] - out[1][0]) < 2e-3 * out[0][0]
     for name, grad in out[0][1].items():
         assert rel(out[1][1][name], grad) < 3e-2, name
+
+
+def test_the_record_parts_compile_and_match_eager_with_a_block_mask():
+    """Every modded-nanogpt part on, trained through a document and window block mask."""
+    assert_compiled_matches_eager_with_a_block_mask(RECORD)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_the_newest_parts_compile_and_match_eager_with_a_block_mask(mtp):
+    """The record's parts with the newest ones (bigram table, smear, key offset, backout, value gates), and the
+    multi-token loss through the loss kernel after the FP8 head."""
+    assert_compiled_matches_eager_with_a_block_mask({**RECORD, **NEWEST_PARTS}, mtp)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
