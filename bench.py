@@ -896,9 +896,10 @@ def add_recipe_flags(recipes, here: str, cuda: bool):
     recipes.add_argument("--seconds", type=float, default=None, metavar="S", help="the record ladder: every rung "
                          "trained for this many training seconds (e.g. 150), its steps sized from its own speed")
     recipes.add_argument("--newest", nargs="*", default=None, choices=list(RE.NEWEST), metavar="IDEA",
-                         help=f"with --seconds or --tokens: instead of the ladder, the default and each of the newest "
-                              f"records' ideas on top of it alone, every one once per seed, with each seed's loss "
-                              f"minus the default's; no IDEA: all of {', '.join(RE.NEWEST)}")
+                         help=f"with --seconds or --tokens: instead of the ladder, record #28's recipe, each of the newest "
+                              f"records' ideas on top of it alone and the default where it adopted some, every one "
+                              f"once per seed, with each seed's loss minus record #28's; no IDEA: all of "
+                              f"{', '.join(RE.NEWEST)}")
     recipes.add_argument("--at-once", type=int, default=1, metavar="K",
                          help="with --newest --tokens: K rungs side by side on each GPU (their losses compare; "
                               "their speeds share the card), at a micro-batch that leaves each a K-th of its memory")

@@ -33,7 +33,8 @@ sequences) holds as many tokens per micro-batch, and is timed to the target on p
 --seconds S is the record ladder (record_plan): every rung trains for the same S training seconds,
 its steps sized from its own measured speed (train.seconds), so a change that slows the step must
 pay for it in loss. From configs/<preset>-muon.toml one record-holder idea is added per rung
-(RECORD_CHAIN), ending at configs/<preset>.toml's recipe, which then runs once per seed. Rows compare final
+(RECORD_CHAIN), ending at configs/<preset>.toml's recipe without the newest records' ideas (NEWEST_OFF), which
+then runs once per seed. Rows compare final
 losses at equal seconds, as each rung trains and on plain 1,024-token windows.
 """
 
@@ -85,7 +86,7 @@ def chain(article: C.Config) -> list[tuple[str, dict]]:
 
 
 # The record ladder (--seconds): modded-nanogpt's ideas one at a time from the Muon recipe, each on top of
-# the rungs before it; after the last, the rung is configs/<preset>.toml (a test checks). The values
+# the rungs before it; after the last, the rung is configs/<preset>.toml with NEWEST_OFF (a test checks). The values
 # are modded's (its train_gpt.py at commit 9d9dc969). A change that depends on the preset is a function of
 # (preset config, micro-batch): three value tables, or fewer where the preset has fewer than six layers;
 # 1.5x the batch; sequences 8x the context, documents masked apart, with the micro-batch shrunk to hold as
@@ -187,9 +188,9 @@ def _growing_batch(base: C.Config, micro_batch: int) -> dict:
 
 
 # The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
-# --newest, each on top of today's default alone, once per seed. One seed draws the same data and the same first
-# weights for every rung, so an idea's loss minus the default's at the same seed (paired) shows its effect with the
-# seed's share taken out, which at 126m is larger than most ideas' (docs/performance/time-to-loss.md).
+# --newest, each on top of record #28's recipe (NEWEST_OFF) alone, once per seed. One seed draws the same data and
+# the same first weights for every rung, so an idea's loss minus record #28's at the same seed (paired) shows its
+# effect with the seed's share taken out, which at 126m is larger than most ideas' (docs/performance/time-to-loss.md).
 NEWEST = {
     "bigram": ("+ bigram hash table, 5x the vocabulary (#62)",
                lambda base, micro_batch: {"model__bigram_rows": 5 * base.model.vocab_size}),
@@ -379,23 +380,38 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
     return plan
 
 
+# Every NEWEST idea off: what the defaults are without them (record #28's recipe), where the newest rungs start;
+# with them off, generation's fused decode (which has no key offset or value gates) is back on.
+NEWEST_OFF = {"model__bigram_rows": 0, "model__backout": False, "model__smear": False, "model__key_offset": False,
+              "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
+              "train__muon_beta2": 0.0, "train__muon_weight_decay": 0.0, "train__muon_cautious": False,
+              "train__batch_stages": 1, "speed__fused_decode": True, "speed__split_decode": True}
+WITHOUT_NEWEST = "record #28's recipe (the newest ideas off)"
+ADOPTED = "the default (its adopted ideas together)"
+
+
 def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int) -> list[Recipe]:
-    """configs/<preset>.toml, then each NEWEST idea named in keys on top of it alone, each once per seed."""
-    base, plan = C.preset(preset), [Recipe("default", preset, "default", {}, SEED + i) for i in range(seeds)]
+    """configs/<preset>.toml with every NEWEST idea off, then each idea named in keys on top of that alone, then the
+    preset as it is where it has adopted some (configs/recipes/newest.toml); each once per seed."""
+    base = C.preset(preset)
+    rungs = lambda name, group, overrides: [Recipe(name, preset, group, dict(overrides), SEED + i) for i in range(seeds)]
+    plan = rungs(WITHOUT_NEWEST, "default", NEWEST_OFF)
     for key in keys:
         name, change = NEWEST[key]
-        overrides = change(base, micro_batch) if callable(change) else dict(change)
-        plan += [Recipe(name, preset, "newest", overrides, SEED + i) for i in range(seeds)]
+        plan += rungs(name, "newest", {**NEWEST_OFF, **(change(base, micro_batch) if callable(change) else change)})
+    if C.preset(preset, **NEWEST_OFF) != base:
+        plan += rungs(ADOPTED, "newest", {})
     return plan
 
 
 def paired(plan: list[Recipe], results: dict, name: str) -> list[float]:
-    """Rung `name`'s final loss minus the default's at each seed both finished (the seed's share taken out), with
+    """Rung `name`'s final loss minus the plan's first rung's at each seed both finished (the seed's share taken out), with
     whole windows where the runs measured that (a sliding-window model's), else as trained."""
     last = {(r.name, r.seed): results[r.folder]["curve"][-1] for r in plan if results.get(r.folder, {}).get("curve")}
     final = {key: point.get("val_loss_whole", point["val_loss"]) for key, point in last.items()}
-    return [final[(name, r.seed)] - final[("default", r.seed)] for r in plan
-            if r.name == name and (name, r.seed) in final and ("default", r.seed) in final]
+    first = plan[0].name
+    return [final[(name, r.seed)] - final[(first, r.seed)] for r in plan
+            if r.name == name and (name, r.seed) in final and (first, r.seed) in final]
 
 
 # --- Reading the runs (pure functions) --------------------------------------------------------

@@ -446,8 +446,9 @@ def assert_compiled_matches_eager_with_a_block_mask(parts: dict, mtp: bool = Fal
         loss.backward()
         out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert abs(out[0][0] - out[1][0]) < 2e-3 * out[0][0]
-    for name, grad in out[0][1].items():
-        assert rel(out[1][1][name], grad) < 3e-2, name
+    for name, grad in out[0][1].items():  # plus a floor: a scalar's gradient summed from cancelling terms (a skip
+        # weight's, 4e-6 with the newest parts) carries the terms' bf16 rounding, not a share of its own size
+        assert (out[1][1][name].float() - grad.float()).norm() < 3e-2 * grad.float().norm() + 2e-6, name
 
 
 def test_the_record_parts_compile_and_match_eager_with_a_block_mask():

@@ -356,15 +356,15 @@ def test_backout_subtracts_a_multiple_of_the_two_thirds_stream_before_the_head()
     assert sum(p.numel() for p in model.parameters()) == M.param_count(model.cfg)
 
 
-def test_the_record_preset_has_the_record_holders_parameter_count():
-    """configs/126m.toml counted on the meta device (no memory): modded-nanogpt's 208.4M, its
-    attention-free layer 7 and untied head included, and the module's tensors agree with param_count
-    (modded's scalars are 64 whether used or not; ours are the used ones: 5 value scales among them, and
-    like modded's its norms have no gains)."""
+def test_the_126m_preset_has_the_record_holders_parameter_count_and_the_newest_parts():
+    """configs/126m.toml counted on the meta device (no memory): modded-nanogpt's 208.4M at record #28, its
+    attention-free layer 7 and untied head included (modded's scalars are 64 whether used or not; ours are the used
+    ones: 5 value scales among them, and like modded's its norms have no gains), plus the newest parts: the bigram
+    table (5 x 32,768 rows of 768) and 458 mixes and gates; the module's tensors agree with param_count."""
     cfg = C.preset("126m").model
     with torch.device("meta"):
         model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_405_319
+    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_405_319 + 163_840 * 768 + 458
     assert model.blocks[7].attn is None and len(model.attentions()) == 11
 
 
@@ -377,9 +377,12 @@ def test_flops_per_token_count_matmuls_and_the_windows_keys():
     matmuls = L * (4 * d * d + 2 * d * f + 12 * H) - (4 * d * d + 12 * H) + V * d
     # x0 mixes, skips, v mixes, value scales (layers 3-6 and 8); the norms have no gains (norm_gains false)
     scalars = L * 2 + L // 2 + 3 * 2 * 2 + 5
+    # the newest parts: a bigram mix a layer, backout's mix, smear's gate (12 channels) and mix, and a value gate
+    # (12 channels to each of the 6 kv heads) on each of the 6 layers with a value table; the table is a lookup
+    newest = L + 1 + 12 + 1 + 6 * 12 * H
     long_layers = 3  # 0, 4 and 11; layer 7, modded's fourth long one, has no attention
     attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
-    assert M.flops_per_token(cfg) == 6 * (matmuls + scalars) + attention
+    assert M.flops_per_token(cfg) == 6 * (matmuls + scalars + newest) + attention
 
 
 def test_unet_skips_add_each_mirrored_output_with_its_weight():

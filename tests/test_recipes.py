@@ -213,17 +213,17 @@ def test_versus_muon_runs_end_to_end_on_cpu(tmp_path):
 
 
 def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():
-    """--seconds: the Muon recipe, then RECORD_CHAIN cumulatively; its last rung is configs/126m.toml (at the
-    micro-batch that holds as many tokens: 32 x 1,024 = 4 x 8,192, and without the FP8 block matmuls, a speed
-    setting the ladder leaves off), so the default is what the ladder measures; further seeds repeat only the
-    last rung."""
+    """--seconds: the Muon recipe, then RECORD_CHAIN cumulatively; its last rung is configs/126m.toml without the
+    newest records' ideas (at the micro-batch that holds as many tokens: 32 x 1,024 = 4 x 8,192, and without the FP8
+    block matmuls, a speed setting the ladder leaves off), so record #28's recipe is what the ladder measures;
+    further seeds repeat only the last rung."""
     plan = RE.record_plan("126m", seeds=2, micro_batch=32)
     assert [r.name for r in plan] == ["Muon recipe", *(n for n, _ in RE.RECORD_CHAIN), RE.RECORD_CHAIN[-1][0]]
     assert {r.config for r in plan} == {"126m-muon"}
     assert [r.seed for r in plan[-2:]] == [RE.SEED, RE.SEED + 1] and plan[0].overrides == {"train__warmup_steps": 30}
     fixed = {**RE.fixed_settings(C.preset("126m-muon"), 0, "python", 32), "train__seconds": 150.0}
     last = C.preset("126m-muon", **{**fixed, **plan[-1].overrides})
-    assert last == C.preset("126m", **{**fixed, "train__micro_batch": 4, "speed__fp8": False})  # a speed setting
+    assert last == C.preset("126m", **{**fixed, **RE.NEWEST_OFF, "train__micro_batch": 4, "speed__fp8": False})
     long = C.preset("tiny", **{**RE.fixed_settings(C.preset("tiny"), 0, "stdlib", 16), "train__seconds": 5.0,
                                **RE.record_plan("tiny", 1, 16)[-1].overrides})
     assert (long.model.context, long.model.attn_window, long.train.window_start, long.train.micro_batch) == (4096, 896, 64, 2)
@@ -239,21 +239,31 @@ def test_the_record_table_compares_rungs_at_equal_seconds():
     assert "| default | 1 | 3.0000 | - | 3.0000 |  | 50 |" in table  # one seed: no spread; its own loss is plain
 
 
-def test_the_newest_ideas_run_each_on_the_default_alone_and_compare_by_seed():
-    """--newest: the default, then each idea on top of it alone (not carried), once per seed; each rung's config
-    loads; the table gives each seed's loss minus the default's at that seed, and the whole-window loss."""
+def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
+    """--newest: record #28's recipe (every idea off), then each idea on top of it alone (not carried), then the
+    default where it adopted some, once per seed; each rung's config loads; the table gives each seed's loss minus
+    record #28's at that seed, and the whole-window loss."""
     plan = RE.newest_plan("126m", 2, ("bigram", "mtp"), 12)
-    assert [(r.name, r.seed) for r in plan] == [("default", 1337), ("default", 1338), (RE.NEWEST["bigram"][0], 1337),
-                                                (RE.NEWEST["bigram"][0], 1338), (RE.NEWEST["mtp"][0], 1337),
-                                                (RE.NEWEST["mtp"][0], 1338)]
-    assert plan[2].overrides == {"model__bigram_rows": 5 * 32768} and plan[4].overrides == {"train__mtp_tokens": 3}
-    assert RE.newest_plan("126m", 1, ("batch-stages",), 12)[-1].overrides == {"train__batch_stages": 3,
-                                                                              "train__micro_batch": 8}
+    assert [(r.name, r.seed) for r in plan] == [
+        (RE.WITHOUT_NEWEST, 1337), (RE.WITHOUT_NEWEST, 1338), (RE.NEWEST["bigram"][0], 1337),
+        (RE.NEWEST["bigram"][0], 1338), (RE.NEWEST["mtp"][0], 1337), (RE.NEWEST["mtp"][0], 1338),
+        (RE.ADOPTED, 1337), (RE.ADOPTED, 1338)]
+    assert plan[2].overrides == {**RE.NEWEST_OFF, "model__bigram_rows": 5 * 32768}
+    assert plan[4].overrides == {**RE.NEWEST_OFF, "train__mtp_tokens": 3} and plan[-1].overrides == {}
+    assert RE.newest_plan("126m", 1, ("batch-stages",), 12)[1].overrides == {**RE.NEWEST_OFF, "train__batch_stages": 3,
+                                                                             "train__micro_batch": 8}
+    assert [r.name for r in RE.newest_plan("22m", 1, ("smear",), 12)] == [RE.WITHOUT_NEWEST, RE.NEWEST["smear"][0]]
     for preset, corpus in (("126m", "python"), ("tiny", "stdlib")):  # each idea's config loads on each
         fixed = {**RE.fixed_settings(C.preset(preset), 0, corpus, 12), "train__seconds": 70.0}
         for key in RE.NEWEST:
-            r = RE.newest_plan(preset, 1, (key,), 12)[-1]
-            assert C.preset(r.config, **{**fixed, **r.overrides}) != C.preset(preset, **fixed), (preset, key)
+            off, idea = RE.newest_plan(preset, 1, (key,), 12)[:2]
+            assert C.preset(idea.config, **{**fixed, **idea.overrides}) != C.preset(preset, **{**fixed, **off.overrides})
+    # configs/recipes/newest.toml is every idea's own setting but the batch stages' (126m's adopted ones), and the
+    # fused decode off, which has no key offset or value gates
+    ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key != "batch-stages"]
+    adopted = {k: v for idea in ideas for k, v in idea.items() if k not in RE.NEWEST_OFF or RE.NEWEST_OFF[k] != v}
+    decode = {"speed__fused_decode": False, "speed__split_decode": False}
+    assert C.preset("126m", **{**RE.NEWEST_OFF, **adopted, **decode}) == C.preset("126m")
     final = lambda loss, whole: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=whole)], "tok_s": 1.0}
     results = {plan[0].folder: final(3.0, 2.9), plan[1].folder: final(2.9, 2.8), plan[2].folder: final(2.95, 2.7),
                plan[3].folder: final(2.8, 2.75), plan[4].folder: final(3.1, 3.0), plan[5].folder: {"error": "timed out"}}
@@ -354,11 +364,13 @@ def test_a_full_budget_ladder_on_a_cpu_says_what_it_costs_first(monkeypatch, cap
 
 @pytest.mark.parametrize("name", ["22m", "47m", "88m", "126m"])
 def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_batch(name):
-    """configs/<preset>.toml is configs/<preset>-muon.toml with every RECORD_CHAIN rung, at the micro-batch that
-    holds the Muon preset's tokens (an 8 GB card's): what the record ladder measures is the default but for the
-    preset's own speed settings, which its rungs leave off (--versus runs the preset itself): FP8 block matmuls
-    (88m's and 126m's) and the fused QK-norm + RoPE (88m's)."""
-    muon, default = C.preset(f"{name}-muon"), C.preset(name)
+    """configs/<preset>.toml without the newest records' ideas is configs/<preset>-muon.toml with every RECORD_CHAIN
+    rung, at the micro-batch that holds the Muon preset's tokens (an 8 GB card's): what the record ladder measures is
+    record #28's recipe but for the preset's own speed settings, which its rungs leave off (--versus runs the preset
+    itself): FP8 block matmuls (88m's and 126m's) and the fused QK-norm + RoPE (88m's). Only 126m adopted the newest
+    ideas (configs/recipes/newest.toml); the others are record #28's."""
+    muon, default = C.preset(f"{name}-muon"), C.preset(name, **RE.NEWEST_OFF)
+    assert (C.preset(name) != default) == (name == "126m")
     assert default.speed.fp8 == (name in ("88m", "126m")) and default.speed.fused_qk_norm_rope == (name == "88m")
     assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), speed__fp8=default.speed.fp8,
                     speed__fused_qk_norm_rope=default.speed.fused_qk_norm_rope) == default
