@@ -446,10 +446,10 @@ def test_the_newest_ideas_study_runs_on_cpu(tmp_path, capsys):
     B.main(["--recipes", "--tokens", "65536", "--newest", "smear", "--at-once", "2", "--preset", "tiny", "--seeds", "1",
             "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "## the newest records' ideas, each on the default | tiny | stdlib corpus | 65,536 tokens per rung" in out
+    assert "## the newest records' ideas, each alone on the preset without them | tiny | stdlib corpus | 65,536 tokens per rung" in out
     assert "equal tokens; 2 rung(s) at a time" in out
     rows = json.loads((tmp_path / "newest-tiny-tokens.json").read_text())["rows"]
-    assert [r["rung"] for r in rows] == ["default", RE.NEWEST["smear"][0]] and len(rows[1]["paired"]) == 1
+    assert [r["rung"] for r in rows] == [RE.WITHOUT_NEWEST, RE.NEWEST["smear"][0]] and len(rows[1]["paired"]) == 1
     assert rows[1]["paired"][0] == pytest.approx(rows[1]["val_loss"] - rows[0]["val_loss"])
 
 
