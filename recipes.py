@@ -34,8 +34,8 @@ sequences) holds as many tokens per micro-batch, and is timed to the target on p
 its steps sized from its own measured speed (train.seconds), so a change that slows the step must
 pay for it in loss. From configs/<preset>-muon.toml one record-holder idea is added per rung
 (RECORD_CHAIN), ending at configs/<preset>.toml's recipe without the newest records' ideas (NEWEST_OFF), which
-then runs once per seed. Rows compare final
-losses at equal seconds, as each rung trains and on plain 1,024-token windows.
+then runs once per seed. Rows compare final losses at equal seconds, as each rung trains and on plain 1,024-token
+windows.
 """
 
 import json
@@ -399,14 +399,15 @@ def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int
     for key in keys:
         name, change = NEWEST[key]
         plan += rungs(name, "newest", {**NEWEST_OFF, **(change(base, micro_batch) if callable(change) else change)})
-    if C.preset(preset, **{k: v for k, v in NEWEST_OFF.items() if not k.startswith("speed__")}) != base:
-        plan += rungs(ADOPTED, "newest", {})  # the preset adopted some (its speed switches alone do not count)
+    off = C.preset(preset, **NEWEST_OFF)
+    if (off.model, off.train) != (base.model, base.train):  # the preset adopted some (speed switches do not count)
+        plan += rungs(ADOPTED, "newest", {})
     return plan
 
 
 def paired(plan: list[Recipe], results: dict, name: str) -> list[float]:
-    """Rung `name`'s final loss minus the plan's first rung's at each seed both finished (the seed's share taken out), with
-    whole windows where the runs measured that (a sliding-window model's), else as trained."""
+    """Rung `name`'s final loss minus the plan's first rung's at each seed both finished (the seed's share taken out),
+    with whole windows where the runs measured that (a sliding-window model's), else as trained."""
     last = {(r.name, r.seed): results[r.folder]["curve"][-1] for r in plan if results.get(r.folder, {}).get("curve")}
     final = {key: point.get("val_loss_whole", point["val_loss"]) for key, point in last.items()}
     first = plan[0].name
