@@ -572,7 +572,7 @@ class Progress:
     tokens: int = 0
     skipped: int = 0  # steps skipped for a non-finite loss (--skip-nonfinite)
     # Seconds spent in training steps, summed over sessions: evaluation and saving left out, and a
-    # session's first step (which compiles) counted at its second step's time. Time-to-loss reads it.
+    # session's first two steps (which compile) counted at its third step's time. Time-to-loss reads it.
     train_seconds: float = 0.0
 
 
@@ -582,7 +582,7 @@ class Session:
     first_step: int
     first_tokens: int = 0  # the run's tokens before this session
     start: float = field(default_factory=time.perf_counter)
-    rates: list = field(default_factory=list)  # tok/s of each step after the first
+    rates: list = field(default_factory=list)  # tok/s of each step after the untimed ones (UNTIMED_STEPS)
     step_seconds: list = field(default_factory=list)  # and their times (train.seconds sizes the run by them)
     step_windows: list = field(default_factory=list)  # and each one's long window
     sized: bool = False  # whether this session sized a train.seconds run (and so sizes it again, once)
@@ -632,7 +632,8 @@ def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = 
         return summarize(r, progress, session, meter, run_dir, say)
 
 
-PACE_NOTE_SECONDS = 3600  # a run with more than this left after its second step says how long, once
+UNTIMED_STEPS = 2  # a session's first steps, which compile: left out of its pace (timed_step)
+PACE_NOTE_SECONDS = 3600  # a run with more than this left after its first timed step says how long, once
 CPU_STEP_FLOPS = 1e13  # a step past this on a CPU (a minute or more at its best) is a GPU config's: said at the start
 LOCK = ".lock"  # in a run's folder while a process trains in it: "<host> <pid>"
 
@@ -850,7 +851,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
             if sized_now(r, p, session, run_dir, say):
                 bar.total = r.steps
             say(step_line(p.step, row, meter))
-            if p.step == session.first_step + 2 and r.steps != SZ.UNSIZED:  # the first step compiles: the second's pace
+            if p.step == session.first_step + UNTIMED_STEPS + 1 and r.steps != SZ.UNSIZED:  # the first timed pace
                 pace_note(r, p, row, say)
             bar.update(1)
     finally:
@@ -957,17 +958,27 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
     tokens = SZ.step_tokens(tcfg, p.step - 1, r.steps)
     p.tokens += tokens
     tok_s = tokens / dt
-    if p.step > session.first_step + 1:  # the first step includes compilation and warm-up
-        session.rates.append(tok_s)
-        session.step_seconds.append(dt * tcfg.batch_tokens / tokens)  # as a whole batch's: what sizing counts in
-        session.step_windows.append(windows[0])
-        p.train_seconds += dt * (2 if p.step == session.first_step + 2 else 1)  # this step and the first one
+    clock_step(p, session, dt, tokens, tcfg.batch_tokens, windows[0])
     lrs = {g.get("role", f"group{i}"): g["lr"] for i, g in enumerate(r.optimizer.param_groups)}  # as this step ran
     return {"step": p.step, "tokens": p.tokens, "loss": loss_value, "lr": step_lr(p.step - 1, tcfg, r.steps), "lrs": lrs,
             "grad_norm": norm_value if tcfg.grad_clip else None, "window": windows[0], "tok_s": round(tok_s),
             "mfu": meter.mfu(tok_s, r.world),
             "peak_mem_gib": round(peak_memory_gib(r.device), 3), "step_s": round(dt, 4), "skipped": p.skipped,
             "train_seconds": round(p.train_seconds, 3)}
+
+
+def clock_step(p: Progress, session: Session, dt: float, tokens: int, batch_tokens: int, window: int):
+    """Count the step just taken (`dt` seconds on `tokens` of a whole batch's `batch_tokens`, at long window `window`)
+    in the session's pace and the run's training seconds. A session's first two steps compile: the first its forward
+    and backward, the second once more where the first step's only micro-batch ran without gradients yet. The third
+    is the first one timed, and stands in for the two before it in the training seconds."""
+    if p.step <= session.first_step + UNTIMED_STEPS:
+        return
+    session.rates.append(tokens / dt)
+    session.step_seconds.append(dt * batch_tokens / tokens)  # as a whole batch's: what sizing counts in
+    session.step_windows.append(window)
+    first_timed = p.step == session.first_step + UNTIMED_STEPS + 1
+    p.train_seconds += dt * (UNTIMED_STEPS + 1 if first_timed else 1)
 
 
 def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again: bool = False):
@@ -977,7 +988,7 @@ def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again:
     rate, which a wsd schedule has anyway. `again`: the second sizing at sizing.resize_step. The steps go into
     the run's config, so a checkpoint resumes with the same length."""
     tcfg = r.cfg.train
-    step_time = SZ.step_time_fit(session.step_seconds[1:], session.step_windows[1:])
+    step_time = SZ.step_time_fit(session.step_seconds, session.step_windows)
     steps = SZ.steps_to_fill(SZ.seconds_to_fill(tcfg.seconds, p.train_seconds), p.step, step_time,
                              lambda step, steps: window_at(step, steps, r.cfg)[0],
                              lambda step, steps: SZ.step_tokens(tcfg, step, steps) / tcfg.batch_tokens)

@@ -495,19 +495,19 @@ def test_each_log_row_counts_its_tokens_and_times_its_step(train_config, tmp_pat
     # A clock whose readings move further apart each time, so that no two steps take the same time.
     clock = itertools.count()
     monkeypatch.setattr(TR.time, "perf_counter", lambda: 0.001 * next(clock) ** 2)
-    cfg = with_train(train_config, steps=3, warmup_steps=1)  # a warm-up that fits: the config is the run's
+    cfg = with_train(train_config, steps=4, warmup_steps=1)  # a warm-up that fits: the config is the run's
     summary = TR.train(cfg, tmp_path / "run", **QUIET)
     said = capsys.readouterr().out.splitlines()  # the step lines go through the progress bar's write
     rows = [r for r in map(json.loads, (tmp_path / "run" / "log.jsonl").read_text().splitlines()) if "loss" in r]
-    assert [r["tokens"] for r in rows] == [512, 1024, 1536]
-    assert [r["lr"] for r in rows] == [O.lr_at(step, cfg.train, 3) for step in range(3)]  # the rate each step ran at
+    assert [r["tokens"] for r in rows] == [512, 1024, 1536, 2048]
+    assert [r["lr"] for r in rows] == [O.lr_at(step, cfg.train, 4) for step in range(4)]  # the rate each step ran at
     assert all(r["tok_s"] == pytest.approx(512 / r["step_s"], rel=0.01, abs=1) for r in rows)
-    # The first step compiles and warms up: the second stands in for it in the training time, and the mean rate
-    # leaves it out.
-    assert rows[0]["train_seconds"] == 0
-    assert rows[1]["step_s"] != rows[2]["step_s"]
-    assert rows[-1]["train_seconds"] == pytest.approx(2 * rows[1]["step_s"] + rows[2]["step_s"], abs=1e-3)
-    assert summary["mean_tok_s"] == pytest.approx((rows[1]["tok_s"] + rows[2]["tok_s"]) / 2, abs=2)
+    # The first two steps compile (the second once more where a step is one micro-batch): the third stands in for
+    # them in the training time, and the mean rate leaves them out.
+    assert rows[0]["train_seconds"] == rows[1]["train_seconds"] == 0
+    assert rows[1]["step_s"] != rows[2]["step_s"] != rows[3]["step_s"]
+    assert rows[-1]["train_seconds"] == pytest.approx(3 * rows[2]["step_s"] + rows[3]["step_s"], abs=1e-3)
+    assert summary["mean_tok_s"] == pytest.approx((rows[2]["tok_s"] + rows[3]["tok_s"]) / 2, abs=2)
     first, = [s for s in said if s.startswith("step 0 loss")]  # said once, at the first step
     assert f"vs ln(vocab) = {math.log(train_config.model.vocab_size):.4f}" in first and "WARNING" not in first
 
