@@ -40,6 +40,7 @@ import data as D
 import fastpaths as FP
 import fp8
 import measure as ME
+import flops as FL
 import model as M
 import onegpu_kernels as K
 import optim as O
@@ -652,8 +653,8 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
         top.setdefault(label, []).append(f"{ms:.2f} ms {name[:100]}")
     mcfg = r.cfg.model
     tokens = 2 * micro_batch * mcfg.context  # what the profiled step ran: its FLOPs count at the model's own context
-    matmul = 6 * M.multiplied_params(mcfg)
-    flops = {"matmul": matmul * tokens, "attention": (M.flops_per_token(mcfg) - matmul) * tokens}
+    matmul = 6 * FL.multiplied_params(mcfg)
+    flops = {"matmul": matmul * tokens, "attention": (FL.flops_per_token(mcfg) - matmul) * tokens}
     if cuda:  # on a CPU the profile's times are the CPU's own, nested and overlapping: no idle time to read
         classes["GPU idle (wall less kernels)"] = max(0.0, wall_ms - sum(classes.values()))
         # where it idled, in the profiled step (the profiler adds its own cost to the host's launches): between
@@ -700,8 +701,8 @@ def ladder_table(rows: list[dict], flops_tok: int, roof: float | None, spec_peak
             continue
         tok = r["tok_s"]
         first = first or tok
-        mfu_roof = M.mfu(tok, flops_tok, roof * 1e12) if roof else None
-        mfu_spec = M.mfu(tok, flops_tok, spec_peak * 1e12) if spec_peak else None
+        mfu_roof = FL.mfu(tok, flops_tok, roof * 1e12) if roof else None
+        mfu_spec = FL.mfu(tok, flops_tok, spec_peak * 1e12) if spec_peak else None
         per_ghz = tok / (r["sm_mhz"] / 1000) if r.get("sm_mhz") else None
         lines.append(f"| {r['rung']} | {r['micro_batch']} | {tok:,.0f} | {r['step_s']:.3f} | "
                      f"{fmt(tok / prev if prev else None, '.2f')} | {tok / first:.2f} | {fmt(mfu_roof, '.1%')} | "
@@ -812,8 +813,8 @@ def budget_rows(rates: dict[str, tuple[M.ModelConfig, float]]) -> str:
     lines = ["| preset | params | N (multiply) | tok/s | D = 20N | C = 6ND | hours | tok/N in 8 h | in 48 h |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, (cfg, tok_s) in rates.items():
-        b = budget(name, M.multiplied_params(cfg), tok_s)
-        lines.append(f"| {name} | {M.param_count(cfg):,} | {b.params:,} | {tok_s:,.0f} | {b.tokens / 1e9:.2f}B "
+        b = budget(name, FL.multiplied_params(cfg), tok_s)
+        lines.append(f"| {name} | {FL.param_count(cfg):,} | {b.params:,} | {tok_s:,.0f} | {b.tokens / 1e9:.2f}B "
                      f"| {b.flops:.1e} | {b.hours:.1f} | {b.tokens_per_param_8h:.0f} | {b.tokens_per_param_48h:.0f} |")
     return "\n".join(lines)
 
@@ -1097,13 +1098,13 @@ def run_studies(args, chosen: list[str], argv):
     cuda = C.pick_device("auto").type == "cuda"
     preset = args.preset or ("88m" if cuda else "tiny")
     mcfg = C.preset(preset).model
-    flops_tok = M.flops_per_token(mcfg)
+    flops_tok = FL.flops_per_token(mcfg)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     s = Study(args, preset, cuda, args.batch_tokens or (524_288 if cuda else 4 * mcfg.context * 2),
               args.steps or (3 if cuda else 2), args.micro_batch or (16 if cuda else 4), Path(args.out),
               device_name, {})
     s.out.mkdir(parents=True, exist_ok=True)
-    print(f"device: {device_name} | torch {torch.__version__} | preset {preset} ({M.param_count(mcfg):,} params, "
+    print(f"device: {device_name} | torch {torch.__version__} | preset {preset} ({FL.param_count(mcfg):,} params, "
           f"{flops_tok:,} FLOPs/token) | {s.batch_tokens:,} tokens per step")
     if not cuda:
         print("no CUDA device: a smoke test of the code paths on the tiny model; CPU numbers say nothing about a GPU")
@@ -1129,7 +1130,7 @@ def run_studies(args, chosen: list[str], argv):
             if roof:
                 table += (f"\n\nMFU (roof) is also the share of the ceiling, "
                           f"{roof['roof_tflops'] * 1e12 / flops_tok:,.0f} tok/s")
-                mfu_of = lambda r: M.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
+                mfu_of = lambda r: FL.mfu(r["tok_s"], flops_tok, roof["roof_tflops"] * 1e12)  # noqa: E731
         table += power_note(rows) + graph_break_note(rows)
         if value is not None:
             plot_rows(rows, value, label, f"{study.replace('_', ' ')} | {preset} | {device_name} | "

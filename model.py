@@ -1,4 +1,4 @@
-"""The model: a Llama-style decoder, and the arithmetic around it (parameters, FLOPs, MFU).
+"""The model: a Llama-style decoder (its parameter and FLOP counts are flops.py's).
 
 This file is what the model computes, one path per forward; how fast it runs is fastpaths.py's business
 (training) and generate.py's (decoding), each of which swaps a module here for a faster twin computing the
@@ -83,9 +83,10 @@ class ModelConfig:
     smear: bool = False  # each token's embedding gains a gated multiple of its predecessor's (record #34)
     key_offset: bool = False  # long layers' keys take their unrotated dims from the token before (record #49)
     value_gate: bool = False  # each value embedding times a gate of the input, per token and kv head (record #55)
+    mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
     def __post_init__(self):
-        for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale"):  # NaN and inf pass a "< 0" test
+        for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale", "mimetic_init"):  # NaN, inf pass "< 0"
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is not a finite number: give a real number")
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
@@ -110,16 +111,17 @@ class ModelConfig:
             raise ValueError(f"model.ffn_hidden must be >= 0 (0 means automatic), got {self.ffn_hidden}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps ({self.norm_eps}) must be positive")
-        if self.logit_softcap < 0:
-            raise ValueError(f"model.logit_softcap must be >= 0 (0 turns it off), got {self.logit_softcap}")
+        for name, zero in (("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"), ("mimetic_init", "0: off")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be >= 0 ({zero}), got {getattr(self, name)}")
         if not 0 <= self.value_embeds <= self.n_layers // 2:
             raise ValueError(f"model.value_embeds={self.value_embeds}: the first and the last value_embeds layers each "
                              f"take one table, so it must be in [0, n_layers/2 = {self.n_layers // 2}]")
         if (self.attn_gate or self.smear or self.value_gate) and self.d_model < GATE_CHANNELS:
             raise ValueError(f"model.attn_gate, smear and value_gate read {GATE_CHANNELS} channels, more than d_model="
                              f"{self.d_model}: turn them off or use a wider model")
-        if self.attn_scale < 0:
-            raise ValueError(f"model.attn_scale must be >= 0 (0: 1/sqrt(head size)), got {self.attn_scale}")
+        if self.mimetic_init and self.n_kv_heads != self.n_heads:  # each head's value map starts as an identity
+            raise ValueError(f"model.mimetic_init needs a kv head per query head: set n_kv_heads = n_heads = {self.n_heads}")
         if self.attn_window < 0:
             raise ValueError(f"model.attn_window must be >= 0 (0: attend over the whole context), got {self.attn_window}")
         if self.short_windows and not self.windowed:
@@ -500,6 +502,20 @@ class Llama(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
             else:
                 nn.init.ones_(p)
+        if self.cfg.mimetic_init and not self.embed.weight.is_meta:
+            self.mimetic_value_output(self.cfg.mimetic_init)
+
+    @torch.no_grad()
+    def mimetic_value_output(self, b: float, noise: float = 0.01):
+        """mimetic_init (modded-nanogpt record #64, after Trockman and Kolter's mimetic initialisation of attention):
+        each attention's value map (wqkv's last d rows) starts at sqrt(b) I and its output map wo at -sqrt(b) I, each
+        plus N(0, noise^2) to break the symmetry, so wo v = -b I: a layer starts by subtracting b times the average of
+        the inputs it attends to, where trained layers end up, instead of at zero (zero_init)."""
+        for attn in (block.attn for block in self.blocks if block.attn is not None):
+            v, wo = attn.wqkv.weight[-self.cfg.d_model:], attn.wo.weight  # (d, d) each: n_kv_heads = n_heads
+            eye = math.sqrt(b) * torch.eye(self.cfg.d_model, dtype=wo.dtype, device=wo.device)
+            v.copy_(eye + noise * torch.randn_like(v))
+            wo.copy_(-eye + noise * torch.randn_like(wo))
 
     def output_weight(self):
         return self.embed.weight if self.head is None else self.head.weight
@@ -600,51 +616,3 @@ def softcap(logits, cap: float):
     modded-nanogpt's 30 * sigmoid(logits / 7.5) is 15 + 15 * tanh(logits / 15), and a softmax does not
     see a constant added to every logit: it is this function with cap 15, to the loss and its gradient."""
     return cap * torch.tanh(logits / cap) if cap else logits
-
-
-# --- Arithmetic ----------------------------------------------------------------------------
-
-def param_count(cfg: ModelConfig) -> int:
-    """Parameters in closed form from the shapes (equals counting the module's tensors)."""
-    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-    gain = 1 if cfg.norm_gains else 0  # norm gains are parameters, or ones that no optimizer steps
-    attn = d * (d + 2 * kv) + d * d + (2 * cfg.head_dim * gain if cfg.qk_norm else 0)  # wqkv, wo, q/k norm gains
-    mlp = (2 if cfg.mlp == "relu2" else 3) * d * cfg.ffn_hidden  # w1, (w3,) w2
-    attn += cfg.n_heads * GATE_CHANNELS if cfg.attn_gate else 0
-    block = attn + mlp + 2 * d * gain + (2 if cfg.x0_mix else 0)  # two RMSNorm gains (and the x0 mix)
-    attention_free = (attn + d * gain) * (cfg.skip_attn_layer != -1)  # skip_attn_layer's attention and its norm
-    embed = cfg.vocab_size * d
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    value = cfg.value_embeds * (cfg.vocab_size * kv + 2 * 2)  # a table and two layers' (a, b) each
-    value += cfg.value_embeds * 2 * GATE_CHANNELS * cfg.n_kv_heads if cfg.value_gate else 0  # and their gates
-    if cfg.value_scale:  # every other layer with attention: its a
-        value += sum(cfg.value_table(i) is None and cfg.attends(i) for i in range(cfg.n_layers))
-    skips = cfg.n_layers // 2 if cfg.unet_skips else 0
-    bigram = cfg.bigram_rows * d + cfg.n_layers if cfg.bigram_rows else 0  # the table and a layer's mix each
-    smear = GATE_CHANNELS + 1 if cfg.smear else 0
-    return embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips + bigram + cfg.backout + smear
-
-
-def multiplied_params(cfg: ModelConfig) -> int:
-    """The parameters that multiply the activations: all but the lookup tables (an untied input
-    embedding, the value embeddings and the bigram table), which a token only indexes."""
-    lookups = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    lookups += cfg.value_embeds * cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim + cfg.bigram_rows * cfg.d_model
-    return param_count(cfg) - lookups
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token, PaLM appendix B: 6N for the weights that multiply (2 forward, 4 backward) plus
-    12 * L * H * Q * T for attention's two weightless matmuls (the full T x T square, as PaLM counts it, masked half
-    included). The lookup tables are not matmuls: they are left out of N (multiplied_params). A layer's sliding
-    window of w keys counts as T = min(T, 2w); what a document mask hides is not known in advance and still counts."""
-    T = cfg.context if seq_len is None else seq_len
-    long, short = cfg.windows()
-    reach = sum(min(T, 2 * w) if w else T
-                for w in (short if cfg.short_layer(i) else long for i in range(cfg.n_layers) if cfg.attends(i)))
-    return 6 * multiplied_params(cfg) + 12 * cfg.n_heads * cfg.head_dim * reach
-
-
-def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
-    """Model FLOPs utilization: useful FLOP/s over the peak (a fraction, not a percent)."""
-    return tokens_per_s * flops_per_tok / peak_flops

@@ -53,6 +53,7 @@ import torch
 import config as C
 import data as D
 import fastpaths as FP
+import flops as FL
 import model as M
 import plots as PL
 import train as TR
@@ -187,6 +188,14 @@ def _growing_batch(base: C.Config, micro_batch: int) -> dict:
     return {"train__batch_stages": 3, **({"train__micro_batch": fits} if fits and fits != micro_batch else {})}
 
 
+def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
+    """A quarter of the preset's batch, at the largest micro-batch up to the study's that divides it (126m at 12:
+    98,304 tokens, one micro-batch a step)."""
+    tokens = base.train.batch_tokens // 4
+    fits = TR.staged_micro_batch(tokens, micro_batch, base.model.context, 1, 1)
+    return {"train__batch_tokens": tokens, **({"train__micro_batch": fits} if fits and fits != micro_batch else {})}
+
+
 # The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
 # --newest, each on top of record #28's recipe (NEWEST_OFF) alone, once per seed. One seed draws the same data and
 # the same first weights for every rung, so an idea's loss minus record #28's at the same seed (paired) shows its
@@ -210,6 +219,10 @@ NEWEST = {
     "cautious-wd": ("+ cautious weight decay on Muon (#43, #50)", {"train__muon_weight_decay": 0.013,
                                                                   "train__muon_cautious": True}),
     "batch-stages": ("+ the batch grown in three stages, rates by sqrt(stage) (#46)", _growing_batch),
+    "quarter-batch": ("+ a quarter of the batch, four times the steps (after #39's smaller batch)", _quarter_batch),
+    # v and wo start as +-sqrt(0.05) I (#64), which needs a kv head per query head: tiny's rung brings that too
+    "mimetic": ("+ mimetic value and output init, b = 0.05 (#64)",
+                lambda base, micro_batch: {"model__mimetic_init": 0.05, "model__n_kv_heads": base.model.n_heads}),
 }
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
@@ -385,7 +398,8 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 NEWEST_OFF = {"model__bigram_rows": 0, "model__backout": False, "model__smear": False, "model__key_offset": False,
               "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
               "train__muon_beta2": 0.0, "train__muon_weight_decay": 0.0, "train__muon_cautious": False,
-              "train__batch_stages": 1, "speed__fused_decode": True, "speed__split_decode": True}
+              "train__batch_stages": 1, "model__mimetic_init": 0.0, "speed__fused_decode": True,
+              "speed__split_decode": True}
 WITHOUT_NEWEST = "the newest ideas off (22m to 126m: record #28's recipe)"
 ADOPTED = "the default (its adopted ideas together)"
 
@@ -714,7 +728,7 @@ def budget_study(plan: list[Recipe], base: C.Config, preset: str, corpus: str, m
     rows = [summarize(n, [results[r.folder] for r in plan if r.name == n], None, None) for n in names]
     curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
     return {"rows": rows, "curves": curves, "seconds": seconds, "tokens": tokens, "corpus": corpus,
-            "params": M.param_count(cfg.model)}, results
+            "params": FL.param_count(cfg.model)}, results
 
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
@@ -733,7 +747,7 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
     plan = (versus_plan(preset, seeds, tokens, fractions, fixed["train__micro_batch"], muon) if versus
             else ladder_plan(preset, seeds))
     cfg = check_and_prepare(plan, fixed)
-    print(f"recipes: {preset} ({M.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "
+    print(f"recipes: {preset} ({FL.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "
           f"{len(devices)} at a time", flush=True)
     results = run_all(plan, fixed, runs_dir, devices, timeout, resume)
     rows, kept = rows_for(plan, results), []
@@ -747,7 +761,7 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
         rows = rows_for(plan, results)
     curves = {f"{r.name} s{r.seed}": results[r.folder].get("curve") for r in plan}
     return {"rows": rows, "curves": curves, "kept": kept, "tokens": tokens, "corpus": corpus, "muon": muon,
-            "params": M.param_count(cfg.model), "target": rows[0].get("val_loss")}
+            "params": FL.param_count(cfg.model), "target": rows[0].get("val_loss")}
 
 
 def rows_for(plan: list[Recipe], results: dict) -> list[dict]:

@@ -45,6 +45,7 @@ import config as C
 import data as D
 import fastpaths as FP
 import generate as G
+import flops as FL
 import model as M
 import optim as O
 import plots as PL
@@ -604,7 +605,7 @@ class Meter:
         return f"{self.peak:,.0f} TFLOP/s {self.peak_source}" if self.peak else ""
 
     def mfu(self, tok_s: float, world: int) -> float | None:
-        return M.mfu(tok_s / world, self.flops_tok, self.peak * 1e12) if self.peak else None
+        return FL.mfu(tok_s / world, self.flops_tok, self.peak * 1e12) if self.peak else None
 
 
 def train(cfg: C.Config, run_dir: Path, resume: bool = False, overwrite: bool = False,
@@ -729,12 +730,12 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
     cfg, tcfg, device, m = r.cfg, r.cfg.train, r.device, r.cfg.model
     info = provenance(device)
     spec = peak_tflops(info["device"]) if device.type == "cuda" else None
-    meter = Meter(info, M.flops_per_token(m), tcfg.peak_tflops or spec, "given" if tcfg.peak_tflops else "spec",
+    meter = Meter(info, FL.flops_per_token(m), tcfg.peak_tflops or spec, "given" if tcfg.peak_tflops else "spec",
                   f"{run_dir.name} | {m.d_model}d x {m.n_layers} layers | {info['device']}")
     say(f"run {run_dir} | {info['device']} | torch {info['torch']} (CUDA {info['cuda']}) | "
         f"git {info['git_commit'][:10]}{' (dirty)' if info['git_dirty'] else ''} | world {r.world}")
     # What runs, not only what was asked: the fused SwiGLU is a CUDA kernel, for the SwiGLU MLP only.
-    say(f"model: {M.param_count(m):,} parameters, head size {m.head_dim}, {m.mlp} {m.ffn_hidden} wide, "
+    say(f"model: {FL.param_count(m):,} parameters, head size {m.head_dim}, {m.mlp} {m.ffn_hidden} wide, "
         f"QK-norm {m.qk_norm}, {'tied' if m.tie_embeddings else 'untied'} head, soft-cap {m.logit_softcap or 'off'}, "
         f"{meter.flops_tok / 1e6:,.1f} MFLOPs/token")
     # What runs, read from what was swapped in, not from what was asked

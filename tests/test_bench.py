@@ -14,6 +14,7 @@ import config as C
 import fastpaths as FP
 import generate as G
 import measure as ME
+import flops as FL
 import model as M
 import recipes as RE
 import train as TR
@@ -293,7 +294,7 @@ def test_budget_command_prints_table(capsys):
     # the default 88m: its three value tables and untied input embedding are lookups, left out of N
     cfg = B.C.preset("88m").model
     lookups = (3 + 1) * cfg.vocab_size * cfg.d_model
-    assert f"| 88m | {M.param_count(cfg):,} | {M.param_count(cfg) - lookups:,} | 29,408 |" in out
+    assert f"| 88m | {FL.param_count(cfg):,} | {FL.param_count(cfg) - lookups:,} | 29,408 |" in out
     with pytest.raises(SystemExit, match=r"--tok-s '99m=5': expected PRESET=TOKENS_PER_S with a preset from configs/"):
         B.main(["--budget", "--tok-s", "99m=5"])
 
@@ -646,10 +647,10 @@ def test_the_profile_reads_a_prepared_corpus_at_the_window_the_run_ends_with(dat
     assert set(seen) == {(3, (32, 0), True)}  # (x, y, document ids) from the corpus; the long window 32; drawn ahead
     assert abs(sum(r["share"] for r in rows) - 1) < 1e-6 and not any("idle" in r["rung"] for r in rows)
     # Each rate is its class's counted FLOPs over its time: the step's 2 x 2 x 64 tokens, 6 N a token for the
-    # matmuls (N: the weights that multiply) and the rest of model.flops_per_token for attention.
+    # matmuls (N: the weights that multiply) and the rest of flops.flops_per_token for attention.
     mcfg = C.preset("tiny", model__vocab_size=512, model__context=64, model__attn_window=32).model
-    matmul, tokens = 6 * M.multiplied_params(mcfg), 2 * 2 * 64
-    counted = {"matmul": matmul * tokens, "attention": (M.flops_per_token(mcfg) - matmul) * tokens}
+    matmul, tokens = 6 * FL.multiplied_params(mcfg), 2 * 2 * 64
+    counted = {"matmul": matmul * tokens, "attention": (FL.flops_per_token(mcfg) - matmul) * tokens}
     rates = {r["rung"]: r["tflops"] for r in rows if r["rung"] in counted}
     assert rates and rates == {c: pytest.approx(counted[c] / (next(r["ms"] for r in rows if r["rung"] == c) / 1000)
                                                 / 1e12, rel=1e-2) for c in rates}

@@ -122,6 +122,7 @@ MODEL_OUT_OF_RANGE = {
     "attn_scale": (-0.1, r"model\.attn_scale must be >= 0"),
     "skip_attn_layer": (2, r"model\.skip_attn_layer=2 is not a layer after the first of 2"),
     "bigram_rows": (1, r"model\.bigram_rows=1: give 0 \(no bigram table\) or at least 2 rows"),
+    "mimetic_init": (-0.05, r"model\.mimetic_init must be >= 0 \(0: off\)"),
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a module may import only modules to its left.
-LAYERS = ["onegpu_kernels", "attention", "model", "fp8", "fastpaths", "generate", "tokenizer", "plots", "config", "sizing",
+LAYERS = ["onegpu_kernels", "attention", "model", "flops", "fp8", "fastpaths", "generate", "tokenizer", "plots", "config", "sizing",
           "optim", "data", "checkpoint", "boards", "train", "measure", "recipes", "bench", "sample", "export", "evaluate"]
 # Not imported by the project: what export.py ships beside model.py, a file of the export folder's package.
 SHIPPED = ["modeling_onegpu"]

@@ -11,6 +11,7 @@ import attention as A
 import config as C
 import fastpaths as FP
 import fp8 as F8
+import flops as FL
 import model as M
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=32)
@@ -39,7 +40,7 @@ def test_preset_parameter_counts(name, params):
     for cfg, expected in ((article, params), (today, params + 2 * today.head_dim * today.n_layers)):
         with torch.device("meta"):
             model = M.Llama(cfg)
-        assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == expected
+        assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg) == expected
 
 
 def test_llama2_7b_on_meta_device_is_exact_and_fast():
@@ -51,13 +52,13 @@ def test_llama2_7b_on_meta_device_is_exact_and_fast():
         model = M.Llama(cfg)
     elapsed = time.perf_counter() - start
     assert sum(p.numel() for p in model.parameters()) == 6_738_415_616
-    assert M.param_count(cfg) == 6_738_415_616
+    assert FL.param_count(cfg) == 6_738_415_616
     assert elapsed < 1.0, f"building 7B shapes on meta took {elapsed:.2f} s"
 
 
 def test_flops_per_token_88m():
-    assert M.flops_per_token(C.preset("88m-gpt3").model) == 622_950_912  # "Making Training Fast on One GPU": 6N + 12*L*H*Q*T
-    assert M.mfu(29_408, 622_950_912, 25.3e12) == pytest.approx(0.724, abs=1e-3)  # that article's 72.4%
+    assert FL.flops_per_token(C.preset("88m-gpt3").model) == 622_950_912  # "Making Training Fast on One GPU": 6N + 12*L*H*Q*T
+    assert FL.mfu(29_408, 622_950_912, 25.3e12) == pytest.approx(0.724, abs=1e-3)  # that article's 72.4%
 
 
 # --- One block against an independent NumPy float64 reference --------------------------------
@@ -227,7 +228,7 @@ def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
     cfg = M.ModelConfig(**{**SMALL, **parts})
     model = small_model(**parts)
     assert [b.attn is None for b in model.blocks] == [False, False, True, False] and model.blocks[2].attn_norm is None
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) < M.param_count(
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg) < FL.param_count(
         M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": -1}))
     block = model.blocks[2]
     with torch.no_grad():
@@ -235,10 +236,10 @@ def test_an_attention_free_layer_is_its_mlp_alone_and_is_counted():
         x, x0 = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
         mixed = 0.75 * x + 0.5 * x0
         torch.testing.assert_close(block(x, x0, None, A.Masks()), mixed + block.mlp_branch(mixed), rtol=0, atol=0)
-    full = M.flops_per_token(M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": -1}))
+    full = FL.flops_per_token(M.ModelConfig(**{**SMALL, **parts, "skip_attn_layer": -1}))
     # wqkv, wo, the gate, the q/k norm and attention norm gains, then the keys: 6N + 12 H hd T
     per_layer_attention = 6 * (64 * (64 + 2 * 32) + 64 * 64 + 4 * 12 + 2 * 16 + 64) + 12 * 4 * 16 * 32
-    assert full - M.flops_per_token(cfg) == per_layer_attention
+    assert full - FL.flops_per_token(cfg) == per_layer_attention
     for layer, message in ((0, "is not a layer after the first"), (4, "is not a layer after the first"),
                            (3, "mixes a value embedding")):
         with pytest.raises(ValueError, match=message):
@@ -257,8 +258,8 @@ def test_the_bigram_tables_row_for_each_pair_enters_every_blocks_input():
     cfg, plain = M.ModelConfig(**{**SMALL, **parts}), M.ModelConfig(**SMALL, x0_mix=True)
     model = small_model(**parts)
     assert model.bigram.weight.abs().sum() == 0 and model.bigram_mix.tolist() == pytest.approx([0.1, 0.1])
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == M.param_count(plain) + 11 * 64 + 2
-    assert M.multiplied_params(cfg) == M.multiplied_params(plain) + 2
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg) == FL.param_count(plain) + 11 * 64 + 2
+    assert FL.multiplied_params(cfg) == FL.multiplied_params(plain) + 2
     idx = torch.tensor([[5, 96, 5, 96, 0, 7]])
     rows = [bigram_row_reference(p, t, 11) for p, t in zip([-1] + idx[0, :-1].tolist(), idx[0].tolist())]
     assert rows[0] == 10 and rows[1] == rows[3] and max(rows[1:]) < 10
@@ -280,7 +281,7 @@ def test_smear_adds_a_gated_multiple_of_the_predecessors_embedding():
     start at zero, so the model starts without it; 13 parameters."""
     model = small_model(smear=True)
     assert model.smear.mix.item() == 0 and model.smear.gate.weight.abs().sum() == 0
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(model.cfg) == M.param_count(M.ModelConfig(**SMALL)) + 13
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(model.cfg) == FL.param_count(M.ModelConfig(**SMALL)) + 13
     seen = []
     model.stream.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     idx = torch.tensor([[3, 40, 40, 7, 96]])
@@ -316,6 +317,28 @@ def test_the_key_offset_gives_the_long_layers_keys_their_predecessors_unrotated_
         M.ModelConfig(**SMALL, key_offset=True)
 
 
+def test_mimetic_init_starts_each_attention_as_minus_b_times_what_it_attends_to():
+    """mimetic_init (record #64): each attention's v and wo start at +-sqrt(b) I plus N(0, 0.01^2), so wo v = -b I
+    (zero_init's zero wo replaced); q and k keep their init; a lone token, which attends to itself alone, gets -b x
+    from its attention; it needs a kv head per query head."""
+    b, d = 0.05, 64
+    model = small_model(n_kv_heads=4, zero_init=True, mimetic_init=b)
+    eye = torch.eye(d, dtype=torch.float64)
+    for attn in model.attentions():
+        v, wo, qk = attn.wqkv.weight[-d:], attn.wo.weight, attn.wqkv.weight[:-d]
+        assert (v - b ** 0.5 * eye).std().item() == pytest.approx(0.01, rel=0.1)
+        assert (wo + b ** 0.5 * eye).std().item() == pytest.approx(0.01, rel=0.1)
+        assert torch.diagonal(wo @ v).mean().item() == pytest.approx(-b, abs=2e-3)
+        assert qk.std().item() == pytest.approx(0.02, rel=0.1)
+    model.mimetic_value_output(b, noise=0.0)
+    attn, x = model.blocks[0].attn, torch.randn(3, 1, d, dtype=torch.float64)
+    with torch.no_grad():
+        y = attn(x, (model.cos[:1], model.sin[:1]), A.window_masks(1, model.cfg.windows()))
+    assert torch.allclose(y, -b * x)
+    with pytest.raises(ValueError, match="^model.mimetic_init needs a kv head per query head: set n_kv_heads = n_heads = 4$"):
+        M.ModelConfig(**SMALL, mimetic_init=b)
+
+
 def test_the_value_gate_multiplies_each_value_embedding_by_twice_a_sigmoid_per_kv_head():
     """value_gate: a table's layers take ve * 2 sigmoid(x[..., :12] W^T) (W (Hkv, 12), zero at init: ve alone), the
     model without it given that product computes the same; counted; it needs value embeddings."""
@@ -323,8 +346,8 @@ def test_the_value_gate_multiplies_each_value_embedding_by_twice_a_sigmoid_per_k
     model = small_model(**parts)
     attn, plain = model.blocks[0].attn, small_model(value_embeds=1).blocks[0].attn
     assert attn.ve_gate.weight.shape == (2, 12) and attn.ve_gate.weight.abs().sum() == 0
-    assert model.blocks[1].attn.ve_gate is not None and sum(p.numel() for p in model.parameters()) == M.param_count(
-        model.cfg) == M.param_count(M.ModelConfig(**SMALL, value_embeds=1)) + 2 * 2 * 12
+    assert model.blocks[1].attn.ve_gate is not None and sum(p.numel() for p in model.parameters()) == FL.param_count(
+        model.cfg) == FL.param_count(M.ModelConfig(**SMALL, value_embeds=1)) + 2 * 2 * 12
     x, ve = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 32, dtype=torch.float64)
     rope = model.cos[:5], model.sin[:5]
     with torch.no_grad():
@@ -353,7 +376,7 @@ def test_backout_subtracts_a_multiple_of_the_two_thirds_stream_before_the_head()
         logits = model(idx)
         expected = model.output.logits(model.norm(outputs[-1] - 0.7 * outputs[3]), model.output_weight())
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(model.cfg)
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(model.cfg)
 
 
 def test_the_126m_preset_has_the_record_holders_parameter_count_and_the_newest_parts():
@@ -364,7 +387,7 @@ def test_the_126m_preset_has_the_record_holders_parameter_count_and_the_newest_p
     cfg = C.preset("126m").model
     with torch.device("meta"):
         model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg) == 208_405_319 + 163_840 * 768 + 458
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg) == 208_405_319 + 163_840 * 768 + 458
     assert model.blocks[7].attn is None and len(model.attentions()) == 11
 
 
@@ -382,7 +405,7 @@ def test_flops_per_token_count_matmuls_and_the_windows_keys():
     newest = L + 1 + 12 + 1 + 6 * 12 * H
     long_layers = 3  # 0, 4 and 11; layer 7, modded's fourth long one, has no attention
     attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
-    assert M.flops_per_token(cfg) == 6 * (matmuls + scalars + newest) + attention
+    assert FL.flops_per_token(cfg) == 6 * (matmuls + scalars + newest) + attention
 
 
 def test_unet_skips_add_each_mirrored_output_with_its_weight():
@@ -422,7 +445,7 @@ def test_the_record_parts_start_where_modded_nanogpt_starts_them():
     cfg = M.ModelConfig(**{**SMALL, "n_layers": 4}, zero_init=True, tie_embeddings=False, embed_norm=True, value_embeds=2,
                         unet_skips=True, x0_mix=True, attn_gate=True)
     model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == M.param_count(cfg)
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg)
     assert [cfg.value_table(i) for i in range(4)] == [0, 1, 0, 1]
     assert [M.ModelConfig(**{**SMALL, "n_layers": 6}, value_embeds=2).value_table(i) for i in range(6)] == \
         [0, 1, None, None, 0, 1]
@@ -443,7 +466,7 @@ def test_value_scale_multiplies_the_values_of_the_layers_without_a_table():
     plain, scaled = small_model(**parts), small_model(**parts, value_scale=True)
     assert scaled.blocks[1].attn.v_mix.tolist() == [0.5] and scaled.blocks[0].attn.v_mix.tolist() == [0.5, 0.5]
     assert plain.blocks[1].attn.v_mix is None
-    assert sum(p.numel() for p in scaled.parameters()) == M.param_count(scaled.cfg) == M.param_count(plain.cfg) + 2
+    assert sum(p.numel() for p in scaled.parameters()) == FL.param_count(scaled.cfg) == FL.param_count(plain.cfg) + 2
     scaled.load_state_dict({**plain.state_dict(), **{n: p for n, p in scaled.state_dict().items() if "v_mix" in n}})
     with torch.no_grad():
         scaled.blocks[1].attn.v_mix.fill_(0.3)
@@ -462,8 +485,8 @@ def test_without_norm_gains_every_norm_is_x_over_its_rms_and_no_optimizer_sees_a
     plain, gainless = small_model(**parts), small_model(**parts, norm_gains=False)
     gains = [n for n, _ in plain.named_parameters() if n.endswith("norm.weight")]
     assert len(gains) == 2 * 4 + 1 and not [n for n, _ in gainless.named_parameters() if n.endswith("norm.weight")]
-    assert sum(p.numel() for p in gainless.parameters()) == M.param_count(gainless.cfg) == \
-        M.param_count(plain.cfg) - 2 * (64 + 64 + 16 + 16) - 64
+    assert sum(p.numel() for p in gainless.parameters()) == FL.param_count(gainless.cfg) == \
+        FL.param_count(plain.cfg) - 2 * (64 + 64 + 16 + 16) - 64
     assert not [p for p in O.param_groups(gainless)["scalars"] if p.dim() == 1 and p.numel() in (16, 64)]
     gainless.load_state_dict(plain.state_dict())  # the same names: a buffer of ones where the gain was
     idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(8))
@@ -503,7 +526,7 @@ def test_soft_cap_matches_numpy_and_bounds_the_logits():
 
 def test_relu2_matches_swiglus_parameters_and_zero_init_starts_as_identity():
     swiglu, relu2 = M.ModelConfig(**SMALL), M.ModelConfig(**SMALL, mlp="relu2")
-    assert relu2.ffn_hidden == swiglu.ffn_hidden * 3 // 2 and M.param_count(relu2) == M.param_count(swiglu)
+    assert relu2.ffn_hidden == swiglu.ffn_hidden * 3 // 2 and FL.param_count(relu2) == FL.param_count(swiglu)
     model = small_model(zero_init=True)
     assert all(not b.attn.wo.weight.any() and not b.mlp.w2.weight.any() for b in model.blocks)
     x = torch.randn(1, 5, SMALL["d_model"], dtype=torch.float64)

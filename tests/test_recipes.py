@@ -250,6 +250,8 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
         (RE.ADOPTED, 1337), (RE.ADOPTED, 1338)]
     assert plan[2].overrides == {**RE.NEWEST_OFF, "model__bigram_rows": 5 * 32768}
     assert plan[4].overrides == {**RE.NEWEST_OFF, "train__mtp_tokens": 3} and plan[-1].overrides == {}
+    assert RE.newest_plan("126m", 1, ("quarter-batch",), 12)[1].overrides == {**RE.NEWEST_OFF, "train__batch_tokens": 98304}
+    assert RE.newest_plan("tiny", 1, ("quarter-batch",), 16)[1].overrides["train__micro_batch"] == 8
     assert RE.newest_plan("126m", 1, ("batch-stages",), 12)[1].overrides == {**RE.NEWEST_OFF, "train__batch_stages": 3,
                                                                              "train__micro_batch": 8}
     assert [r.name for r in RE.newest_plan("22m", 1, ("smear",), 12)] == [RE.WITHOUT_NEWEST, RE.NEWEST["smear"][0]]
@@ -258,9 +260,10 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
         for key in RE.NEWEST:
             off, idea = RE.newest_plan(preset, 1, (key,), 12)[:2]
             assert C.preset(idea.config, **{**fixed, **idea.overrides}) != C.preset(preset, **{**fixed, **off.overrides})
-    # configs/recipes/newest.toml is every idea's own setting but the batch stages' (126m's adopted ones), and the
-    # fused decode off, which has no key offset or value gates
-    ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key != "batch-stages"]
+    # configs/recipes/newest.toml is every idea's own setting but the batch's and the mimetic init's (126m's adopted
+    # ones), and the fused decode off, which has no key offset or value gates
+    ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST
+             if key not in ("batch-stages", "quarter-batch", "mimetic")]
     adopted = {k: v for idea in ideas for k, v in idea.items() if k not in RE.NEWEST_OFF or RE.NEWEST_OFF[k] != v}
     decode = {"speed__fused_decode": False, "speed__split_decode": False}
     assert C.preset("126m", **{**RE.NEWEST_OFF, **adopted, **decode}) == C.preset("126m")
