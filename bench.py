@@ -901,6 +901,9 @@ def add_recipe_flags(recipes, here: str, cuda: bool):
                               f"records' ideas on top of it alone and the default where it adopted some, every one "
                               f"once per seed, with each seed's loss minus record #28's; no IDEA: all of "
                               f"{', '.join(RE.NEWEST)}")
+    recipes.add_argument("--inside", action="store_true",
+                         help="with --newest: the default first, then each idea inside it (taken out where the default "
+                              "has it, added where it has not), each seed's loss minus the default's")
     recipes.add_argument("--at-once", type=int, default=1, metavar="K",
                          help="with --newest --tokens: K rungs side by side on each GPU (their losses compare; "
                               "their speeds share the card), at a micro-batch that leaves each a K-th of its memory")
@@ -927,6 +930,8 @@ def main(argv=None):
     if args.newest is not None and not (args.recipes and (args.seconds or args.tokens)):
         p.error("--newest: its ideas are measured at equal training seconds or equal tokens; add --recipes and "
                 "--seconds S (e.g. 70) or --tokens N")
+    if args.inside and args.newest is None:
+        p.error("--inside: it measures the newest ideas inside the default; add --newest (and --recipes --seconds S)")
     if args.at_once != 1 and (args.newest is None or args.seconds or args.at_once < 1):
         p.error(f"--at-once {args.at_once}: rungs share a card only where their speed is not compared: give it "
                 f"with --newest --tokens N, at least 1")
@@ -1018,7 +1023,7 @@ def recipes_study(args, argv):
     if args.newest is not None:
         found = RE.newest_study(preset, tuple(args.newest or RE.NEWEST), args.seeds, corpus, args.micro_batch,
                                 where["out"], args.timeout, args.resume, devices * args.at_once,
-                                seconds=args.seconds or 0.0, tokens=args.tokens or 0)
+                                seconds=args.seconds or 0.0, tokens=args.tokens or 0, inside=args.inside)
         print(RE.report_record(found, preset, **{**where, "devices": devices * args.at_once}))
     elif args.seconds:
         found = RE.seconds_study(preset, args.seconds, args.seeds, corpus, args.micro_batch, where["out"],

@@ -404,15 +404,25 @@ WITHOUT_NEWEST = "the newest ideas off (22m to 126m: record #28's recipe)"
 ADOPTED = "the default (its adopted ideas together)"
 
 
-def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int) -> list[Recipe]:
+def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int, inside: bool = False) -> list[Recipe]:
     """configs/<preset>.toml with every NEWEST idea off, then each idea named in keys on top of that alone, then the
-    preset as it is where it has adopted some (configs/recipes/newest.toml); each once per seed."""
+    preset as it is where it has adopted some (configs/recipes/newest.toml); each once per seed. inside: the preset
+    as it is first, then each idea inside it: taken out where the preset has it, added where it has not."""
     base = C.preset(preset)
     rungs = lambda name, group, overrides: [Recipe(name, preset, group, dict(overrides), SEED + i) for i in range(seeds)]
+    changes = {key: NEWEST[key][1](base, micro_batch) if callable(NEWEST[key][1]) else NEWEST[key][1] for key in keys}
+    if inside:
+        plan = rungs(ADOPTED, "default", {})
+        for key, change in changes.items():
+            has = C.preset(preset, **change)
+            if (has.model, has.train) == (base.model, base.train):  # adopted: the rung leaves it out
+                plan += rungs(f"- {NEWEST[key][0][2:]}", "newest", {k: NEWEST_OFF[k] for k in change if k in NEWEST_OFF})
+            else:
+                plan += rungs(NEWEST[key][0], "newest", change)
+        return plan
     plan = rungs(WITHOUT_NEWEST, "default", NEWEST_OFF)
-    for key in keys:
-        name, change = NEWEST[key]
-        plan += rungs(name, "newest", {**NEWEST_OFF, **(change(base, micro_batch) if callable(change) else change)})
+    for key, change in changes.items():
+        plan += rungs(NEWEST[key][0], "newest", {**NEWEST_OFF, **change})
     off = C.preset(preset, **NEWEST_OFF)
     if (off.model, off.train) != (base.model, base.train):  # the preset adopted some (speed switches do not count)
         plan += rungs(ADOPTED, "newest", {})
@@ -699,18 +709,20 @@ def seconds_study(preset: str, seconds: float, seeds: int, corpus: str, micro_ba
 
 
 def newest_study(preset: str, keys: tuple[str, ...], seeds: int, corpus: str, micro_batch: int | None, out: Path,
-                 timeout: int, resume: bool, devices: list[str | None], seconds: float = 0.0, tokens: int = 0) -> dict:
-    """The default and each NEWEST idea in keys on top of it alone, once per seed, at equal training seconds (each
-    run's steps sized from its own speed) or at equal tokens; each idea's row carries its paired differences."""
+                 timeout: int, resume: bool, devices: list[str | None], seconds: float = 0.0, tokens: int = 0,
+                 inside: bool = False) -> dict:
+    """Record #28's recipe and each NEWEST idea in keys on top of it alone (or, inside, the default and each idea
+    taken out of it or added to it), once per seed, at equal training seconds (each run's steps sized from its own
+    speed) or at equal tokens; each idea's row carries its paired differences."""
     base = C.preset(preset)
     micro_batch = micro_batch or base.train.micro_batch
-    plan = newest_plan(preset, seeds, keys, micro_batch)
-    folder = f"{preset}_{corpus}_newest_{f'{seconds:g}s' if seconds else f'{tokens}-tokens'}"
+    plan = newest_plan(preset, seeds, keys, micro_batch, inside)
+    folder = f"{preset}_{corpus}_newest{'_inside' if inside else ''}_{f'{seconds:g}s' if seconds else f'{tokens}-tokens'}"
     found, results = budget_study(plan, base, preset, corpus, micro_batch, out / "recipes" / folder, timeout, resume,
                                   devices, seconds=seconds, tokens=tokens)
     for row in found["rows"][1:]:
         row["paired"] = paired(plan, results, row["rung"])
-    return {**found, "newest": True}
+    return {**found, "newest": "inside" if inside else True}
 
 
 def budget_study(plan: list[Recipe], base: C.Config, preset: str, corpus: str, micro_batch: int, runs_dir: Path,
@@ -861,11 +873,13 @@ def report_record(found: dict, preset: str, out: Path, device_name: str, devices
     """Save a --recipes --seconds study (seconds_study(), or newest_study() at seconds or tokens) and return its
     table."""
     seconds, tokens = found["seconds"], found.get("tokens")
-    name = f"newest-{preset}{'' if seconds else '-tokens'}" if found.get("newest") else f"record-{preset}"
+    inside = "-inside" if found.get("newest") == "inside" else ""
+    name = f"newest{inside}-{preset}{'' if seconds else '-tokens'}" if found.get("newest") else f"record-{preset}"
     budget = f"{seconds:g} training seconds" if seconds else f"{tokens:,} tokens"
     date = save(found, name, f"validation loss as trained | {preset} | {found['corpus']} | {budget}",
                 preset, out, device_name, devices, command)
-    newest = "the newest records' ideas, each alone on the preset without them"
+    newest = ("the newest records' ideas, each taken out of the default or added to it" if inside else
+              "the newest records' ideas, each alone on the preset without them")
     title = newest if found.get("newest") else "record ladder"
     how = ("each rung's steps were sized from its own first steps" if seconds else
            f"equal tokens; {len(devices)} rung(s) at a time, so tok/s is each rung's share of its card, not its speed")

@@ -277,10 +277,25 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
     assert "| 2 | 2.8750 | 2.7250 | 2.8750 | 0.1500 | 3 | 300 | 3.0 | 1 | -0.2000 -0.0500 |" in RE.seconds_table([row])
 
 
+def test_inside_the_newest_ideas_leave_out_what_the_default_has_and_add_what_it_has_not():
+    """--newest --inside: the 126m default first, then each idea inside it: the bigram table (adopted) taken out, the
+    mimetic init (not adopted) added; pairs by seed against the default."""
+    plan = RE.newest_plan("126m", 2, ("bigram", "mimetic", "value-gate"), 12, inside=True)
+    assert [r.name for r in plan[::2]] == [RE.ADOPTED, "- bigram hash table, 5x the vocabulary (#62)",
+                                           RE.NEWEST["mimetic"][0], "- gates on the value embeddings (#55)"]
+    assert [r.overrides for r in plan[::2]] == [{}, {"model__bigram_rows": 0},
+                                                {"model__mimetic_init": 0.05, "model__n_kv_heads": 6},
+                                                {"model__value_gate": False}]
+    assert [r.seed for r in plan[:2]] == [1337, 1338]
+    without = C.preset("126m", **plan[2].overrides)
+    assert without.model.bigram_rows == 0 and without.train == C.preset("126m").train
+
+
 @pytest.mark.parametrize("args, message", [
     (["--recipes", "--newest", "bigram"], "--newest: its ideas are measured at equal training seconds or equal tokens"),
     (["--recipes", "--newest", "--seconds", "70", "--at-once", "2"], "--at-once 2: rungs share a card only where"),
-    (["--recipes", "--tokens", "1000", "--at-once", "2"], "--at-once 2: rungs share a card only where")])
+    (["--recipes", "--tokens", "1000", "--at-once", "2"], "--at-once 2: rungs share a card only where"),
+    (["--recipes", "--seconds", "70", "--inside"], "--inside: it measures the newest ideas inside the default")])
 def test_newest_ideas_are_measured_at_equal_seconds_alone_or_equal_tokens(args, message, capsys):
     import bench
     with pytest.raises(SystemExit):
