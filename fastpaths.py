@@ -300,9 +300,8 @@ class FusedLoss(M.Output):
     """Head and loss over row chunks, never holding all the logits (linear_cross_entropy)."""
 
     def loss(self, x, weight, targets):
-        if isinstance(targets, M.MultiTargets):  # its chunks hold one target a row: the plain loss, logits whole
-            return super().loss(x, weight, targets)
-        return linear_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.cap)
+        ids, weights = targets if isinstance(targets, M.MultiTargets) else (targets, None)
+        return linear_cross_entropy(x.flatten(0, 1), weight, ids.flatten(0, 1), self.cap, weights)
 
 
 class CheckpointedBlock(M.Block):
@@ -397,21 +396,26 @@ LOSS_CHUNK_ROWS = 2048  # at least 2,048 rows a chunk: 2,048 x 32,768 logits are
 LOSS_MAX_CHUNKS = 16  # larger batches take larger chunks: each chunk adds into the (vocab, d) weight gradient
 
 
-def _loss_chunk(x, w, targets, scale: float, cap: float = 0.0):
-    """Sum of cross-entropy over one chunk, and the gradients of scale * that sum with respect
-    to x (rows, d) and w (vocab, d). x and w in the matmul dtype; softmax in float32. cap: the
-    logits' soft-cap (softcap; 0: none), whose slope 1 - tanh^2 scales the logits' gradient."""
+def _loss_chunk(x, w, targets, weights, scale: float, cap: float = 0.0):
+    """Sum over one chunk of each row's weighted cross-entropies, and the gradients of scale * that sum with respect
+    to x (rows, d) and w (vocab, d). targets (rows, K): the k-th target of each row (-1: none, counting 0), weighted
+    by weights[k] (K,) (M.MultiTargets; one target of weight 1 is the plain loss). x and w in the matmul dtype;
+    softmax in float32. cap: the logits' soft-cap (softcap; 0: none), whose slope 1 - tanh^2 scales the logits'
+    gradient."""
     logits = (x @ w.t()).to(torch.promote_types(x.dtype, torch.float32))  # (rows, vocab), at least float32
     if cap:
         squashed = torch.tanh(logits / cap)
         logits = cap * squashed
     lse = torch.logsumexp(logits, dim=-1)
-    loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
-    # d loss / d logits = softmax - one-hot, written as one elementwise expression (no in-place
-    # scatter), so the compiled chunk reads the logits once more and writes the gradient once, in
-    # the matmul dtype as autocast's backward has it.
-    onehot = torch.arange(logits.shape[1], device=x.device)[None, :] == targets[:, None]
-    grad = (torch.exp(logits - lse[:, None]) - onehot.to(logits.dtype)) * scale
+    share = (targets >= 0) * weights.to(logits.dtype)  # (rows, K): each target's weight, 0 where there is none
+    picked = logits.gather(1, targets.clamp(min=0))  # (rows, K)
+    loss = ((lse[:, None] - picked) * share).sum()
+    # d loss / d logits = sum_k share_k (softmax - one-hot_k), written as one elementwise expression (no in-place
+    # scatter), so the compiled chunk reads the logits once more and writes the gradient once, in the matmul dtype
+    # as autocast's backward has it. K is small (1 to 3): the sum over it unrolls.
+    column = torch.arange(logits.shape[1], device=x.device)[None, :]
+    hot = sum((column == targets[:, k:k + 1]) * share[:, k:k + 1] for k in range(targets.shape[1]))
+    grad = (torch.exp(logits - lse[:, None]) * share.sum(-1, keepdim=True) - hot) * scale
     if cap:
         grad = grad * (1 - squashed * squashed)
     grad = grad.to(x.dtype)
@@ -434,7 +438,7 @@ def loss_chunk_fn(device: torch.device):
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, compute_dtype, cap):
+    def forward(ctx, x, weight, targets, weights, compute_dtype, cap):
         n = x.shape[0]
         w = weight.to(compute_dtype)
         grad_x = torch.empty_like(x)
@@ -443,7 +447,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         chunk, size = loss_chunk_fn(x.device), max(LOSS_CHUNK_ROWS, -(-n // LOSS_MAX_CHUNKS))
         for start in range(0, n, size):
             rows = slice(start, start + size)
-            loss, gx, gw = chunk(x[rows].to(compute_dtype), w, targets[rows], 1.0 / n, cap)
+            loss, gx, gw = chunk(x[rows].to(compute_dtype), w, targets[rows], weights, 1.0 / n, cap)
             total += loss
             grad_x[rows] = gx
             grad_w += gw  # float32 accumulation across chunks
@@ -453,25 +457,27 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_out, grad_w * grad_out, None, None, None
+        return grad_x * grad_out, grad_w * grad_out, None, None, None, None
 
 
-def linear_cross_entropy(x, weight, targets, cap: float = 0.0):
+def linear_cross_entropy(x, weight, targets, cap: float = 0.0, weights=None):
     """Mean cross-entropy of softmax(softcap(x @ weight.T, cap)) against targets. x: (N, d); weight:
-    (vocab, d); targets: (N,). Equals F.cross_entropy(softcap(F.linear(x, weight).float(), cap),
-    targets), computed in chunks.
+    (vocab, d); targets: (N,), or (N, K) with weights (K,) for the multi-token loss. Equals
+    M.cross_entropy(F.linear(x, weight), targets, cap, weights), computed in chunks.
     Kept out of an enclosing torch.compile graph: a plain Python loop over compiled chunks is
     compiled once, where tracing it would unroll one copy per chunk."""
     global _uncompiled_loss
     if _uncompiled_loss is None:  # torch.compiler imports the compiler stack: only when this is used
         _uncompiled_loss = torch.compiler.disable(_linear_cross_entropy)
-    return _uncompiled_loss(x, weight, targets, cap)
+    if weights is None:
+        targets, weights = targets[:, None], torch.ones(1, device=x.device)
+    return _uncompiled_loss(x, weight, targets, cap, weights)
 
 
 _uncompiled_loss = None
 
 
-def _linear_cross_entropy(x, weight, targets, cap: float):
+def _linear_cross_entropy(x, weight, targets, cap: float, weights):
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        return LinearCrossEntropy.apply(x, weight, targets, dtype, cap)
+        return LinearCrossEntropy.apply(x, weight, targets, weights, dtype, cap)
