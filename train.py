@@ -582,10 +582,14 @@ class Session:
     """This process's share of a run: what the summary reports beside the Progress."""
     first_step: int
     first_tokens: int = 0  # the run's tokens before this session
+    first_seconds: float = 0.0  # and its training seconds
     start: float = field(default_factory=time.perf_counter)
     rates: list = field(default_factory=list)  # tok/s of each step after the untimed ones (UNTIMED_STEPS)
     step_seconds: list = field(default_factory=list)  # and their times (train.seconds sizes the run by them)
     step_windows: list = field(default_factory=list)  # and each one's long window
+    untimed: list = field(default_factory=list)  # the times of the session's first steps, which compile
+    first_timed: float = 0.0  # the time of the step after them, which stands in for each of them
+    timed_seconds: float = 0.0  # the time of every step after them
     sized: bool = False  # whether this session sized a train.seconds run (and so sizes it again, once)
     last_eval: dict = field(default_factory=dict)
 
@@ -821,7 +825,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     boards = BO.open_boards(tcfg, run_dir, p.step if resumed else None, r.cfg.to_dict()) if r.rank == 0 else []
-    stopper, session = Stopper(say, ckpt_path), Session(first_step=p.step, first_tokens=p.tokens)
+    stopper, session = Stopper(say, ckpt_path), Session(p.step, p.tokens, p.train_seconds)
     if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary: nothing to train
         session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
     last_saved = p.step if resumed else None
@@ -971,15 +975,18 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
 def clock_step(p: Progress, session: Session, dt: float, tokens: int, batch_tokens: int, window: int):
     """Count the step just taken (`dt` seconds on `tokens` of a whole batch's `batch_tokens`, at long window `window`)
     in the session's pace and the run's training seconds. A session's first two steps compile: the first its forward
-    and backward, the second once more where the first step's only micro-batch ran without gradients yet. The third
-    is the first one timed, and stands in for the two before it in the training seconds."""
+    and backward, the second once more where the first step's only micro-batch ran without gradients yet. They are
+    left out of the pace and counted at the first timed step's time (until there is one, at the faster of theirs)."""
     if p.step <= session.first_step + UNTIMED_STEPS:
-        return
-    session.rates.append(tokens / dt)
-    session.step_seconds.append(dt * batch_tokens / tokens)  # as a whole batch's: what sizing counts in
-    session.step_windows.append(window)
-    first_timed = p.step == session.first_step + UNTIMED_STEPS + 1
-    p.train_seconds += dt * (UNTIMED_STEPS + 1 if first_timed else 1)
+        session.untimed.append(dt)
+    else:
+        session.rates.append(tokens / dt)
+        session.step_seconds.append(dt * batch_tokens / tokens)  # as a whole batch's: what sizing counts in
+        session.step_windows.append(window)
+        session.first_timed = session.first_timed or dt
+        session.timed_seconds += dt
+    stand_in = session.first_timed or min(session.untimed)
+    p.train_seconds = session.first_seconds + stand_in * len(session.untimed) + session.timed_seconds
 
 
 def size_steps(r: Run, p: Progress, session: Session, run_dir: Path, say, again: bool = False):
