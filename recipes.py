@@ -220,6 +220,9 @@ NEWEST = {
                                                                   "train__muon_cautious": True}),
     "batch-stages": ("+ the batch grown in three stages, rates by sqrt(stage) (#46)", _growing_batch),
     "quarter-batch": ("+ a quarter of the batch, four times the steps (after #39's smaller batch)", _quarter_batch),
+    # the FP8 head is the untied head's: it goes with it
+    "tied-head": ("+ the head tied to the embedding again (#51)", {"model__tie_embeddings": True,
+                                                                  "speed__fp8_head": False}),
     # v and wo start as +-sqrt(0.05) I (#64), which needs a kv head per query head: tiny's rung brings that too
     "mimetic": ("+ mimetic value and output init, b = 0.05 (#64)",
                 lambda base, micro_batch: {"model__mimetic_init": 0.05, "model__n_kv_heads": base.model.n_heads}),

@@ -825,7 +825,7 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
                disable=True if r.rank else None, dynamic_ncols=True)  # None: no bar where stderr is not a terminal
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     boards = BO.open_boards(tcfg, run_dir, p.step if resumed else None, r.cfg.to_dict()) if r.rank == 0 else []
-    stopper, session = Stopper(say, ckpt_path), Session(p.step, p.tokens, p.train_seconds)
+    stopper, session = Stopper(say, ckpt_path), Session(p.step, p.tokens, first_seconds=p.train_seconds)
     if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary: nothing to train
         session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
     last_saved = p.step if resumed else None
