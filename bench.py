@@ -38,15 +38,15 @@ import attention as A
 import config as C
 import data as D
 import fastpaths as FP
+import flops as FL
 import fp8
 import measure as ME
-import flops as FL
 import model as M
 import onegpu_kernels as K
 import optim as O
+import plots as PL
 import recipes as RE
 import tokenizer as tk
-import plots as PL
 import train as TR
 
 ROOT = Path(__file__).resolve().parent

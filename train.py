@@ -44,8 +44,8 @@ import checkpoint as CK
 import config as C
 import data as D
 import fastpaths as FP
-import generate as G
 import flops as FL
+import generate as G
 import model as M
 import optim as O
 import plots as PL
@@ -573,7 +573,8 @@ class Progress:
     tokens: int = 0
     skipped: int = 0  # steps skipped for a non-finite loss (--skip-nonfinite)
     # Seconds spent in training steps, summed over sessions: evaluation and saving left out, and a
-    # session's first two steps (which compile) counted at its third step's time. Time-to-loss reads it.
+    # session's first two steps (which compile) counted at its third step's time (train.clock_step). Time-to-loss
+    # reads it.
     train_seconds: float = 0.0
 
 

@@ -12,9 +12,9 @@ import attention as A
 import bench as B
 import config as C
 import fastpaths as FP
+import flops as FL
 import generate as G
 import measure as ME
-import flops as FL
 import model as M
 import recipes as RE
 import train as TR

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import attention as A
 import config as C
 import fastpaths as FP
-import fp8 as F8
 import flops as FL
+import fp8 as F8
 import model as M
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, context=32)
