@@ -184,16 +184,21 @@ RECORD_CHAIN = (
 def _growing_batch(base: C.Config, micro_batch: int) -> dict:
     """Three stages of the batch, each in whole micro-batches: the largest micro-batch up to the study's that divides
     a step into a multiple of 3 (126m at 12: 8, six micro-batches a step)."""
-    fits = TR.staged_micro_batch(base.train.batch_tokens, micro_batch, base.model.context, 1, 3)
-    return {"train__batch_stages": 3, **({"train__micro_batch": fits} if fits and fits != micro_batch else {})}
+    return {"train__batch_stages": 3, **_fitting_micro_batch(base, base.train.batch_tokens, micro_batch, 3)}
+
+
+def _fitting_micro_batch(base: C.Config, tokens: int, micro_batch: int, stages: int) -> dict:
+    """The override of the largest micro-batch up to micro_batch whose steps of `tokens` divide into `stages` stages
+    of whole micro-batches (none where micro_batch does, or none does)."""
+    fits = TR.staged_micro_batch(tokens, micro_batch, base.model.context, 1, stages)
+    return {"train__micro_batch": fits} if fits and fits != micro_batch else {}
 
 
 def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
     """A quarter of the preset's batch, at the largest micro-batch up to the study's that divides it (126m at 12:
     98,304 tokens, one micro-batch a step)."""
     tokens = base.train.batch_tokens // 4
-    fits = TR.staged_micro_batch(tokens, micro_batch, base.model.context, 1, 1)
-    return {"train__batch_tokens": tokens, **({"train__micro_batch": fits} if fits and fits != micro_batch else {})}
+    return {"train__batch_tokens": tokens, **_fitting_micro_batch(base, tokens, micro_batch, 1)}
 
 
 # The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
@@ -725,7 +730,7 @@ def newest_study(preset: str, keys: tuple[str, ...], seeds: int, corpus: str, mi
                                   devices, seconds=seconds, tokens=tokens)
     for row in found["rows"][1:]:
         row["paired"] = paired(plan, results, row["rung"])
-    return {**found, "newest": "inside" if inside else True}
+    return {**found, "newest": True, "inside": inside}
 
 
 def budget_study(plan: list[Recipe], base: C.Config, preset: str, corpus: str, micro_batch: int, runs_dir: Path,
@@ -876,8 +881,8 @@ def report_record(found: dict, preset: str, out: Path, device_name: str, devices
     """Save a --recipes --seconds study (seconds_study(), or newest_study() at seconds or tokens) and return its
     table."""
     seconds, tokens = found["seconds"], found.get("tokens")
-    inside = "-inside" if found.get("newest") == "inside" else ""
-    name = f"newest{inside}-{preset}{'' if seconds else '-tokens'}" if found.get("newest") else f"record-{preset}"
+    inside = found.get("inside", False)
+    name = f"newest{'-inside' if inside else ''}-{preset}{'' if seconds else '-tokens'}" if found.get("newest") else f"record-{preset}"
     budget = f"{seconds:g} training seconds" if seconds else f"{tokens:,} tokens"
     date = save(found, name, f"validation loss as trained | {preset} | {found['corpus']} | {budget}",
                 preset, out, device_name, devices, command)
