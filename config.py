@@ -106,6 +106,7 @@ class TrainConfig:
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0 when muon_momentum_warmup > 0 (modded-nanogpt's)
     muon_momentum_cooldown: int = 0  # last steps over which it falls back to muon_momentum_start (modded #39: 50)
     mtp_tokens: int = 1  # tokens each position's logits learn to predict, the later ones fading out (modded #53: 3)
+    prefix_weight: float = 0.0  # the logits also learn the next token's longest prefix token, at this weight (#88: 0.25)
     batch_stages: int = 1  # the batch grows over the run in this many equal steps to batch_tokens (modded #46: 3)
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
     head_lr: float = 0.0  # AdamW lr of an untied head; 0: lr (modded-nanogpt: 0.008)
@@ -172,6 +173,7 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "muon_momentum_warmup": NOT_NEGATIVE,
     "muon_momentum_cooldown": NOT_NEGATIVE,
     "mtp_tokens": (lambda v: 1 <= v <= 8, "in [1, 8] (1: the next token alone)"),
+    "prefix_weight": (lambda v: 0 <= v <= 1, "in [0, 1] (0: no prefix-token loss)"),
     "batch_stages": (lambda v: 1 <= v <= 8, "in [1, 8] (1: the whole batch from the first step)"),
     "muon_momentum_start": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "muon_beta2": (lambda v: 0 <= v < 1, "in [0, 1) (0 turns NorMuon off)"),

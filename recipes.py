@@ -231,6 +231,7 @@ NEWEST = {
     # v and wo start as +-sqrt(0.05) I (#64), which needs a kv head per query head: tiny's rung brings that too
     "mimetic": ("+ mimetic value and output init, b = 0.05 (#64)",
                 lambda base, micro_batch: {"model__mimetic_init": 0.05, "model__n_kv_heads": base.model.n_heads}),
+    "prefix": ("+ prefix-token loss at 0.25, out by 2/3 of the run (#88)", {"train__prefix_weight": 0.25}),
 }
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
@@ -406,7 +407,7 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 NEWEST_OFF = {"model__bigram_rows": 0, "model__backout": False, "model__smear": False, "model__key_offset": False,
               "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
               "train__muon_beta2": 0.0, "train__muon_weight_decay": 0.0, "train__muon_cautious": False,
-              "train__batch_stages": 1, "model__mimetic_init": 0.0, "speed__fused_decode": True,
+              "train__batch_stages": 1, "model__mimetic_init": 0.0, "train__prefix_weight": 0.0, "speed__fused_decode": True,
               "speed__split_decode": True}
 WITHOUT_NEWEST = "the newest ideas off (22m to 126m: record #28's recipe)"
 ADOPTED = "the default (its adopted ideas together)"

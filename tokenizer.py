@@ -386,6 +386,25 @@ def token_byte_lengths(tok) -> list[int]:
     return lengths
 
 
+def prefix_ids(tok) -> list[int]:
+    """Each token id's prefix token: the id of the longest proper prefix of its bytes that is itself a
+    token, -1 where there is none (single bytes, special tokens). The prefix-token loss learns it
+    (train.prefix_weight, modded-nanogpt record #88). Byte-level BPE writes each byte as one character,
+    so a prefix of the string is a prefix of the bytes. Sorted, a token's prefixes come before it and
+    every token between them extends them, so a stack of the current token's ancestors holds the
+    longest one on top: one pass, where probing every length would take V x length lookups."""
+    specials = {t.content for t in tok.get_added_tokens_decoder().values()}
+    table = [-1] * tok.get_vocab_size()
+    stack: list[tuple[str, int]] = []  # (token, id): each a prefix of the next, shortest first
+    for token, i in sorted((t, i) for t, i in tok.get_vocab().items() if t not in specials):
+        while stack and not token.startswith(stack[-1][0]):
+            stack.pop()
+        if stack:
+            table[i] = stack[-1][1]
+        stack.append((token, i))
+    return table
+
+
 def bytes_per_token(tok, docs: list[str]) -> float:
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     n_tokens = sum(len(e.ids) for e in tok.encode_batch(docs))

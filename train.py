@@ -217,6 +217,8 @@ class Run:
     # sequences of 262,144 tokens, where few documents are cut).
     whole_val_loader: D.ShardLoader | None = None
     swapped: list = dataclasses.field(default_factory=list)  # the fast paths fastpaths.apply swapped in
+    # With train.prefix_weight: each token id's prefix token (tokenizer.prefix_ids), (vocab,) on the device.
+    prefix_table: torch.Tensor | None = None
 
 
 def device_speed(speed: FP.SpeedConfig, tcfg: C.TrainConfig, device: torch.device, say) -> FP.SpeedConfig:
@@ -306,7 +308,15 @@ def setup(cfg: C.Config, rank: int = 0, world: int = 1, log=print, random_tokens
     raw, model, swapped = build_model(cfg, speed, device, tcfg.seed)
     scaler = torch.amp.GradScaler(device.type) if tcfg.fp16 else None
     return Run(cfg, device, rank, world, raw, model, O.configure_optimizer(raw, tcfg), train_loader, val_loader,
-               accum, steps, tok_path, tok_hash, source, plain_val, scaler, whole_val, swapped)
+               accum, steps, tok_path, tok_hash, source, plain_val, scaler, whole_val, swapped,
+               prefix_table(tok_path, V, device) if tcfg.prefix_weight else None)
+
+
+def prefix_table(tok_path: Path | None, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """train.prefix_weight's table: each token id's prefix token (tokenizer.prefix_ids), -1 where none. Random
+    tokens (speed rungs) have no vocabulary: every entry is -1, so the loss still computes the column."""
+    ids = tk.prefix_ids(tk.load_tokenizer(tok_path)) if tok_path else [-1] * vocab_size
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 # --- The step ------------------------------------------------------------------------------
@@ -321,26 +331,39 @@ def masks_for(batch, device: torch.device, windows: tuple[int, int] | None = Non
 
 
 def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] | None = None,
-                 mtp: tuple[float, ...] = (1.0,)):
+                 mtp: tuple[float, ...] = (1.0,), prefix: tuple[torch.Tensor, float] | None = None):
     """Mean loss of one micro-batch (x, y[, doc_ids]); with later tokens weighted in mtp (mtp_weights_at), the
-    multi-token loss."""
+    multi-token loss; with prefix (table, weight) (prefix_at), the prefix-token loss beside it."""
     masks = masks_for(batch, device, windows)
+    multi = any(mtp[1:]) or prefix is not None
     with autocast(cfg, device):
-        return model(batch[0], multi_targets(batch[1], mtp) if any(mtp[1:]) else batch[1], masks)
+        return model(batch[0], multi_targets(batch[1], mtp, prefix) if multi else batch[1], masks)
 
 
-def multi_targets(y, weights: tuple[float, ...]) -> M.MultiTargets:
+def multi_targets(y, weights: tuple[float, ...], prefix: tuple[torch.Tensor, float] | None = None) -> M.MultiTargets:
     """y (B, T), each position's next token -> model.MultiTargets: the K = len(weights) tokens after each position,
     (B, T, K), -1 past the sequence's end, with their weights. Each position's logits also learn the tokens after
-    the next, with no parameter added (modded-nanogpt record #53); weights[0] = 1 is the next-token loss."""
-    ids = torch.stack([F.pad(y[:, k:], (0, k), value=-1) for k in range(len(weights))], dim=-1)
-    return M.MultiTargets(ids, torch.tensor(weights, dtype=torch.float32, device=y.device))
+    the next, with no parameter added (modded-nanogpt record #53); weights[0] = 1 is the next-token loss. With
+    prefix (table, weight), one more target: the next token's prefix token (table[y], -1 where it has none), at
+    that weight (record #88): a shorter guess the next token extends, an easier target early in the run."""
+    ids = [F.pad(y[:, k:], (0, k), value=-1) for k in range(len(weights))]
+    if prefix is not None:
+        table, weight = prefix
+        ids, weights = ids + [table[y]], (*weights, weight)
+    return M.MultiTargets(torch.stack(ids, dim=-1), torch.tensor(weights, dtype=torch.float32, device=y.device))
 
 
 def step_lr(step: int, tcfg: C.TrainConfig, steps: int) -> float:
     """The scheduled learning rate at `step` (optim.lr_at), times sqrt(stage) of the batch schedule (sizing.batch_stage):
     each group's rate follows it at its own ratio."""
     return O.lr_at(step, tcfg, steps) * math.sqrt(SZ.batch_stage(step, steps, tcfg.batch_stages))
+
+
+def prefix_at(step: int, steps: int, tcfg: C.TrainConfig, table: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
+    """The prefix-token loss at `step` of `steps`: (table, weight), train.prefix_weight for the run's first third,
+    fading linearly to 0 over the second (modded-nanogpt record #88's 0.25 -> 0.25 -> 0); None when it is 0."""
+    weight = tcfg.prefix_weight * min(1.0, max(0.0, 2.0 - 3.0 * step / max(1, steps)))
+    return (table, weight) if weight and table is not None else None
 
 
 def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
@@ -354,7 +377,7 @@ def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
                momentum: float | None = None, windows: tuple[int, int] | None = None, scaler=None, prefetch=None,
-               mtp: tuple[float, ...] = (1.0,)):
+               mtp: tuple[float, ...] = (1.0,), prefix: tuple[torch.Tensor, float] | None = None):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
@@ -364,7 +387,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
     clipping, and a step whose gradients overflowed is skipped by the scaler (its norm comes back inf).
     prefetch: called once the last micro-batch's backward is queued, to draw the next step's first
     micro-batch while the GPU works (data.ShardLoader.prefetch); None: it is drawn when that step asks.
-    mtp: the multi-token loss's weights at this step (mtp_weights_at)."""
+    mtp: the multi-token loss's weights at this step (mtp_weights_at); prefix: the prefix-token loss's (prefix_at)."""
     O.set_step_rates(optimizer, lr, momentum)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
@@ -381,7 +404,7 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
         # Under DDP, only the last micro-batch all-reduces the accumulated gradients.
         sync = i == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with contextlib.nullcontext() if sync else model.no_sync():
-            loss = forward_loss(model, batch, cfg, device, windows, mtp) / accum  # mean over the whole step
+            loss = forward_loss(model, batch, cfg, device, windows, mtp, prefix) / accum  # mean over the whole step
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach()
     if prefetch is not None:
@@ -730,6 +753,14 @@ def resume_run(r: Run, ckpt: CK.Checkpoint, run_dir: Path, say) -> Progress:
     return progress
 
 
+def loss_targets(tcfg: C.TrainConfig) -> str:
+    """What the loss learns beside the next token, for the batch line: '' where it is the next token alone."""
+    said = f"; the loss over the next {tcfg.mtp_tokens} tokens, fading to the next one's" if tcfg.mtp_tokens > 1 else ""
+    if tcfg.prefix_weight:
+        said += f"; the next token's prefix token at weight {tcfg.prefix_weight:g}, fading out by two thirds"
+    return said
+
+
 def announce(r: Run, run_dir: Path, say) -> Meter:
     """Provenance and what runs, printed and saved in config.json; the Meter for the log lines."""
     cfg, tcfg, device, m = r.cfg, r.cfg.train, r.device, r.cfg.model
@@ -771,9 +802,8 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
     length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
               else f"{r.steps} steps = {SZ.run_tokens(tcfg, r.steps):,} tokens")
     stages = f", grown over {tcfg.batch_stages} stages" if tcfg.batch_stages > 1 else ""
-    mtp = f"; the loss over the next {tcfg.mtp_tokens} tokens, fading to the next one's" if tcfg.mtp_tokens > 1 else ""
     say(f"batch: {tcfg.batch_tokens:,} tokens = {tcfg.micro_batch} seq x {m.context} tokens x {r.accum} accumulation "
-        f"x {r.world} rank(s){stages}; {length}{mtp}")
+        f"x {r.world} rank(s){stages}; {length}{loss_targets(tcfg)}")
     say(f"flags: tf32={tcfg.tf32} bf16={tcfg.bf16 and not tcfg.fp16} fp16={tcfg.fp16}"
         f"{' (gradient scaler)' if tcfg.fp16 else ''} compile={tcfg.compile}"
         f"{'(' + tcfg.compile_mode + ')' if tcfg.compile else ''} adamw={tcfg.optimizer} pin={tcfg.pin} "
@@ -929,7 +959,8 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
         stage = SZ.batch_stage(p.step, r.steps, tcfg.batch_stages)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum * stage // tcfg.batch_stages, tcfg,
                                      r.device, step_lr(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps),
-                                     windows, r.scaler, prefetch, mtp_weights_at(p.step, r.steps, tcfg.mtp_tokens))
+                                     windows, r.scaler, prefetch, mtp_weights_at(p.step, r.steps, tcfg.mtp_tokens),
+                                     prefix_at(p.step, r.steps, tcfg, r.prefix_table))
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
@@ -958,8 +989,12 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
     if p.step == 0 and not tcfg.init_from:  # a model started from trained weights is far from ln(vocab) by design
         times = sum(mtp_weights_at(0, r.steps, tcfg.mtp_tokens))  # the multi-token loss: ln(vocab) for each weight
         expected, what = times * math.log(r.cfg.model.vocab_size), "ln(vocab)" if times == 1 else f"{times:g} x ln(vocab)"
-        warn = "" if abs(loss_value - expected) < 1.0 else f"  WARNING: far from {what}; check the init and the data"
-        say(f"step 0 loss {loss_value:.4f} vs {what} = {expected:.4f}{warn}")
+        # the prefix-token loss adds its weight x ln(vocab) for each target that has a prefix token
+        extra = tcfg.prefix_weight * math.log(r.cfg.model.vocab_size)
+        near = expected - 1.0 < loss_value < expected + extra + 1.0
+        warn = "" if near else f"  WARNING: far from {what}; check the init and the data"
+        beside = f" (and up to {extra:.4f} more from prefix tokens)" if extra else ""
+        say(f"step 0 loss {loss_value:.4f} vs {what} = {expected:.4f}{beside}{warn}")
     p.step += 1
     tokens = SZ.step_tokens(tcfg, p.step - 1, r.steps)
     p.tokens += tokens

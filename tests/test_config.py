@@ -92,7 +92,7 @@ OUT_OF_RANGE = {
     "steps": -1, "tokens": -1, "seconds": -1.0, "seed": -1, "sample_tokens": -1, "weight_decay": -0.1,
     "peak_tflops": -1.0, "window_start": -1, "lr": 1.5, "min_lr_ratio": -0.1, "beta1": 1.0, "beta2": -0.1,
     "grad_clip": -1.0, "warmdown_fraction": 0.0, "muon_lr": 0.0, "muon_momentum": 1.0, "muon_weight_decay": -1.0,
-    "muon_momentum_warmup": -1, "mtp_tokens": 0, "batch_stages": 0, "muon_momentum_start": 1.0, "embed_lr": 11.0, "head_lr": -1.0, "scalar_lr": 20.0,
+    "muon_momentum_warmup": -1, "mtp_tokens": 0, "prefix_weight": 1.5, "batch_stages": 0, "muon_momentum_start": 1.0, "embed_lr": 11.0, "head_lr": -1.0, "scalar_lr": 20.0,
     "adam_eps": 0.0, "muon_beta2": 1.0, "muon_momentum_cooldown": -1,
 }
 

@@ -51,6 +51,16 @@ def test_token_byte_lengths_count_the_decoded_bytes(tok, text):
     assert sum(lengths[i] for i in ids) == len(text.encode("utf-8"))
 
 
+def test_prefix_ids_name_each_tokens_longest_proper_prefix_in_the_vocabulary(tok):
+    vocab = {t: i for t, i in tok.get_vocab().items() if t != tk.EOT}
+    table = tk.prefix_ids(tok)
+    for token, i in vocab.items():  # probing every shorter length, longest first
+        found = next((vocab[token[:n]] for n in range(len(token) - 1, 0, -1) if token[:n] in vocab), -1)
+        assert table[i] == found, token
+    # every byte is a token, so every longer token has a prefix; a byte and the EOT have none
+    assert table[tok.token_to_id(tk.EOT)] == -1 and sum(t >= 0 for t in table) == sum(len(t) > 1 for t in vocab)
+
+
 def test_literal_eot_in_a_text_is_text_not_the_eot_token(tok):
     text = f"a {tk.EOT} b"
     ids = tok.encode(text).ids

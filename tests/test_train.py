@@ -170,6 +170,35 @@ def test_the_multi_token_loss_weights_each_later_target_in_float64(train_config)
         assert two > plain
 
 
+def test_the_prefix_token_loss_adds_the_next_tokens_prefix_token_at_its_weight():
+    """The prefix-token loss (record #88), in float64 against the sum written out: beside the next tokens, each
+    position's logits learn table[next token] at the prefix weight, a token without a prefix (-1) counting 0."""
+    logits = torch.randn(2, 6, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    table = torch.tensor([-1, 0, 0, 1, -1, 4, 2, 6, 6, -1, 3])
+    log_p = torch.log_softmax(logits, dim=-1)
+    expected = sum(w * -log_p[b, t, y[b, t + j]] for j, w in enumerate((1.0, 0.5)) for b in range(2) for t in range(6 - j))
+    expected += sum(0.25 * -log_p[b, t, table[y[b, t]]] for b in range(2) for t in range(6) if table[y[b, t]] >= 0)
+    targets = TR.multi_targets(y, (1.0, 0.5), (table, 0.25))
+    assert targets.ids.shape == (2, 6, 3) and torch.equal(targets.ids[..., 2], table[y])
+    found = M.cross_entropy(logits.flatten(0, 1), targets.ids.flatten(0, 1), 0.0, targets.weights.double())
+    torch.testing.assert_close(found, expected / 12, rtol=1e-12, atol=0)
+
+
+def test_the_prefix_weight_holds_a_third_of_the_run_and_fades_out_by_two_thirds(train_config):
+    tcfg, table = dataclasses.replace(train_config.train, prefix_weight=0.25), torch.zeros(3, dtype=torch.long)
+    at = [TR.prefix_at(step, 60, tcfg, table) for step in (0, 20, 30, 40, 59)]
+    assert [a[1] for a in at[:3]] == pytest.approx([0.25, 0.25, 0.125]) and at[3:] == [None, None]
+    assert at[0][0] is table and TR.prefix_at(0, 60, train_config.train, table) is None
+
+
+def test_a_run_with_the_prefix_token_loss_trains_and_checks_its_first_loss(train_config, tmp_path, capsys):
+    TR.train(with_train(train_config, prefix_weight=0.25, steps=3), tmp_path / "run", **QUIET)
+    first, = [s for s in capsys.readouterr().out.splitlines() if s.startswith("step 0 loss")]
+    assert "more from prefix tokens" in first and "WARNING" not in first
+    assert float(first.split()[3]) > math.log(train_config.model.vocab_size) + 0.3  # the prefix targets' share
+
+
 def test_the_first_multi_token_loss_is_checked_against_its_weights_times_ln_vocab(train_config, tmp_path, capsys):
     TR.train(with_train(train_config, mtp_tokens=3, steps=1), tmp_path / "run", **QUIET)
     first, = [s for s in capsys.readouterr().out.splitlines() if s.startswith("step 0 loss")]  # the progress bar's
