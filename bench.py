@@ -624,10 +624,11 @@ def profile_switches(preset: str, args) -> dict:
 def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | None = None,
                   corpus: str | None = None) -> list[dict]:
     """Time per kernel class over 2 micro-batches and one optimizer step, at the sliding window the
-    preset ends its schedule with, and the rate of the classes whose FLOPs are known (matmul: 6N per
-    token over the weights that multiply; attention: PaLM's 12LHQT, a window's layer at min(T, 2w)
-    keys). The last row is the GPU's idle time: the same step's median wall time less its kernels', with
-    the gaps between kernels in the profiled step (their sum and the largest, in the JSON's top_kernels).
+    preset ends its schedule with and the loss's targets it starts with, and the rate of the classes whose
+    FLOPs are known (matmul: 6N per token over the weights that multiply; attention: PaLM's 12LHQT, a
+    window's layer at min(T, 2w) keys). The last row is the GPU's idle time: the same step's median wall
+    time less its kernels', with the gaps between kernels in the profiled step (their sum and the largest,
+    in the JSON's top_kernels).
     switches: the model switches to profile with on (none: the compiled BF16 base). corpus: profile
     on that prepared corpus, documents as it trains on them (None: random tokens, no corpus needed)."""
     base = C.preset(preset)
@@ -641,7 +642,8 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
         r = TR.setup(rung.config(), log=lambda *a, **k: None, random_tokens_dir=None if corpus else Path(workdir))
         windows = r.cfg.model.windows()
         step = lambda: TR.train_step(r.model, r.optimizer, r.train_loader.next_batch, 2, r.cfg.train,  # noqa: E731
-                                     r.device, 1e-4, windows=windows, prefetch=r.train_loader.prefetch)[0].item()
+                                     r.device, 1e-4, windows=windows, prefetch=r.train_loader.prefetch,
+                                     **TR.targets_at(r, 0))[0].item()
         step()  # warm-up and compile
         wall_ms = 1000 * statistics.median(ME.timed(step, r.device)[1] for _ in range(3))
         spans = []

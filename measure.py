@@ -294,9 +294,13 @@ def time_run(run: TR.Run, rung: Rung) -> Result:
     device, tcfg = run.device, run.cfg.train
     cuda = device.type == "cuda"
 
-    def step(accum):  # a windowed model is timed at its last, longest window
+    # A windowed model is timed at its last, longest window, and the loss with every target it weights at the
+    # run's start (the multi-token and prefix-token losses): each step at the most the run computes.
+    targets = TR.targets_at(run, 0)
+
+    def step(accum):
         loss, _ = TR.train_step(run.model, run.optimizer, run.train_loader.next_batch, accum, tcfg, device, 1e-4,
-                                windows=run.cfg.model.windows(), prefetch=run.train_loader.prefetch)
+                                windows=run.cfg.model.windows(), prefetch=run.train_loader.prefetch, **targets)
         return loss.item()  # one read-back per step, as a logger would
 
     _, warmup_s = timed(lambda: step(min(4, run.accum)), device)  # compilation happens here

@@ -359,11 +359,19 @@ def step_lr(step: int, tcfg: C.TrainConfig, steps: int) -> float:
     return O.lr_at(step, tcfg, steps) * math.sqrt(SZ.batch_stage(step, steps, tcfg.batch_stages))
 
 
-def prefix_at(step: int, steps: int, tcfg: C.TrainConfig, table: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
+def prefix_at(step: int, steps: int, tcfg: C.TrainConfig,
+              table: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
     """The prefix-token loss at `step` of `steps`: (table, weight), train.prefix_weight for the run's first third,
     fading linearly to 0 over the second (modded-nanogpt record #88's 0.25 -> 0.25 -> 0); None when it is 0."""
     weight = tcfg.prefix_weight * min(1.0, max(0.0, 2.0 - 3.0 * step / max(1, steps)))
     return (table, weight) if weight and table is not None else None
+
+
+def targets_at(r: Run, step: int) -> dict:
+    """train_step's loss targets at `step` of the run: the multi-token loss's weights and the prefix-token loss."""
+    tcfg = r.cfg.train
+    return {"mtp": mtp_weights_at(step, r.steps, tcfg.mtp_tokens),
+            "prefix": prefix_at(step, r.steps, tcfg, r.prefix_table)}
 
 
 def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
@@ -959,8 +967,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
         stage = SZ.batch_stage(p.step, r.steps, tcfg.batch_stages)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum * stage // tcfg.batch_stages, tcfg,
                                      r.device, step_lr(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps),
-                                     windows, r.scaler, prefetch, mtp_weights_at(p.step, r.steps, tcfg.mtp_tokens),
-                                     prefix_at(p.step, r.steps, tcfg, r.prefix_table))
+                                     windows, r.scaler, prefetch, **targets_at(r, p.step))
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()

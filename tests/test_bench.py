@@ -334,6 +334,17 @@ def test_one_rung_in_process_uses_train_setup_and_step_as_training_runs_them(mon
     assert np.isfinite(result.loss) and ahead == [True, True]  # the warm-up step and the timed one
 
 
+def test_a_rung_times_the_loss_with_every_target_the_run_starts_with(monkeypatch):
+    """The multi-token and prefix-token losses are part of the step a run times: a rung of a preset with them
+    times its step with all their targets, as the run's first steps compute."""
+    seen, step = [], TR.train_step
+    monkeypatch.setattr(TR, "train_step", lambda *a, **k: seen.append((k["mtp"], k["prefix"])) or step(*a, **k))
+    ME.measure(ME.Rung("targets", "tiny", {"train__micro_batch": 2, "train__batch_tokens": 1024,
+                                           "train__mtp_tokens": 3, "train__prefix_weight": 0.25}, 1))
+    (mtp, (table, weight)), _ = seen
+    assert mtp == (1.0, 0.5, 0.25) and weight == 0.25 and table.shape == (C.preset("tiny").model.vocab_size,)
+
+
 def test_a_compiled_rung_counts_torch_compiles_graph_breaks(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # the CPU need not compile
     monkeypatch.setattr(TR, "graph_breaks", lambda: 3)
