@@ -463,11 +463,16 @@ def test_the_newest_parts_compile_and_match_eager_with_a_block_mask(mtp):
     assert_compiled_matches_eager_with_a_block_mask({**RECORD, **NEWEST_PARTS}, mtp)
 
 
+@pytest.mark.parametrize("prefix", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled):
+def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled, prefix):
+    """Three targets, and with prefix a fourth: a prefix token (train.prefix_weight), some the 2nd token's too."""
     import train as TR
-    idx, y = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    targets = TR.multi_targets(y, (1.0, 0.5, 0.25))
+    g = torch.Generator("cuda").manual_seed(5)
+    idx, y = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=g)
+    table = torch.randint(-1, 32768, (32768,), device="cuda", generator=g)  # -1: a token without a prefix
+    table[y[:, :-1]] = y[:, 1:]  # most tokens' prefix is the token after them: two weights land on one logit
+    targets = TR.multi_targets(y, (1.0, 0.5, 0.25), (table, 0.25) if prefix else None)
     out = []
     for on in (False, True):
         torch.manual_seed(0)
