@@ -106,7 +106,7 @@ class TrainConfig:
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0 when muon_momentum_warmup > 0 (modded-nanogpt's)
     muon_momentum_cooldown: int = 0  # last steps over which it falls back to muon_momentum_start (modded #39: 50)
     mtp_tokens: int = 1  # tokens each position's logits learn to predict, the later ones fading out (modded #53: 3)
-    prefix_weight: float = 0.0  # the logits also learn the next token's longest prefix token, at this weight (#88: 0.25)
+    prefix_weight: float = 0.0  # the logits also learn the next token's longest prefix token at this weight (#88: 0.25)
     batch_stages: int = 1  # the batch grows over the run in this many equal steps to batch_tokens (modded #46: 3)
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
     head_lr: float = 0.0  # AdamW lr of an untied head; 0: lr (modded-nanogpt: 0.008)

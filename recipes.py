@@ -407,8 +407,8 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 NEWEST_OFF = {"model__bigram_rows": 0, "model__backout": False, "model__smear": False, "model__key_offset": False,
               "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
               "train__muon_beta2": 0.0, "train__muon_weight_decay": 0.0, "train__muon_cautious": False,
-              "train__batch_stages": 1, "model__mimetic_init": 0.0, "train__prefix_weight": 0.0, "speed__fused_decode": True,
-              "speed__split_decode": True}
+              "train__batch_stages": 1, "model__mimetic_init": 0.0, "train__prefix_weight": 0.0,
+              "speed__fused_decode": True, "speed__split_decode": True}
 WITHOUT_NEWEST = "the newest ideas off (22m to 126m: record #28's recipe)"
 ADOPTED = "the default (its adopted ideas together)"
 
