@@ -643,7 +643,7 @@ def profile_study(preset: str, micro_batch: int, cuda: bool, switches: dict | No
         windows = r.cfg.model.windows()
         step = lambda: TR.train_step(r.model, r.optimizer, r.train_loader.next_batch, 2, r.cfg.train,  # noqa: E731
                                      r.device, 1e-4, windows=windows, prefetch=r.train_loader.prefetch,
-                                     **TR.targets_at(r, 0))[0].item()
+                                     **TR.step_terms(r, 0))[0].item()
         step()  # warm-up and compile
         wall_ms = 1000 * statistics.median(ME.timed(step, r.device)[1] for _ in range(3))
         spans = []

@@ -107,6 +107,8 @@ class TrainConfig:
     muon_momentum_cooldown: int = 0  # last steps over which it falls back to muon_momentum_start (modded #39: 50)
     mtp_tokens: int = 1  # tokens each position's logits learn to predict, the later ones fading out (modded #53: 3)
     prefix_weight: float = 0.0  # the logits also learn the next token's longest prefix token at this weight (#88: 0.25)
+    # the head and the token embedding step as one matrix until this share of the run, then apart (modded #51, #53: 2/3)
+    untie_at: float = 0.0  # 0: apart from the first step; 1: one matrix all run (optim.tie_head)
     batch_stages: int = 1  # the batch grows over the run in this many equal steps to batch_tokens (modded #46: 3)
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
     head_lr: float = 0.0  # AdamW lr of an untied head; 0: lr (modded-nanogpt: 0.008)
@@ -174,6 +176,7 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "muon_momentum_cooldown": NOT_NEGATIVE,
     "mtp_tokens": (lambda v: 1 <= v <= 8, "in [1, 8] (1: the next token alone)"),
     "prefix_weight": (lambda v: 0 <= v <= 1, "in [0, 1] (0: no prefix-token loss)"),
+    "untie_at": (lambda v: 0 <= v <= 1, "in [0, 1] (0: the head and the embedding apart from the start)"),
     "batch_stages": (lambda v: 1 <= v <= 8, "in [1, 8] (1: the whole batch from the first step)"),
     "muon_momentum_start": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "muon_beta2": (lambda v: 0 <= v < 1, "in [0, 1) (0 turns NorMuon off)"),
@@ -212,6 +215,12 @@ class Config:
         if start and not 0 < start <= end:
             raise ValueError(f"train.window_start={start} grows the window to model.attn_window={end}, so it must "
                              f"be in (0, attn_window]: set model.attn_window, or train.window_start 0 for no schedule")
+        if self.train.untie_at and self.model.tie_embeddings:
+            raise ValueError(f"train.untie_at={self.train.untie_at:g} ties an untied head to the embedding for a share "
+                             f"of the run, but model.tie_embeddings makes them one matrix all along: set one of the two")
+        if self.train.untie_at and self.train.init_from:
+            raise ValueError(f"train.untie_at={self.train.untie_at:g} starts the head and the embedding as one matrix, "
+                             f"but train.init_from starts them from trained weights: set train.untie_at 0")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

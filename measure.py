@@ -294,9 +294,9 @@ def time_run(run: TR.Run, rung: Rung) -> Result:
     device, tcfg = run.device, run.cfg.train
     cuda = device.type == "cuda"
 
-    # A windowed model is timed at its last, longest window, and the loss with every target it weights at the
-    # run's start (the multi-token and prefix-token losses): each step at the most the run computes.
-    targets = TR.targets_at(run, 0)
+    # A windowed model is timed at its last, longest window, and the step with every term of the run's start (the
+    # multi-token and prefix-token losses, a head tied to the embedding): each step at the most the run computes.
+    targets = TR.step_terms(run, 0)
 
     def step(accum):
         loss, _ = TR.train_step(run.model, run.optimizer, run.train_loader.next_batch, accum, tcfg, device, 1e-4,

@@ -286,6 +286,39 @@ class Optimizers:
             opt.load_state_dict(s)
 
 
+def inner_optimizers(optimizer) -> list:
+    """The torch optimizers behind train_step's optimizer (Muon and AdamW, or AdamW alone)."""
+    return list(optimizer.optimizers) if isinstance(optimizer, Optimizers) else [optimizer]
+
+
+# --- One matrix for the head and the embedding, then two (train.untie_at) -------------------
+# modded-nanogpt's records #51 and #53 train the head and the token embedding as one matrix, as a tied model does,
+# for the first 2/3 of the run, then apart. Here the model stays untied (its head keeps its fast paths) and the
+# optimizer ties them: the two gradients summed into the head's, the head stepped, the embedding set to a copy.
+
+@torch.no_grad()
+def share_init(model: M.Llama, std: float = 0.005):
+    """The one matrix's start: the head at N(0, std^2) (record #51's 0.005; an untied head starts at zero, which an
+    embedding must not), the embedding a copy of it."""
+    model.head.weight.normal_(0.0, std)
+    model.embed.weight.copy_(model.head.weight)
+
+
+@torch.no_grad()
+def tie_grads(optimizer, head: torch.Tensor, embed: torch.Tensor, tied: bool):
+    """Before the optimizer's step. Tied: the embedding's gradient joins the head's, the sum a tied weight's
+    two uses give, and the embedding sits the step out (grad None: no optimizer touches it; tied_copy follows
+    the step). Apart: at the first such step the embedding's AdamW moments start as a copy of the head's
+    (record #53) rather than at zero; it has no state until then, so this happens once, resumed or not."""
+    if tied:
+        head.grad.add_(embed.grad)
+        embed.grad = None
+        return
+    for opt in inner_optimizers(optimizer):
+        if head in opt.state and embed not in opt.state:
+            opt.state[embed] = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[head].items()}
+
+
 def set_step_rates(optimizer, lr: float, muon_momentum: float | None = None):
     """This step's rates into every group: the scheduled AdamW rate `lr` (lr_at) times the group's
     lr_ratio, and Muon's momentum (muon_momentum_at; None leaves it as configured)."""
@@ -329,20 +362,24 @@ def stacked_rows(name: str, p: torch.Tensor, cfg: M.ModelConfig) -> list[int] | 
     return None
 
 
-def param_groups(model: M.Llama) -> dict[str, list[tuple[str, torch.Tensor]]]:
+def param_groups(model: M.Llama, shared_head: bool = False) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """(name, parameter) pairs by role: "matrices" are the block matrices (weight decay with AdamW,
-    Muon's with muon); "embed" the token, value and bigram embeddings, "head" an untied head, "scalars" the
-    norm gains and mixing scalars. None of the last three is decayed: a tied embedding is also the
-    head, and a rare token's row would shrink between the few steps that update it; decay would pull
+    Muon's with muon); "embed" the value and bigram embeddings and an untied token embedding, "head" the head,
+    "scalars" the norm gains and mixing scalars. A token embedding that is also the head (tied, or shared_head:
+    train.untie_at) steps as the head does, as modded-nanogpt's records #51 and #53 step it. None of the last
+    three is decayed: a rare token's row would shrink between the few steps that update it; decay would pull
     norm gains toward zero, not toward one."""
     groups = {"matrices": [], "embed": [], "head": [], "scalars": []}
+    headlike = ("head.weight", "embed.weight") if model.cfg.tie_embeddings or shared_head else ("head.weight",)
     for name, p in model.named_parameters():
         if p.dim() == 2 and name.startswith("blocks."):
             role = "matrices"
+        elif name in headlike:
+            role = "head"
         elif name in ("embed.weight", "bigram.weight") or name.startswith("value_embeds."):
             role = "embed"
         else:
-            role = "head" if name == "head.weight" else "scalars"
+            role = "scalars"
         groups[role].append((name, p))
     return groups
 
@@ -356,7 +393,7 @@ def adamw_groups(groups: dict, cfg: C.TrainConfig) -> list[dict]:
 
 def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
     """AdamW on everything, or Muon on the block matrices and AdamW on the rest (cfg.muon)."""
-    groups = param_groups(model)
+    groups = param_groups(model, shared_head=cfg.untie_at > 0)
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[cfg.optimizer]
     adam = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **impl)
     matrices = [p for _, p in groups["matrices"]]

@@ -225,9 +225,11 @@ NEWEST = {
                                                                   "train__muon_cautious": True}),
     "batch-stages": ("+ the batch grown in three stages, rates by sqrt(stage) (#46)", _growing_batch),
     "quarter-batch": ("+ a quarter of the batch, four times the steps (after #39's smaller batch)", _quarter_batch),
-    # the FP8 head is the untied head's: it goes with it
-    "tied-head": ("+ the head tied to the embedding again (#51)", {"model__tie_embeddings": True,
-                                                                  "speed__fp8_head": False}),
+    # the optimizer ties them (optim.tie_grads): the model stays untied, its FP8 head with it (tiny's rung unties it)
+    "tied-head": ("+ the head and the embedding one matrix again (#51)",
+                  {"train__untie_at": 1.0, "model__tie_embeddings": False}),
+    "untie": ("+ the head and the embedding one matrix until 2/3 of the run (#51, #53)",
+              {"train__untie_at": 2 / 3, "model__tie_embeddings": False}),
     # v and wo start as +-sqrt(0.05) I (#64), which needs a kv head per query head: tiny's rung brings that too
     "mimetic": ("+ mimetic value and output init, b = 0.05 (#64)",
                 lambda base, micro_batch: {"model__mimetic_init": 0.05, "model__n_kv_heads": base.model.n_heads}),
@@ -408,7 +410,7 @@ NEWEST_OFF = {"model__bigram_rows": 0, "model__backout": False, "model__smear": 
               "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
               "train__muon_beta2": 0.0, "train__muon_weight_decay": 0.0, "train__muon_cautious": False,
               "train__batch_stages": 1, "model__mimetic_init": 0.0, "train__prefix_weight": 0.0,
-              "speed__fused_decode": True, "speed__split_decode": True}
+              "train__untie_at": 0.0, "speed__fused_decode": True, "speed__split_decode": True}
 WITHOUT_NEWEST = "the newest ideas off (22m to 126m: record #28's recipe)"
 ADOPTED = "the default (its adopted ideas together)"
 

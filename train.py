@@ -154,11 +154,6 @@ def half_precision(cfg: C.TrainConfig, device: torch.device, log=print) -> C.Tra
     return cfg
 
 
-def inner_optimizers(optimizer) -> list:
-    """The torch optimizers behind train_step's optimizer (Muon and AdamW, or AdamW alone)."""
-    return list(optimizer.optimizers) if isinstance(optimizer, O.Optimizers) else [optimizer]
-
-
 def compile_args(mode: C.CompileMode) -> dict:
     """torch.compile's keyword arguments for train.compile_mode. coordinate-descent is not one of
     torch's modes but one Inductor option on the default mode (torch takes a mode or options, not both)."""
@@ -181,6 +176,8 @@ def build_model(cfg: C.Config, speed: FP.SpeedConfig, device: torch.device, seed
     second is compiled and/or DDP-wrapped as configured."""
     torch.manual_seed(seed)
     raw = M.Llama(cfg.model).to(device)
+    if cfg.train.untie_at:  # the head and the embedding start as one matrix (a resume loads its own weights over it)
+        O.share_init(raw)
     swapped = FP.apply(raw, speed, device)
     FP.apply_recompute(raw, cfg.train.activation_checkpointing, cfg.train.recompute_mlp)
     run = raw
@@ -367,11 +364,13 @@ def prefix_at(step: int, steps: int, tcfg: C.TrainConfig,
     return (table, weight) if weight and table is not None else None
 
 
-def targets_at(r: Run, step: int) -> dict:
-    """train_step's loss targets at `step` of the run: the multi-token loss's weights and the prefix-token loss."""
+def step_terms(r: Run, step: int) -> dict:
+    """train_step's terms at `step` of the run: the multi-token loss's weights, the prefix-token loss, and with
+    train.untie_at the head and the embedding with whether they step as one matrix (optim.tie_grads)."""
     tcfg = r.cfg.train
+    tie = (r.raw.head.weight, r.raw.embed.weight, step < tcfg.untie_at * r.steps) if tcfg.untie_at else None
     return {"mtp": mtp_weights_at(step, r.steps, tcfg.mtp_tokens),
-            "prefix": prefix_at(step, r.steps, tcfg, r.prefix_table)}
+            "prefix": prefix_at(step, r.steps, tcfg, r.prefix_table), "tie": tie}
 
 
 def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
@@ -385,7 +384,8 @@ def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
                momentum: float | None = None, windows: tuple[int, int] | None = None, scaler=None, prefetch=None,
-               mtp: tuple[float, ...] = (1.0,), prefix: tuple[torch.Tensor, float] | None = None):
+               mtp: tuple[float, ...] = (1.0,), prefix: tuple[torch.Tensor, float] | None = None,
+               tie: tuple[torch.Tensor, torch.Tensor, bool] | None = None):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
     the device; reading them is the caller's one synchronization per step. With skip_nonfinite,
     a step whose loss or gradient is NaN/inf changes nothing and returns them as they were.
@@ -395,7 +395,8 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
     clipping, and a step whose gradients overflowed is skipped by the scaler (its norm comes back inf).
     prefetch: called once the last micro-batch's backward is queued, to draw the next step's first
     micro-batch while the GPU works (data.ShardLoader.prefetch); None: it is drawn when that step asks.
-    mtp: the multi-token loss's weights at this step (mtp_weights_at); prefix: the prefix-token loss's (prefix_at)."""
+    mtp: the multi-token loss's weights at this step (mtp_weights_at); prefix: the prefix-token loss's (prefix_at).
+    tie: (head, embedding, tied) with train.untie_at: tied, they step as one matrix (optim.tie_grads)."""
     O.set_step_rates(optimizer, lr, momentum)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # CUDA graphs replay into the same output memory, so a gradient that autograd adopted as .grad
@@ -417,8 +418,10 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
         loss_sum += loss.detach()
     if prefetch is not None:
         prefetch()
+    if tie is not None:
+        O.tie_grads(optimizer, *tie)
     if scaler is not None:
-        for opt in inner_optimizers(optimizer):
+        for opt in O.inner_optimizers(optimizer):
             scaler.unscale_(opt)
     if cfg.grad_clip:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -430,11 +433,13 @@ def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, dev
         optimizer.zero_grad(set_to_none=not keep_grads)
         return loss_sum, grad_norm
     if scaler is not None:
-        for opt in inner_optimizers(optimizer):
+        for opt in O.inner_optimizers(optimizer):
             scaler.step(opt)
         scaler.update()
     else:
         optimizer.step()
+    if tie is not None and tie[2]:
+        tie[1].data.copy_(tie[0].data)  # the embedding is the head again (optim.tie_grads)
     optimizer.zero_grad(set_to_none=not keep_grads)
     return loss_sum, grad_norm
 
@@ -805,8 +810,9 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
         muon += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
     if tcfg.muon and tcfg.muon_weight_decay and tcfg.muon_cautious:
         muon += ", cautious weight decay"
+    tie = f"; head and embedding one matrix until {tcfg.untie_at:.0%} of the run" if tcfg.untie_at else ""
     say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{muon}), "
-        f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}")
+        f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}{tie}")
     length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
               else f"{r.steps} steps = {SZ.run_tokens(tcfg, r.steps):,} tokens")
     stages = f", grown over {tcfg.batch_stages} stages" if tcfg.batch_stages > 1 else ""
@@ -967,7 +973,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
         stage = SZ.batch_stage(p.step, r.steps, tcfg.batch_stages)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum * stage // tcfg.batch_stages, tcfg,
                                      r.device, step_lr(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps),
-                                     windows, r.scaler, prefetch, **targets_at(r, p.step))
+                                     windows, r.scaler, prefetch, **step_terms(r, p.step))
         if dist.is_initialized():
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()

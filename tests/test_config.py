@@ -93,7 +93,7 @@ OUT_OF_RANGE = {
     "peak_tflops": -1.0, "window_start": -1, "lr": 1.5, "min_lr_ratio": -0.1, "beta1": 1.0, "beta2": -0.1,
     "grad_clip": -1.0, "warmdown_fraction": 0.0, "muon_lr": 0.0, "muon_momentum": 1.0, "muon_weight_decay": -1.0,
     "muon_momentum_warmup": -1, "mtp_tokens": 0, "prefix_weight": 1.5, "batch_stages": 0, "muon_momentum_start": 1.0, "embed_lr": 11.0, "head_lr": -1.0, "scalar_lr": 20.0,
-    "adam_eps": 0.0, "muon_beta2": 1.0, "muon_momentum_cooldown": -1,
+    "adam_eps": 0.0, "muon_beta2": 1.0, "muon_momentum_cooldown": -1, "untie_at": 1.5,
 }
 
 
@@ -227,3 +227,13 @@ def test_a_config_error_names_the_file_that_holds_the_key(tmp_path):
     (tmp_path / "w.toml").write_text('extends = "tiny"\n[model]\nattn_window = 64\n[train]\nwindow_start = 128\n')
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'w.toml'}: train\.window_start=128 grows the window"):
         C.load_config(tmp_path / "w.toml")
+
+
+def test_a_head_tied_for_part_of_the_run_needs_an_untied_model_started_fresh():
+    """train.untie_at ties an untied head through the optimizer: refused with a tied model (one matrix all along)
+    and with train.init_from (trained weights, head and embedding apart), each naming what to set."""
+    with pytest.raises(ValueError, match=r"train.untie_at=0.5 ties an untied head .* model.tie_embeddings makes them"):
+        C.preset("tiny", train__untie_at=0.5)
+    with pytest.raises(ValueError, match=r"train.untie_at=0.5 starts .* train.init_from .* set train.untie_at 0"):
+        C.preset("tiny", train__untie_at=0.5, model__tie_embeddings=False, train__init_from="runs/x")
+    assert C.preset("tiny", train__untie_at=0.5, model__tie_embeddings=False).train.untie_at == 0.5

@@ -587,7 +587,7 @@ def test_the_cpu_run_header_reports_what_runs(finished, tmp_path):
     assert "swiglu 256 wide" in next(line for line in said if line.startswith("model: "))
     assert "speed: attention sdpa; fast paths swapped in: none (the plain model)" in said
     assert any(line.startswith("note: --no-fused-swiglu on CPU: Triton's kernels run on a GPU") for line in said)
-    assert any(line.startswith("optimizer: AdamW (peak lr by group: matrices 0.003, embed 0.003, scalars 0.003), "
+    assert any(line.startswith("optimizer: AdamW (peak lr by group: matrices 0.003, head 0.003, scalars 0.003), "
                                "cosine schedule, clipping 1.0") for line in said)
 
 

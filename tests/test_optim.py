@@ -1,6 +1,7 @@
 """optim.py: which tensors each optimizer updates, the schedules' shapes, and Muon's update
 against the published algorithm computed in float64."""
 
+import dataclasses
 import math
 
 import pytest
@@ -323,3 +324,57 @@ def test_two_gloo_ranks_share_muons_iteration_and_equal_one_process(tmp_path, fr
     for r in ranks:
         for mine, one in zip(r["params"], two_muon_steps()):
             torch.testing.assert_close(mine, one, rtol=1e-12, atol=1e-12)
+
+
+def test_a_head_tied_through_the_optimizer_trains_as_a_tied_model_then_apart_in_float64():
+    """train.untie_at: the untied model whose optimizer sums the embedding's gradient into the head's and copies the
+    head back steps exactly as the tied model (one matrix, both uses' gradients summed by autograd) at the head's
+    rate; the embedding has no optimizer state while tied. Breaks if the sum, the skip or the copy goes."""
+    import train as TR
+    torch.manual_seed(0)
+    tied = M.Llama(tiny_model_cfg(n_layers=1, logit_softcap=15.0)).double()
+    apart = M.Llama(tiny_model_cfg(n_layers=1, logit_softcap=15.0, tie_embeddings=False)).double()
+    with torch.no_grad():
+        for name, p in apart.named_parameters():
+            p.copy_(tied.embed.weight if name == "head.weight" else dict(tied.named_parameters())[name])
+    tcfg = C.TrainConfig(steps=4, lr=1e-2, embed_lr=0.5, head_lr=2e-2, grad_clip=1.0)
+    opt_tied = O.configure_optimizer(tied, tcfg)
+    opt_apart = O.configure_optimizer(apart, C.TrainConfig(**{**tcfg.__dict__, "untie_at": 0.5}))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, tied.cfg.vocab_size, (2, 17), generator=gen)
+        batch = (x[:, :-1], x[:, 1:])
+        for model, opt, tie in ((tied, opt_tied, None), (apart, opt_apart, (apart.head.weight, apart.embed.weight, True))):
+            TR.train_step(model, opt, lambda: batch, 1, tcfg, torch.device("cpu"), tcfg.lr, tie=tie)
+    torch.testing.assert_close(apart.head.weight, tied.embed.weight, rtol=0, atol=1e-12)
+    torch.testing.assert_close(apart.embed.weight, tied.embed.weight, rtol=0, atol=0)
+    torch.testing.assert_close(apart.blocks[0].attn.wqkv.weight, tied.blocks[0].attn.wqkv.weight, rtol=0, atol=1e-12)
+    assert apart.embed.weight not in opt_apart.state and tied.embed.weight in opt_tied.state
+
+
+def test_untied_the_embedding_starts_from_the_heads_adam_moments_once():
+    """At the first step apart the embedding's AdamW state is a copy of the head's (record #53), its own tensors;
+    a later step keeps the embedding's own."""
+    head, embed = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))
+    opt = torch.optim.AdamW([head, embed], lr=0.1)
+    head.grad = torch.randn(8, 4)
+    opt.step()
+    O.tie_grads(opt, head, embed, tied=False)
+    assert set(opt.state[embed]) == set(opt.state[head])
+    for key, value in opt.state[head].items():
+        torch.testing.assert_close(opt.state[embed][key], value)
+        assert opt.state[embed][key] is not value
+    before = opt.state[embed]["exp_avg"].clone()
+    opt.state[head]["exp_avg"].add_(1.0)
+    O.tie_grads(opt, head, embed, tied=False)
+    torch.testing.assert_close(opt.state[embed]["exp_avg"], before)
+
+
+def test_the_head_and_a_token_embedding_it_shares_step_at_the_heads_rate():
+    """A tied embedding is the head too, and so is an untied one tied through the optimizer (train.untie_at): both
+    step in the head's group; value embeddings keep the embedding's."""
+    cfg = tiny_model_cfg(n_layers=2, value_embeds=1)
+    for model, tcfg in ((M.Llama(cfg), C.TrainConfig(steps=1)),
+                        (M.Llama(dataclasses.replace(cfg, tie_embeddings=False)), C.TrainConfig(steps=1, untie_at=0.5))):
+        groups = {role: {n for n, _ in pairs} for role, pairs in O.param_groups(model, tcfg.untie_at > 0).items()}
+        assert "embed.weight" in groups["head"] and groups["embed"] == {"value_embeds.0.weight"}

@@ -49,7 +49,7 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
 # modded-nanogpt's parts (the newest record's bigram table, backout and smear too) on documents masked apart, with
 # Polar Express and NorMuon (whose second moments a resume must restore), Muon's momentum, the sliding window (16,
 # 32, 32, 32, 48, 48 tokens), the multi-token loss's weights and the batch (half, then whole) all changing over the 6
-# steps: a stop after step 3 resumes inside each.
+# steps, and the head and the embedding one matrix for the first 3: a stop after step 3 resumes inside each.
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
                   "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "backout": True, "smear": True,
@@ -57,7 +57,8 @@ RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embed
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
-                  "muon_iteration": "polar-express", "muon_beta2": 0.95, "mtp_tokens": 3, "batch_stages": 2})
+                  "muon_iteration": "polar-express", "muon_beta2": 0.95, "mtp_tokens": 3, "batch_stages": 2,
+                  "untie_at": 0.5})
 
 
 # fp16 with its gradient scaler (the path of GPUs without bf16), which CPU autocast runs too: the
