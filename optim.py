@@ -307,8 +307,8 @@ def share_init(model: M.Llama, std: float = 0.005):
 @torch.no_grad()
 def tie_grads(optimizer, head: torch.Tensor, embed: torch.Tensor, tied: bool):
     """Before the optimizer's step. Tied: the embedding's gradient joins the head's, the sum a tied weight's
-    two uses give, and the embedding sits the step out (grad None: no optimizer touches it; tied_copy follows
-    the step). Apart: at the first such step the embedding's AdamW moments start as a copy of the head's
+    two uses give, and the embedding sits the step out (grad None: no optimizer touches it; train_step then
+    copies the head into it). Apart: at the first such step the embedding's AdamW moments start as a copy of the head's
     (record #53) rather than at zero; it has no state until then, so this happens once, resumed or not."""
     if tied:
         head.grad.add_(embed.grad)
