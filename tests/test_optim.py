@@ -10,6 +10,7 @@ import torch
 import config as C
 import model as M
 import optim as O
+import train as TR
 from conftest import tiny_model_cfg
 
 
@@ -330,7 +331,6 @@ def test_a_head_tied_through_the_optimizer_trains_as_a_tied_model_then_apart_in_
     """train.untie_at: the untied model whose optimizer sums the embedding's gradient into the head's and copies the
     head back steps exactly as the tied model (one matrix, both uses' gradients summed by autograd) at the head's
     rate; the embedding has no optimizer state while tied. Breaks if the sum, the skip or the copy goes."""
-    import train as TR
     torch.manual_seed(0)
     tied = M.Llama(tiny_model_cfg(n_layers=1, logit_softcap=15.0)).double()
     apart = M.Llama(tiny_model_cfg(n_layers=1, logit_softcap=15.0, tie_embeddings=False)).double()
