@@ -41,8 +41,8 @@ MLPKind = Literal["swiglu", "relu2"]
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
-                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "backout", "smear",
-                "key_offset", "value_gate")
+                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "bigram_signs",
+                "backout", "smear", "key_offset", "value_gate")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -79,6 +79,7 @@ class ModelConfig:
     attn_scale: float = 0.0  # the attention logits' scale; 0: 1/sqrt(head_dim) (modded-nanogpt's: 0.12 at head 128)
     # modded-nanogpt's records since #28 (records/track_1_short/ READMEs), each off until measured here:
     bigram_rows: int = 0  # rows of a hashed (previous, current) token-pair table added to every block's input (#62)
+    bigram_signs: bool = False  # each pair's bigram row times a fixed +-1 pattern of the pair (record #83)
     backout: bool = False  # subtract a learned multiple of the stream at 2/3 depth before the head (record #40)
     smear: bool = False  # each token's embedding gains a gated multiple of its predecessor's (record #34)
     key_offset: bool = False  # long layers' keys take their unrotated dims from the token before (record #49)
@@ -111,7 +112,8 @@ class ModelConfig:
             raise ValueError(f"model.ffn_hidden must be >= 0 (0 means automatic), got {self.ffn_hidden}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps ({self.norm_eps}) must be positive")
-        for name, zero in (("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"), ("mimetic_init", "0: off")):
+        for name, zero in (("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"), ("mimetic_init", "0: off"),
+                           ("attn_window", "0: attend over the whole context")):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0 ({zero}), got {getattr(self, name)}")
         if not 0 <= self.value_embeds <= self.n_layers // 2:
@@ -122,8 +124,6 @@ class ModelConfig:
                              f"{self.d_model}: turn them off or use a wider model")
         if self.mimetic_init and self.n_kv_heads != self.n_heads:  # each head's value map starts as an identity
             raise ValueError(f"model.mimetic_init needs a kv head per query head: set n_kv_heads = n_heads = {self.n_heads}")
-        if self.attn_window < 0:
-            raise ValueError(f"model.attn_window must be >= 0 (0: attend over the whole context), got {self.attn_window}")
         if self.short_windows and not self.windowed:
             raise ValueError(f"model.short_windows halves model.attn_window on most layers, but attn_window="
                              f"{self.attn_window} hides nothing in a context of {self.context}: set attn_window "
@@ -137,7 +137,8 @@ class ModelConfig:
         if self.bigram_rows == 1 or self.bigram_rows < 0:
             raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows")
         for part, needs, why in (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
-                                 ("value_gate", "value_embeds", "it gates the value embeddings")):
+                                 ("value_gate", "value_embeds", "it gates the value embeddings"),
+                                 ("bigram_signs", "bigram_rows", "it signs the bigram table's rows")):
             if getattr(self, part) and not getattr(self, needs):
                 raise ValueError(f"model.{part} needs model.{needs}: {why}; set it or use --no-{part.replace('_', '-')}")
         if self.mlp not in ("swiglu", "relu2"):
@@ -249,6 +250,22 @@ def bigram_row(prev, idx, rows: int):
     (modded-nanogpt's, record #62), the last for "none before" (prev -1). The frequent pairs rarely collide."""
     hashed = torch.bitwise_xor(36313 * idx, 27191 * prev) % (rows - 1)
     return torch.where(prev < 0, rows - 1, hashed)
+
+
+SIGN_PATTERNS = 8192  # bigram_signs' patterns (record #83's 8,192; 500 to 15,000 did as well there)
+
+
+def sign_patterns(d: int):
+    """bigram_signs' fixed patterns (SIGN_PATTERNS, d) of +-1 as int8: drawn once from a seeded generator on the
+    CPU, so every machine, checkpoint and export computes the same ones without saving them."""
+    bits = torch.randint(0, 2, (SIGN_PATTERNS, d), generator=torch.Generator().manual_seed(83), dtype=torch.int8)
+    return 2 * bits - 1
+
+
+def sign_row(prev, idx):
+    """Each (previous, current) pair's sign pattern (B, T): previous xor current, modulo the patterns; the first
+    for "none before" (prev -1)."""
+    return torch.where(prev < 0, 0, torch.bitwise_xor(prev, idx) % SIGN_PATTERNS)
 
 
 class Attention(nn.Module):
@@ -462,13 +479,20 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_gains)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.output = Output(cfg)
-        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, cfg.rope_truncate)
-        # Buffers, not parameters; not saved in checkpoints (they follow from the config). Kept in
-        # float64 and cast to the activations' dtype when used, so a float64 model is exact.
-        device = self.embed.weight.device
-        self.register_buffer("cos", cos.to(device), persistent=False)
-        self.register_buffer("sin", sin.to(device), persistent=False)
+        for name in ("cos", "sin", "signs"):  # buffers, not parameters: they follow from the config (set_tables)
+            self.register_buffer(name, None, persistent=False)
+        self.set_tables()
         self.reset_parameters()
+
+    def set_tables(self):
+        """Set the buffers that follow from the config, never saved, on the embedding's device: RoPE's cos and sin
+        (T, head_dim), kept in float64 and cast to the activations' dtype when used, so a float64 model is exact;
+        bigram_signs' patterns (SIGN_PATTERNS, d), so a row the hash shares serves each pair in its own directions
+        (record #83). At build, and again where a model was built without values (export's loader)."""
+        cfg, device = self.cfg, self.embed.weight.device
+        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, cfg.rope_truncate)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+        self.signs = sign_patterns(cfg.d_model).to(device) if cfg.bigram_signs else None
 
     def reset_parameters(self):
         """GPT-2's init, as nanoGPT and llm.c use it: every matrix normal with std 0.02, and the two projections
@@ -550,6 +574,11 @@ class Llama(nn.Module):
         seen, before = self.history.update(masks.pos, idx), masks.pos - 1  # (B, context), (T,)
         return torch.where(before >= 0, seen[:, before.clamp(min=0)], -1)
 
+    def bigram_input(self, prev, idx):
+        """The bigram table's row of each (previous, current) pair (B, T, d), times the pair's sign pattern."""
+        xb = self.bigram(bigram_row(prev, idx, self.cfg.bigram_rows))
+        return xb if self.signs is None else xb * self.signs[sign_row(prev, idx)]
+
     def embedded(self, idx, prev):
         """The stream's start (B, T, d): the token embedding, smeared with its predecessor's (smear), normed."""
         x = self.embed(idx)
@@ -577,7 +606,7 @@ class Llama(nn.Module):
         x = self.embedded(idx, prev)
         at = slice(0, T) if masks.pos is None else masks.pos
         rope = self.cos[at].to(x.dtype), self.sin[at].to(x.dtype)  # (T, head_dim) each
-        xb = None if self.bigram is None else self.bigram(bigram_row(prev, idx, self.cfg.bigram_rows))
+        xb = None if self.bigram is None else self.bigram_input(prev, idx)
         x0, ve, skips = x, self.value_rows(idx), []
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
         for i, block in enumerate(self.blocks):

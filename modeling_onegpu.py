@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import cache_masks
-from .model import Llama, ModelConfig, rope_tables
+from .model import Llama, ModelConfig
 
 
 class OnegpuConfig(PretrainedConfig):
@@ -77,12 +77,10 @@ class OnegpuForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module):
-        """The weights come from the checkpoint; the RoPE tables are buffers that follow from the config, so they
-        are computed again here wherever transformers built the model without values (on the meta device)."""
+        """The weights come from the checkpoint; the RoPE tables and the bigram signs are buffers that follow from the
+        config, so they are computed again here wherever transformers built the model without values (on "meta")."""
         if isinstance(module, Llama):
-            cfg = module.cfg
-            cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, cfg.rope_truncate)
-            module.cos, module.sin = cos.to(module.embed.weight.device), sin.to(module.embed.weight.device)
+            module.set_tables()
 
     def get_input_embeddings(self):
         return self.model.embed

@@ -208,6 +208,10 @@ def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
 NEWEST = {
     "bigram": ("+ bigram hash table, 5x the vocabulary (#62)",
                lambda base, micro_batch: {"model__bigram_rows": 5 * base.model.vocab_size}),
+    # the sign trick needs the table: on a preset without one (tiny) the rung brings it too
+    "bigram-signs": ("+ the bigram table's rows signed by pair (#83)",
+                     lambda base, micro_batch: {"model__bigram_signs": True,
+                                                "model__bigram_rows": base.model.bigram_rows or 5 * base.model.vocab_size}),
     "backout": ("+ backout (#40)", {"model__backout": True}),
     "smear": ("+ smear (#34)", {"model__smear": True}),
     # each needs a part the GPU presets have, and tiny has not: there the rung brings it too
@@ -406,8 +410,8 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 
 # Every NEWEST idea off: what the defaults are without them (record #28's recipe), where the newest rungs start;
 # with them off, generation's fused decode (which has no key offset or value gates) is back on.
-NEWEST_OFF = {"model__bigram_rows": 0, "model__backout": False, "model__smear": False, "model__key_offset": False,
-              "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
+NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__backout": False, "model__smear": False,
+              "model__key_offset": False, "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
               "train__muon_beta2": 0.0, "train__muon_weight_decay": 0.0, "train__muon_cautious": False,
               "train__batch_stages": 1, "model__mimetic_init": 0.0, "train__prefix_weight": 0.0,
               "train__untie_at": 0.0, "speed__fused_decode": True, "speed__split_decode": True}

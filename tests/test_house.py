@@ -210,7 +210,7 @@ def functions(module: str):
 
 def test_model_py_is_the_plain_model_a_person_reads():
     """At most 650 lines; no kernel module, FP8 or 'does this run here' test in it; Llama.forward of at most 40
-    lines and 4 parameters; ModelConfig of at most 32 fields (the house's 26 and room for the newest record's ideas,
+    lines and 4 parameters; ModelConfig of at most 33 fields (the house's 26 and room for the newest record's ideas,
     each a recipe field): shape and recipe, no speed switch."""
     import dataclasses
     import fastpaths as FP
@@ -222,7 +222,7 @@ def test_model_py_is_the_plain_model_a_person_reads():
     forward = next(n for n in llama.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
     assert forward.end_lineno - forward.lineno + 1 <= 40 and len(forward.args.args) - 1 <= 4
     fields = {f.name for f in dataclasses.fields(M.ModelConfig)}
-    assert len(fields) <= 32 and not fields & set(FP.SPEED_FIELDS)
+    assert len(fields) <= 33 and not fields & set(FP.SPEED_FIELDS)
 
 
 def test_no_function_over_60_lines_outside_the_triton_kernels():

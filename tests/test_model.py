@@ -276,6 +276,31 @@ def test_the_bigram_tables_row_for_each_pair_enters_every_blocks_input():
         torch.testing.assert_close(inputs[i] - outputs[i], mix * table[rows][None], rtol=0, atol=1e-12)
 
 
+def test_bigram_signs_multiply_each_pairs_row_by_its_fixed_sign_pattern():
+    """bigram_signs (record #83): block i's input gains bigram_mix[i] times the pair's row times the sign pattern of
+    (previous xor current) mod 8,192, the first position's pattern 0; the patterns are +-1, the same in every model
+    built, and not saved."""
+    model = small_model(bigram_rows=11, bigram_signs=True)
+    signs = M.sign_patterns(64)
+    assert torch.equal(model.signs, signs) and set(signs.unique().tolist()) == {-1, 1} and abs(signs.double().mean()) < 0.01
+    assert "signs" not in model.state_dict() and signs.shape == (8192, 64)
+    idx = torch.tensor([[5, 96, 5, 96, 0, 7]])
+    prev = [-1] + idx[0, :-1].tolist()
+    rows = [bigram_row_reference(p, t, 11) for p, t in zip(prev, idx[0].tolist())]
+    patterns = [0 if p < 0 else (p ^ t) % 8192 for p, t in zip(prev, idx[0].tolist())]
+    inputs = []
+    model.blocks[1].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    before = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: before.append(out))
+    table = torch.randn(11, 64, dtype=torch.float64)
+    with torch.no_grad():
+        model.bigram_mix.copy_(torch.tensor([0.3, -2.0], dtype=torch.float64))
+        model.bigram.weight.copy_(table)
+        model(idx)
+    expected = -2.0 * table[rows] * signs[patterns].double()
+    torch.testing.assert_close(inputs[0] - before[0], expected[None], rtol=0, atol=1e-12)
+
+
 def test_smear_adds_a_gated_multiple_of_the_predecessors_embedding():
     """smear: the stream starts from e[t] + m * sigmoid(e[t, :12] . g) * e[t-1] (e the embedding), e[0] alone; m and g
     start at zero, so the model starts without it; 13 parameters."""
