@@ -797,7 +797,7 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     (f"attention scale {m.attn_scale:g}", m.attn_scale),
                                     (f"window {m.attn_window}" + (f", {m.windows()[1]} on short layers" if m.short_windows
                                                                   else ""), m.attn_window),
-                                    (f"bigram table of {m.bigram_rows:,} rows", m.bigram_rows),
+                                    (f"{'signed ' if m.bigram_signs else ''}bigram table of {m.bigram_rows:,} rows", m.bigram_rows),
                                     (f"backout of layer {m.backout_layer}", m.backout), ("smear", m.smear),
                                     ("key offset on the long layers", m.key_offset),
                                     ("value-embedding gates", m.value_gate)) if on]

@@ -1115,10 +1115,10 @@ def test_the_run_header_says_what_runs(train_config, tmp_path):
     assert meter.peak == 100.0 and meter.peak_name == "100 TFLOP/s given"  # MFU against --peak-tflops, on any device
     said.clear()
     newest = dataclasses.replace(train_config, model=dataclasses.replace(
-        train_config.model, bigram_rows=100, backout=True, smear=True, key_offset=True, rope_truncate=True,
-        value_embeds=1, value_gate=True))
+        train_config.model, bigram_rows=100, bigram_signs=True, backout=True, smear=True, key_offset=True,
+        rope_truncate=True, value_embeds=1, value_gate=True))
     TR.announce(TR.setup(with_train(newest, batch_stages=2, mtp_tokens=3), log=said.append), tmp_path, said.append)
-    assert ("model parts: 1 value embeddings, truncated RoPE, bigram table of 100 rows, backout of layer 0, smear, key "
+    assert ("model parts: 1 value embeddings, truncated RoPE, signed bigram table of 100 rows, backout of layer 0, smear, key "
             "offset on the long layers, value-embedding gates") in said
     assert ("batch: 512 tokens = 4 seq x 64 tokens x 2 accumulation x 1 rank(s), grown over 2 stages; 6 steps = 2,304 "
             "tokens; the loss over the next 3 tokens, fading to the next one's") in said
