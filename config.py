@@ -95,6 +95,8 @@ class TrainConfig:
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0  # Muon's decoupled weight decay, times Muon's scheduled lr
     muon_cautious: bool = False  # decay only the entries the update moves toward zero too (cautious weight decay)
+    # AdamW's embeddings and head decay too, cautiously, lr^2 x this x their role's multiplier (optim.ADAM_DECAY)
+    adam_weight_decay: float = 0.0  # 0: off (records #50 on: 0.005)
     # onegpu's MLP up-projection (ffn x d) is tall: it steps at 2x muon_lr with this scale. modded-nanogpt's
     # record #28 stores that matrix transposed (d x ffn), so every update there is scaled by 1.
     muon_tall_scale: bool = True  # a tall (rows > cols) matrix's update times sqrt(rows / cols) (Jordan's)
@@ -172,6 +174,7 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "muon_lr": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "muon_weight_decay": NOT_NEGATIVE,
+    "adam_weight_decay": (lambda v: 0 <= v <= 1, "in [0, 1] (0: off; the records: 0.005)"),
     "muon_momentum_warmup": NOT_NEGATIVE,
     "muon_momentum_cooldown": NOT_NEGATIVE,
     "mtp_tokens": (lambda v: 1 <= v <= 8, "in [1, 8] (1: the next token alone)"),

@@ -384,11 +384,42 @@ def param_groups(model: M.Llama, shared_head: bool = False) -> dict[str, list[tu
     return groups
 
 
+# train.adam_weight_decay's multiplier by role: modded-nanogpt's (records #50 on) for its head and token embedding
+# (150), its value and bigram tables (5) and its scalars (0). Our untied token embedding steps at the tables' rate
+# (embed_lr), where 150 would take a quarter of each row a step: it decays as they do.
+ADAM_DECAY = {"head": 150.0, "embed": 5.0, "scalars": 0.0}
+
+
 def adamw_groups(groups: dict, cfg: C.TrainConfig) -> list[dict]:
-    """The undecayed AdamW groups, one per role that has parameters, each at its own learning rate."""
+    """AdamW's groups, one per role that has parameters, each at its own learning rate; none has AdamW's own
+    decay, some CautiousAdamW's (train.adam_weight_decay)."""
     rates = {"embed": cfg.embed_lr, "head": cfg.head_lr, "scalars": cfg.scalar_lr}
     return [{"params": [p for _, p in groups[role]], "weight_decay": 0.0, "lr_ratio": (rate or cfg.lr) / cfg.lr,
-             "role": role} for role, rate in rates.items() if groups[role]]
+             "role": role, "cautious_decay": cfg.adam_weight_decay * ADAM_DECAY[role]}
+            for role, rate in rates.items() if groups[role]]
+
+
+class CautiousAdamW(torch.optim.AdamW):
+    """AdamW that first decays each entry its step moves toward zero by lr^2 x the group's "cautious_decay"
+    (modded-nanogpt's cautious weight decay on Adam, record #50: the decay grows and shrinks with the rate
+    squared). Adam's step has the sign of its new first moment, beta1 m + (1 - beta1) g, known before the step;
+    decaying p first changes nothing Adam computes, so this is the record's p - lr^2 c mask p - step."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self._step_supports_amp_scaling = False  # the mask reads the gradients: a GradScaler unscales them first
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            rate, beta1 = group["lr"] ** 2 * group["cautious_decay"], group["betas"][0]
+            for p in group["params"] if rate else ():
+                if p.grad is None:
+                    continue
+                m = self.state[p].get("exp_avg")
+                moment = p.grad if m is None else beta1 * m + (1 - beta1) * p.grad  # (the first step's m is 0)
+                p.sub_(rate * p * (moment * p > 0))
+        return super().step(closure)
 
 
 def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
@@ -397,12 +428,13 @@ def configure_optimizer(model: M.Llama, cfg: C.TrainConfig):
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[cfg.optimizer]
     adam = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **impl)
     matrices = [p for _, p in groups["matrices"]]
+    adamw = CautiousAdamW if cfg.adam_weight_decay else torch.optim.AdamW
     if not cfg.muon:
-        return torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay, "lr_ratio": 1.0,
-                                   "role": "matrices"}, *adamw_groups(groups, cfg)], **adam)
+        return adamw([{"params": matrices, "weight_decay": cfg.weight_decay, "lr_ratio": 1.0, "role": "matrices",
+                       "cautious_decay": 0.0}, *adamw_groups(groups, cfg)], **adam)
     muon = Muon([{"params": matrices, "lr_ratio": cfg.muon_lr / cfg.lr, "role": "matrices",
                   "splits": [stacked_rows(n, p, model.cfg) for n, p in groups["matrices"]]}],
                 lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.muon_weight_decay,
                 tall_scale=cfg.muon_tall_scale, shared=cfg.muon_shared, kernel=cfg.muon_kernel,
                 iteration=cfg.muon_iteration, beta2=cfg.muon_beta2, cautious=cfg.muon_cautious)
-    return Optimizers(muon, torch.optim.AdamW(adamw_groups(groups, cfg), **adam))
+    return Optimizers(muon, adamw(adamw_groups(groups, cfg), **adam))

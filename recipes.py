@@ -227,6 +227,8 @@ NEWEST = {
     # muon_lr * muon_weight_decay: 0.013 at our 0.05 is the same step.
     "cautious-wd": ("+ cautious weight decay on Muon (#43, #50)", {"train__muon_weight_decay": 0.013,
                                                                   "train__muon_cautious": True}),
+    # ...and on Adam's embeddings and head (#50), by the rate squared and the record's multipliers (optim.ADAM_DECAY)
+    "adam-wd": ("+ cautious weight decay on Adam's embeddings and head (#50)", {"train__adam_weight_decay": 0.005}),
     "batch-stages": ("+ the batch grown in three stages, rates by sqrt(stage) (#46)", _growing_batch),
     "quarter-batch": ("+ a quarter of the batch, four times the steps (after #39's smaller batch)", _quarter_batch),
     # the optimizer ties them (optim.tie_grads): the model stays untied, its FP8 head with it (tiny's rung unties it)
@@ -411,10 +413,11 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 # Every NEWEST idea off: what the defaults are without them (record #28's recipe), where the newest rungs start;
 # with them off, generation's fused decode (which has no key offset or value gates) is back on.
 NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__backout": False, "model__smear": False,
-              "model__key_offset": False, "model__value_gate": False, "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz",
-              "train__muon_beta2": 0.0, "train__muon_weight_decay": 0.0, "train__muon_cautious": False,
-              "train__batch_stages": 1, "model__mimetic_init": 0.0, "train__prefix_weight": 0.0,
-              "train__untie_at": 0.0, "speed__fused_decode": True, "speed__split_decode": True}
+              "model__key_offset": False, "model__value_gate": False, "model__mimetic_init": 0.0,
+              "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz", "train__muon_beta2": 0.0,
+              "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
+              "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,
+              "speed__fused_decode": True, "speed__split_decode": True}
 WITHOUT_NEWEST = "the newest ideas off (22m to 126m: record #28's recipe)"
 ADOPTED = "the default (its adopted ideas together)"
 

@@ -774,6 +774,22 @@ def loss_targets(tcfg: C.TrainConfig) -> str:
     return said
 
 
+def optimizer_line(tcfg: C.TrainConfig, optimizer) -> str:
+    """The run header's optimizer: each group's peak rate, the momentum schedule, the decays, the schedule, the tie."""
+    groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in optimizer.param_groups)
+    muon = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
+            f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
+    if tcfg.muon and tcfg.muon_momentum_cooldown:
+        muon += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
+    if tcfg.muon and tcfg.muon_weight_decay and tcfg.muon_cautious:
+        muon += ", cautious weight decay"
+    if tcfg.adam_weight_decay:
+        muon += f", AdamW's embeddings and head decayed cautiously ({tcfg.adam_weight_decay:g} x lr^2 by role)"
+    tie = f"; head and embedding one matrix until {tcfg.untie_at:.0%} of the run" if tcfg.untie_at else ""
+    return (f"{'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{muon}), {tcfg.schedule} "
+            f"schedule, clipping {tcfg.grad_clip or 'off'}{tie}")
+
+
 def announce(r: Run, run_dir: Path, say) -> Meter:
     """Provenance and what runs, printed and saved in config.json; the Meter for the log lines."""
     cfg, tcfg, device, m = r.cfg, r.cfg.train, r.device, r.cfg.model
@@ -803,16 +819,7 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     ("value-embedding gates", m.value_gate)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
-    groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in r.optimizer.param_groups)
-    muon = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
-            f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
-    if tcfg.muon and tcfg.muon_momentum_cooldown:
-        muon += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
-    if tcfg.muon and tcfg.muon_weight_decay and tcfg.muon_cautious:
-        muon += ", cautious weight decay"
-    tie = f"; head and embedding one matrix until {tcfg.untie_at:.0%} of the run" if tcfg.untie_at else ""
-    say(f"optimizer: {'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{muon}), "
-        f"{tcfg.schedule} schedule, clipping {tcfg.grad_clip or 'off'}{tie}")
+    say(f"optimizer: {optimizer_line(tcfg, r.optimizer)}")
     length = (f"steps sized after {SZ.PROBE_STEPS} to fill {tcfg.seconds:g} training seconds" if r.steps == SZ.UNSIZED
               else f"{r.steps} steps = {SZ.run_tokens(tcfg, r.steps):,} tokens")
     stages = f", grown over {tcfg.batch_stages} stages" if tcfg.batch_stages > 1 else ""

@@ -98,6 +98,42 @@ def test_cautious_weight_decay_decays_only_where_the_update_agrees_in_float64():
     torch.testing.assert_close(step(0.5, False), p0 * (1 - 0.1 * 0.5) - 0.1 * update, rtol=0, atol=1e-12)
 
 
+def test_cautious_adam_decays_by_the_rate_squared_where_the_step_moves_toward_zero_in_float64():
+    """Record #50 on Adam: p -= lr^2 c p (u p > 0) + u over three steps, u Adam's step (its moments carried), c the
+    group's cautious_decay; a group without one steps as AdamW."""
+    torch.manual_seed(0)
+    p0, grads = torch.randn(32, 16, dtype=torch.float64), torch.randn(3, 32, 16, dtype=torch.float64)
+    lr, c, (b1, b2), eps = 0.1, 2.0, (0.8, 0.95), 1e-12
+    m = v = torch.zeros_like(p0)
+    expected, agree = p0.clone(), []
+    for t, g in enumerate(grads, 1):
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        u = lr / (1 - b1 ** t) * m / ((v / (1 - b2 ** t)).sqrt() + eps)
+        agree.append((u * expected > 0).double().mean())
+        expected = expected - lr ** 2 * c * expected * (u * expected > 0) - u
+    assert all(0.2 < a < 0.8 for a in agree)  # both kinds of entries, each step
+    p, plain = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    opt = O.CautiousAdamW([{"params": [p], "cautious_decay": c}, {"params": [plain], "cautious_decay": 0.0}],
+                          lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0)
+    reference = torch.optim.AdamW([p0.clone().requires_grad_()], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0)
+    for g in grads:
+        p.grad, plain.grad, reference.param_groups[0]["params"][0].grad = g.clone(), g.clone(), g.clone()
+        opt.step()
+        reference.step()
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(plain.detach(), reference.param_groups[0]["params"][0].detach(), rtol=0, atol=0)
+
+
+def test_adam_weight_decay_takes_the_records_multipliers_by_role():
+    """train.adam_weight_decay: the head x150, the embeddings x5, the scalars not at all; 0 keeps torch's AdamW."""
+    model = M.Llama(tiny_model_cfg(n_layers=1, tie_embeddings=False))
+    adam = O.configure_optimizer(model, C.TrainConfig(steps=1, muon=True, adam_weight_decay=0.004)).optimizers[1]
+    assert type(adam) is O.CautiousAdamW
+    assert {g["role"]: g["cautious_decay"] for g in adam.param_groups} == pytest.approx(
+        {"embed": 0.02, "head": 0.6, "scalars": 0.0})
+    assert type(O.configure_optimizer(model, C.TrainConfig(steps=1, muon=True)).optimizers[1]) is torch.optim.AdamW
+
+
 def test_a_loaded_state_keeps_the_configured_hyperparameters():
     """The moments come from the checkpoint, every hyperparameter from the config: torch's own
     load_state_dict would put the saved momentum, betas and ratios back."""

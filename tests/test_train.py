@@ -52,13 +52,13 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
 # steps, and the head and the embedding one matrix for the first 3: a stop after step 3 resumes inside each.
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
-                  "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "backout": True, "smear": True,
-                  "key_offset": True, "value_gate": True},
+                  "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "bigram_signs": True, "backout": True,
+                  "smear": True, "key_offset": True, "value_gate": True},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
                   "muon_iteration": "polar-express", "muon_beta2": 0.95, "mtp_tokens": 3, "batch_stages": 2,
-                  "untie_at": 0.5})
+                  "untie_at": 0.5, "adam_weight_decay": 0.005})
 
 
 # fp16 with its gradient scaler (the path of GPUs without bf16), which CPU autocast runs too: the
@@ -1117,7 +1117,10 @@ def test_the_run_header_says_what_runs(train_config, tmp_path):
     newest = dataclasses.replace(train_config, model=dataclasses.replace(
         train_config.model, bigram_rows=100, bigram_signs=True, backout=True, smear=True, key_offset=True,
         rope_truncate=True, value_embeds=1, value_gate=True))
-    TR.announce(TR.setup(with_train(newest, batch_stages=2, mtp_tokens=3), log=said.append), tmp_path, said.append)
+    TR.announce(TR.setup(with_train(newest, batch_stages=2, mtp_tokens=3, adam_weight_decay=0.005), log=said.append),
+                tmp_path, said.append)
+    assert any(", AdamW's embeddings and head decayed cautiously (0.005 x lr^2 by role)), cosine schedule" in s
+               for s in said)
     assert ("model parts: 1 value embeddings, truncated RoPE, signed bigram table of 100 rows, backout of layer 0, smear, key "
             "offset on the long layers, value-embedding gates") in said
     assert ("batch: 512 tokens = 4 seq x 64 tokens x 2 accumulation x 1 rank(s), grown over 2 stages; 6 steps = 2,304 "
