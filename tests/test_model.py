@@ -284,6 +284,9 @@ def test_bigram_signs_multiply_each_pairs_row_by_its_fixed_sign_pattern():
     signs = M.sign_patterns(64)
     assert torch.equal(model.signs, signs) and set(signs.unique().tolist()) == {-1, 1} and abs(signs.double().mean()) < 0.01
     assert "signs" not in model.state_dict() and signs.shape == (8192, 64)
+    with pytest.raises(ValueError, match="^model.bigram_signs needs model.bigram_rows: it signs the bigram table's rows; "
+                                         "set it or use --no-bigram-signs"):
+        M.ModelConfig(**SMALL, bigram_signs=True)
     idx = torch.tensor([[5, 96, 5, 96, 0, 7]])
     prev = [-1] + idx[0, :-1].tolist()
     rows = [bigram_row_reference(p, t, 11) for p, t in zip(prev, idx[0].tolist())]
