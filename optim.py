@@ -414,7 +414,9 @@ class CautiousAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         for group in self.param_groups:
             rate, beta1 = group["lr"] ** 2 * group["cautious_decay"], group["betas"][0]
-            for p in group["params"] if rate else ():
+            if not rate:
+                continue
+            for p in group["params"]:
                 if p.grad is None:
                     continue
                 m = self.state[p].get("exp_avg")

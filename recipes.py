@@ -208,10 +208,10 @@ def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
 NEWEST = {
     "bigram": ("+ bigram hash table, 5x the vocabulary (#62)",
                lambda base, micro_batch: {"model__bigram_rows": 5 * base.model.vocab_size}),
-    # the sign trick needs the table: on a preset without one (tiny) the rung brings it too
+    # the sign trick signs the table's rows: the rung brings the table too, as the "bigram" rung sizes it
     "bigram-signs": ("+ the bigram table's rows signed by pair (#83)",
                      lambda base, micro_batch: {"model__bigram_signs": True,
-                                                "model__bigram_rows": base.model.bigram_rows or 5 * base.model.vocab_size}),
+                                                "model__bigram_rows": 5 * base.model.vocab_size}),
     "backout": ("+ backout (#40)", {"model__backout": True}),
     "smear": ("+ smear (#34)", {"model__smear": True}),
     # each needs a part the GPU presets have, and tiny has not: there the rung brings it too

@@ -777,16 +777,16 @@ def loss_targets(tcfg: C.TrainConfig) -> str:
 def optimizer_line(tcfg: C.TrainConfig, optimizer) -> str:
     """The run header's optimizer: each group's peak rate, the momentum schedule, the decays, the schedule, the tie."""
     groups = ", ".join(f"{g['role']} {tcfg.lr * g['lr_ratio']:g}" for g in optimizer.param_groups)
-    muon = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
+    more = (f", momentum {tcfg.muon_momentum_start:g} -> {tcfg.muon_momentum:g} over {tcfg.muon_momentum_warmup} "
             f"steps" if tcfg.muon and tcfg.muon_momentum_warmup else "")
     if tcfg.muon and tcfg.muon_momentum_cooldown:
-        muon += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
+        more += f", back to {tcfg.muon_momentum_start:g} over the last {tcfg.muon_momentum_cooldown}"
     if tcfg.muon and tcfg.muon_weight_decay and tcfg.muon_cautious:
-        muon += ", cautious weight decay"
+        more += ", cautious weight decay"
     if tcfg.adam_weight_decay:
-        muon += f", AdamW's embeddings and head decayed cautiously ({tcfg.adam_weight_decay:g} x lr^2 by role)"
+        more += f", AdamW's embeddings and head decayed cautiously ({tcfg.adam_weight_decay:g} x lr^2 by role)"
     tie = f"; head and embedding one matrix until {tcfg.untie_at:.0%} of the run" if tcfg.untie_at else ""
-    return (f"{'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{muon}), {tcfg.schedule} "
+    return (f"{'Muon + AdamW' if tcfg.muon else 'AdamW'} (peak lr by group: {groups}{more}), {tcfg.schedule} "
             f"schedule, clipping {tcfg.grad_clip or 'off'}{tie}")
 
 
