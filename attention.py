@@ -35,11 +35,18 @@ class Mask:
 
 @dataclass
 class Masks:
-    """The masks of one forward: the long layers', the short layers' and, when generating, the new tokens'
+    """The masks of one forward: the long layers', the short layers', the paired layers' (their sequence of two
+    keys a token, token t's at 2t and 2t + 1: ModelConfig.paired_heads) and, when generating, the new tokens'
     cache positions pos (T,)."""
     long: Mask = field(default_factory=Mask)
     short: Mask = field(default_factory=Mask)
+    paired: Mask = field(default_factory=Mask)
     pos: torch.Tensor | None = None
+
+
+def interleaved(pos):
+    """Token positions pos (T,) -> the positions (2T,) of their paired heads' keys: token p's at 2p and 2p + 1."""
+    return torch.stack([2 * pos, 2 * pos + 1], dim=-1).flatten()
 
 
 def flex_runs_on(device: torch.device) -> bool:
@@ -47,34 +54,40 @@ def flex_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def masks(seq_len: int, device: torch.device, doc_ids=None, windows: tuple[int, int] = (0, 0)) -> Masks:
+def masks(seq_len: int, device: torch.device, doc_ids=None, windows: tuple[int, ...] = (0, 0)) -> Masks:
     """The Masks of a micro-batch of seq_len tokens: within documents (doc_ids (B, T), or None) and within
-    the sliding windows (long, short) (ModelConfig.windows at this step; 0: none). A window as long as the
-    sequence hides nothing. Block masks where FlexAttention runs, built here, once per micro-batch."""
-    long, short = (w if 0 < w < seq_len else 0 for w in windows)
-    if doc_ids is None and not long and not short:
-        return Masks()
-    if flex_runs_on(device):
+    the sliding windows (long, short[, paired]) (ModelConfig.windows at this step; 0: none). A window as long as
+    the sequence hides nothing. Block masks where FlexAttention runs, built here, once per micro-batch."""
+    paired = Mask()
+    if len(windows) > 2:  # the paired layers' sequence of 2T keys: token t's two at 2t and 2t + 1, in t's document
+        paired = masks(2 * seq_len, device, None if doc_ids is None else doc_ids.repeat_interleave(2, dim=1),
+                       (windows[2], 0)).long
+    long, short = (w if 0 < w < seq_len else 0 for w in windows[:2])
+    if flex_runs_on(device) and (doc_ids is not None or long or short):
         return Masks(Mask(block_mask=flex_block_mask(doc_ids, long, seq_len, device)),
-                     Mask(block_mask=flex_block_mask(doc_ids, short, seq_len, device)) if short else Mask())
-    return Masks(Mask(doc_ids, long), Mask(doc_ids, short))
+                     Mask(block_mask=flex_block_mask(doc_ids, short, seq_len, device)) if short else Mask(), paired)
+    return Masks(Mask(doc_ids, long), Mask(doc_ids, short), paired)
 
 
-def window_masks(seq_len: int, windows: tuple[int, int]) -> Masks:
-    """Masks of causal attention within the windows (long, short) alone, as boolean masks wherever the model
-    runs: what a forward given no masks attends with (compiled inside it, where block masks would not be)."""
-    long, short = (w if 0 < w < seq_len else 0 for w in windows)
-    return Masks(Mask(window=long), Mask(window=short))
+def window_masks(seq_len: int, windows: tuple[int, ...]) -> Masks:
+    """Masks of causal attention within the windows (long, short[, paired]) alone, as boolean masks wherever the
+    model runs: what a forward given no masks attends with (compiled inside it, where block masks would not be)."""
+    long, short = (w if 0 < w < seq_len else 0 for w in windows[:2])
+    paired = windows[2] if len(windows) > 2 and windows[2] < 2 * seq_len else 0  # over 2 * seq_len keys
+    return Masks(Mask(window=long), Mask(window=short), Mask(window=paired))
 
 
-def cache_masks(pos, read: int, windows: tuple[int, int]) -> Masks:
+def cache_masks(pos, read: int, windows: tuple[int, ...]) -> Masks:
     """The Masks of new tokens at cache positions pos (T,) reading the first `read` cache positions: a
     token at p sees positions <= p (those past the current length hold zeros or stale keys), and no further
-    back than each kind of layer's window (long, short)."""
-    keys = torch.arange(read, device=pos.device)[None, :]
-    causal = keys <= pos[:, None]
-    long, short = ((causal & (pos[:, None] - keys < w)) if w else causal for w in windows)
-    return Masks(Mask(cache=long), Mask(cache=short), pos=pos)
+    back than each kind of layer's window (long, short[, paired]). The paired layers' cache holds two keys a
+    token (interleaved), and their 2T queries read its first 2 * read positions."""
+    def seen(pos, read: int, window: int):  # (T, read) booleans
+        keys = torch.arange(read, device=pos.device)[None, :]
+        return (keys <= pos[:, None]) & ((pos[:, None] - keys < window) if window else True)
+
+    paired = Mask(cache=seen(interleaved(pos), 2 * read, windows[2])) if len(windows) > 2 else Mask()
+    return Masks(Mask(cache=seen(pos, read, windows[0])), Mask(cache=seen(pos, read, windows[1])), paired, pos=pos)
 
 
 def attend(q, k, v, mask: Mask, scale: float | None = None, backend: str = "sdpa", flex_options: dict | None = None):

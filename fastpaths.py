@@ -77,10 +77,10 @@ def fast_path_applies(name: str, cfg: M.ModelConfig, speed: SpeedConfig) -> bool
     aside): the fused SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 matmuls
     (each has its own MLP), the fused loss outside the FP8 head and the loss kernel, those two outside the
     fused loss (the FP8 head for an untied head), fast accumulation beside an FP8 path, the fused QK-norm +
-    RoPE for a model with QK-norm; the decode kernel (and its split) outside the key offset and the value gates,
-    which it does not compute; the decode MLP for the ReLU² MLP."""
-    rules = {"fused_decode": not (cfg.key_offset or cfg.value_gate),
-             "split_decode": speed.fused_decode and not (cfg.key_offset or cfg.value_gate),
+    RoPE for a model with QK-norm (swap_in leaves paired layers plain); the decode kernel (and its split) outside
+    the key offset, the value gates and paired heads, which it does not compute; the decode MLP for the ReLU² MLP."""
+    plain_attention = not (cfg.key_offset or cfg.value_gate or cfg.paired_heads)
+    rules = {"fused_decode": plain_attention, "split_decode": speed.fused_decode and plain_attention,
              "decode_mlp": cfg.mlp == "relu2",
              "fused_swiglu": cfg.mlp == "swiglu", "fused_relu2": cfg.mlp == "relu2" and not speed.fp8,
              "fused_qk_norm_rope": cfg.qk_norm, "fused_loss": not speed.fp8_head and not speed.loss_kernel,
@@ -166,7 +166,7 @@ def swap_in(model: M.Llama, speed: SpeedConfig) -> list[str]:
     for module in list(model.modules()):
         if isinstance(module, M.Attention):
             module.backend = speed.attention
-            if "fused_qk_norm_rope" in on:
+            if "fused_qk_norm_rope" in on and not module.paired:  # its kernel reads heads unpaired
                 swap(module, FusedQKAttention)
         elif isinstance(module, M.SwiGLU):
             if "fp8" in on:

@@ -38,9 +38,11 @@ def flops_per_token(cfg: M.ModelConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token, PaLM appendix B: 6N for the weights that multiply (2 forward, 4 backward) plus
     12 * L * H * Q * T for attention's two weightless matmuls (the full T x T square, as PaLM counts it, masked half
     included). The lookup tables are not matmuls: they are left out of N (multiplied_params). A layer's sliding
-    window of w keys counts as T = min(T, 2w); what a document mask hides is not known in advance and still counts."""
+    window of w keys counts as T = min(T, 2w); what a document mask hides is not known in advance and still counts.
+    A paired layer (paired_heads) counts as the short layer it is: twice the queries at half the heads, each over the
+    short window's count of keys."""
     T = cfg.context if seq_len is None else seq_len
-    long, short = cfg.windows()
+    long, short = cfg.windows()[:2]
     reach = sum(min(T, 2 * w) if w else T
                 for w in (short if cfg.short_layer(i) else long for i in range(cfg.n_layers) if cfg.attends(i)))
     return 6 * multiplied_params(cfg) + 12 * cfg.n_heads * cfg.head_dim * reach

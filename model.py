@@ -42,7 +42,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
                 "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "bigram_signs",
-                "backout", "smear", "key_offset", "value_gate")
+                "backout", "smear", "key_offset", "value_gate", "paired_heads")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -84,13 +84,14 @@ class ModelConfig:
     smear: bool = False  # each token's embedding gains a gated multiple of its predecessor's (record #34)
     key_offset: bool = False  # long layers' keys take their unrotated dims from the token before (record #49)
     value_gate: bool = False  # each value embedding times a gate of the input, per token and kv head (record #55)
+    paired_heads: bool = False  # every other short layer's heads attend in pairs over both heads' keys (record #58)
     mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
     def __post_init__(self):
         for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale", "mimetic_init"):  # NaN, inf pass "< 0"
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is not a finite number: give a real number")
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context"):
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context", "rope_theta", "norm_eps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.vocab_size > 2**16:  # onegpu's corpora are uint16 shards (data.py): a larger id would wrap
@@ -108,11 +109,7 @@ class ModelConfig:
             raise ValueError(
                 f"head size d_model/n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
                 f"dimensions: change model.d_model or model.n_heads so that the head size is even")
-        if self.ffn_hidden < 0:
-            raise ValueError(f"model.ffn_hidden must be >= 0 (0 means automatic), got {self.ffn_hidden}")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps ({self.norm_eps}) must be positive")
-        for name, zero in (("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"), ("mimetic_init", "0: off"),
+        for name, zero in (("ffn_hidden", "0: SwiGLU's width or 1.5x it"), ("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"), ("mimetic_init", "0: off"),
                            ("attn_window", "0: attend over the whole context")):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0 ({zero}), got {getattr(self, name)}")
@@ -122,8 +119,11 @@ class ModelConfig:
         if (self.attn_gate or self.smear or self.value_gate) and self.d_model < GATE_CHANNELS:
             raise ValueError(f"model.attn_gate, smear and value_gate read {GATE_CHANNELS} channels, more than d_model="
                              f"{self.d_model}: turn them off or use a wider model")
-        if self.mimetic_init and self.n_kv_heads != self.n_heads:  # each head's value map starts as an identity
-            raise ValueError(f"model.mimetic_init needs a kv head per query head: set n_kv_heads = n_heads = {self.n_heads}")
+        for part in ("mimetic_init", "paired_heads"):  # a value map per head; a pair of heads reads its own keys
+            if getattr(self, part) and self.n_kv_heads != self.n_heads:
+                raise ValueError(f"model.{part} needs a kv head per query head: set n_kv_heads = n_heads = {self.n_heads}")
+        if self.paired_heads and self.n_heads % 2:
+            raise ValueError(f"model.paired_heads pairs the heads, but model.n_heads={self.n_heads} is odd: make it even")
         if self.short_windows and not self.windowed:
             raise ValueError(f"model.short_windows halves model.attn_window on most layers, but attn_window="
                              f"{self.attn_window} hides nothing in a context of {self.context}: set attn_window "
@@ -138,7 +138,8 @@ class ModelConfig:
             raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows")
         for part, needs, why in (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
                                  ("value_gate", "value_embeds", "it gates the value embeddings"),
-                                 ("bigram_signs", "bigram_rows", "it signs the bigram table's rows")):
+                                 ("bigram_signs", "bigram_rows", "it signs the bigram table's rows"),
+                                 ("paired_heads", "short_windows", "it pairs the heads of every other short layer")):
             if getattr(self, part) and not getattr(self, needs):
                 raise ValueError(f"model.{part} needs model.{needs}: {why}; set it or use --no-{part.replace('_', '-')}")
         if self.mlp not in ("swiglu", "relu2"):
@@ -163,15 +164,24 @@ class ModelConfig:
         after Gemma 2: a few long layers carry the far context, the rest look nearby at half the cost."""
         return self.short_windows and min(layer, self.n_layers - 1 - layer) % 4 != 0
 
+    def paired_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends with paired heads (paired_heads): every other short layer, from the first
+        (of 12 layers with layer 7 long: 1, 3, 6 and 9; record #58 chose four short layers, 1, 3, 6 and 10 in ours)."""
+        shorts = [i for i in range(self.n_layers) if self.short_layer(i) and self.attends(i)]
+        return self.paired_heads and layer in shorts[::2]
+
     def attends(self, layer: int) -> bool:
         """Whether layer `layer` has attention (all but skip_attn_layer)."""
         return layer != self.skip_attn_layer
 
-    def windows(self, window: int | None = None) -> tuple[int, int]:
+    def windows(self, window: int | None = None) -> tuple[int, ...]:
         """(long, short): the windows of the long and the short layers when the long ones see `window`
-        keys (None: attn_window; 0: no window). short is half of long, or 0 without short_windows."""
+        keys (None: attn_window; 0: no window). short is half of long, or 0 without short_windows. With
+        paired_heads a third, the paired layers' window over their sequence of both heads' keys: as many keys as
+        the short window, so half its tokens back (record #58 kept the window so)."""
         window = self.attn_window if window is None else window
-        return window, (max(1, window // 2) if self.short_windows and window else 0)
+        short = max(1, window // 2) if self.short_windows and window else 0
+        return (window, short, short) if self.paired_heads else (window, short)
 
     @property
     def backout_layer(self) -> int:
@@ -272,6 +282,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.short = cfg.short_layer(layer)  # attends over the short window (Masks.short)
+        self.paired = cfg.paired_layer(layer)  # its heads attend in pairs (Masks.paired, heads())
         self.key_offset = cfg.key_offset and not self.short  # the long layers', which carry the far context
         self.scale = cfg.attn_scale or None  # None: each kernel's own 1/sqrt(head size)
         self.backend = "sdpa"  # attention.attend's kernel: PyTorch's pick (fastpaths may pin one)
@@ -298,7 +309,8 @@ class Attention(nn.Module):
         self.cache = None  # an attention.KVCache while generating (Llama.setup_cache)
 
     def new_cache(self, batch: int, device, dtype) -> A.KVCache:
-        return A.KVCache(batch, self.n_kv_heads, self.context, self.head_dim, device, dtype)
+        pairs = 2 if self.paired else 1  # paired: half the heads, each over two keys a token
+        return A.KVCache(batch, self.n_kv_heads // pairs, pairs * self.context, self.head_dim, device, dtype)
 
     def mixed_values(self, v, ve=None):
         """v (B, T, Hkv, hd) with the value embedding ve (B, T, Hkv * hd) mixed in, or scaled alone
@@ -309,11 +321,15 @@ class Attention(nn.Module):
 
     def heads(self, qkv, rope, ve=None):
         """(B, T, H + 2 Hkv, hd) -> q (B, T, H, hd), k, v (B, T, Hkv, hd): q and k normed (qk_norm) and
-        rotated (rope: cos, sin (T, hd)), v mixed (mixed_values)."""
+        rotated (rope: cos, sin (T, hd)), v mixed (mixed_values). Paired (record #58): head j and head j + H/2
+        become one head over a sequence of 2T, token t's two at 2t and 2t + 1, so each query sees both heads' keys
+        in one softmax: q (B, 2T, H/2, hd), k, v (B, 2T, Hkv/2, hd), rotated by that position (rope (2T, hd))."""
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         v = self.mixed_values(v, ve)
+        if self.paired:
+            q, k, v = (t.reshape(t.shape[0], 2 * t.shape[1], t.shape[2] // 2, t.shape[3]) for t in (q, k, v))
         return apply_rope(q, *rope).type_as(v), apply_rope(k, *rope).type_as(v), v
 
     def gated(self, y, x):
@@ -334,15 +350,16 @@ class Attention(nn.Module):
         """(B, T, H + 2 Hkv, hd) -> the heads' outputs (B, T, H, hd). Generating (masks.pos), the new keys and
         values go into the cache and the queries read it."""
         q, k, v = (t.transpose(1, 2) for t in self.heads(qkv, rope, ve))  # (B, heads, T, hd)
-        mask = masks.short if self.short else masks.long
+        mask = masks.paired if self.paired else masks.short if self.short else masks.long
         if masks.pos is None:
             y = A.attend(q, self.offset(k), v, mask, self.scale, self.backend)
         else:
-            k, v = self.cache.update(masks.pos, k, v)
+            k, v = self.cache.update(A.interleaved(masks.pos) if self.paired else masks.pos, k, v)
             read = mask.cache.shape[1]
             k, v = self.offset(k[:, :, :read]).to(q.dtype), v[:, :, :read].to(q.dtype)
             y = A.cached_attention(q, k, v, mask.cache, self.scale)
-        return y.transpose(1, 2)
+        y = y.transpose(1, 2)  # (B, T, H, hd); paired (B, 2T, H/2, hd): token t's heads j and j + H/2 at 2t and 2t + 1
+        return y.reshape(*qkv.shape[:2], self.n_heads, self.head_dim) if self.paired else y
 
     def offset(self, k):
         """The keys (B, Hkv, S, hd) of a sequence from its start, with key_offset each one's unrotated dims (hd/4 to
@@ -490,7 +507,8 @@ class Llama(nn.Module):
         bigram_signs' patterns (SIGN_PATTERNS, d), so a row the hash shares serves each pair in its own directions
         (record #83). At build, and again where a model was built without values (export's loader)."""
         cfg, device = self.cfg, self.embed.weight.device
-        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, cfg.rope_truncate)
+        length = cfg.context * (2 if cfg.paired_heads else 1)  # paired heads: two keys a token
+        cos, sin = rope_tables(cfg.head_dim, length, cfg.rope_theta, cfg.rope_truncate)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.signs = sign_patterns(cfg.d_model).to(device) if cfg.bigram_signs else None
 
@@ -586,6 +604,13 @@ class Llama(nn.Module):
             x = self.smear(x, self.embed(prev.clamp(min=0)) * (prev >= 0)[..., None])
         return self.stream(x)
 
+    def rope(self, T: int, pos, dtype):
+        """RoPE's (cos, sin) at the tokens' positions (0..T-1, or pos (T,) when generating), each (T, head_dim); and with
+        paired_heads the paired layers' at their two keys a token, 2p and 2p + 1 (2T, head_dim), else None."""
+        at = slice(0, T) if pos is None else pos
+        paired = (slice(0, 2 * T) if pos is None else A.interleaved(pos)) if self.cfg.paired_heads else None
+        return tuple(None if p is None else (self.cos[p].to(dtype), self.sin[p].to(dtype)) for p in (at, paired))
+
     def attentions(self) -> list:
         """The blocks' attention modules (a skip_attn_layer block has none), first layer first."""
         return [block.attn for block in self.blocks if block.attn is not None]
@@ -604,8 +629,7 @@ class Llama(nn.Module):
                 f"cut the input to the last {self.cfg.context} tokens or train with a longer context")
         prev = self.previous(idx, masks)
         x = self.embedded(idx, prev)
-        at = slice(0, T) if masks.pos is None else masks.pos
-        rope = self.cos[at].to(x.dtype), self.sin[at].to(x.dtype)  # (T, head_dim) each
+        rope, paired_rope = self.rope(T, masks.pos, x.dtype)
         xb = None if self.bigram is None else self.bigram_input(prev, idx)
         x0, ve, skips = x, self.value_rows(idx), []
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
@@ -614,8 +638,8 @@ class Llama(nn.Module):
                 x = x + self.skip_weights[i - (len(self.blocks) - n_skips)] * skips.pop()
             if xb is not None:
                 x = x + self.bigram_mix[i] * xb.type_as(x)
-            table = self.cfg.value_table(i)
-            x = block(x, x0, rope, masks, ve[table] if table is not None else None)
+            table, rope_i = self.cfg.value_table(i), paired_rope if self.cfg.paired_layer(i) else rope
+            x = block(x, x0, rope_i, masks, ve[table] if table is not None else None)
             if i < n_skips:
                 skips.append(x)
             if i == self.cfg.backout_layer:

@@ -194,6 +194,15 @@ def _fitting_micro_batch(base: C.Config, tokens: int, micro_batch: int, stages: 
     return {"train__micro_batch": fits} if fits and fits != micro_batch else {}
 
 
+def _paired_heads(base: C.Config, micro_batch: int) -> dict:
+    """Paired heads (#58) in every other short layer, each head with its own kv head; a preset without short windows
+    (tiny) gets them, at half its context."""
+    change = {"model__paired_heads": True, "model__n_kv_heads": base.model.n_heads}
+    if not base.model.short_windows:
+        change.update(model__short_windows=True, model__attn_window=base.model.attn_window or base.model.context // 2)
+    return change
+
+
 def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
     """A quarter of the preset's batch, at the largest micro-batch up to the study's that divides it (126m at 12:
     98,304 tokens, one micro-batch a step)."""
@@ -240,6 +249,7 @@ NEWEST = {
     "mimetic": ("+ mimetic value and output init, b = 0.05 (#64)",
                 lambda base, micro_batch: {"model__mimetic_init": 0.05, "model__n_kv_heads": base.model.n_heads}),
     "prefix": ("+ prefix-token loss at 0.25, out by 2/3 of the run (#88)", {"train__prefix_weight": 0.25}),
+    "paired-heads": ("+ paired-head attention in every other short layer (#58)", _paired_heads),
 }
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
@@ -414,6 +424,7 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 # with them off, generation's fused decode (which has no key offset or value gates) is back on.
 NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__backout": False, "model__smear": False,
               "model__key_offset": False, "model__value_gate": False, "model__mimetic_init": 0.0,
+              "model__paired_heads": False,
               "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz", "train__muon_beta2": 0.0,
               "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
               "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,

@@ -816,7 +816,9 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     (f"{'signed ' if m.bigram_signs else ''}bigram table of {m.bigram_rows:,} rows", m.bigram_rows),
                                     (f"backout of layer {m.backout_layer}", m.backout), ("smear", m.smear),
                                     ("key offset on the long layers", m.key_offset),
-                                    ("value-embedding gates", m.value_gate)) if on]
+                                    ("value-embedding gates", m.value_gate),
+                                    (f"paired heads in layers {', '.join(str(i) for i in range(m.n_layers) if m.paired_layer(i))}",
+                                     m.paired_heads)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
     say(f"optimizer: {optimizer_line(tcfg, r.optimizer)}")

@@ -221,13 +221,28 @@ def test_fast_accumulation_runs_only_beside_an_fp8_path():
     assert FP.fast_path_alone("fp8") == {"fp8": True}
 
 
-def test_the_decode_kernel_stays_out_of_a_model_with_the_key_offset_or_value_gates_which_it_does_not_compute():
+def test_the_decode_kernel_stays_out_of_a_model_with_the_key_offset_value_gates_or_paired_heads():
+    """The fused decode kernel computes none of the three."""
     speed = FP.SpeedConfig(fused_decode=True, split_decode=True, decode_mlp=True)
     cfg = M.ModelConfig(mlp="relu2", rope_truncate=True)
     assert FP.running(FP.GENERATION_FAST_PATHS, cfg, speed) == ["fused_decode", "split_decode", "decode_mlp"]
     assert FP.running(FP.GENERATION_FAST_PATHS, replace(cfg, key_offset=True), speed) == ["decode_mlp"]
     gated = replace(cfg, key_offset=False, value_embeds=1, value_gate=True)
     assert FP.running(FP.GENERATION_FAST_PATHS, gated, speed) == ["decode_mlp"]
+    paired = M.ModelConfig(mlp="relu2", n_kv_heads=12, attn_window=512, short_windows=True, paired_heads=True)
+    assert FP.running(FP.GENERATION_FAST_PATHS, paired, speed) == ["decode_mlp"]
+
+
+SMALL_PAIRED = dict(d_model=64, n_layers=6, n_heads=4, n_kv_heads=4, vocab_size=97, context=32, qk_norm=True,
+                    attn_window=8, short_windows=True, paired_heads=True)
+
+
+def test_the_fused_qk_norm_rope_leaves_paired_layers_plain():
+    """Its kernel reads the heads unpaired: the paired layers keep the plain attention, the others take it."""
+    model = M.Llama(M.ModelConfig(**SMALL_PAIRED))
+    FP.swap_in(model, FP.SpeedConfig(fused_qk_norm_rope=True))
+    assert [type(b.attn) for b in model.blocks] == [FP.FusedQKAttention, M.Attention, FP.FusedQKAttention,
+                                                    M.Attention, FP.FusedQKAttention, FP.FusedQKAttention]
 
 
 @needs_cpu_fp8

@@ -464,6 +464,30 @@ def test_the_newest_parts_compile_and_match_eager_with_a_block_mask(mtp):
     assert_compiled_matches_eager_with_a_block_mask({**RECORD, **NEWEST_PARTS}, mtp)
 
 
+PAIRED = {"n_layers": 4, "n_kv_heads": 4, "paired_heads": True}  # 4 layers: layer 1 is paired (short layers 1, 2)
+
+
+def test_paired_heads_compile_and_match_eager_with_a_block_mask():
+    """Paired heads (record #58) with the record's parts: their block mask over two keys a token, compiled."""
+    assert_compiled_matches_eager_with_a_block_mask({**RECORD, **PAIRED})
+
+
+def test_paired_heads_block_mask_allows_what_their_boolean_mask_does():
+    """The paired layers' FlexAttention block mask (documents and window over 2T keys) gives the logits of the boolean
+    masks the CPU attends with."""
+    torch.manual_seed(0)
+    model = llama(**{**CFG, "context": 1024, **PAIRED, "attn_window": 384, "short_windows": True})
+    idx = torch.randint(0, 32768, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    doc = torch.cumsum(torch.rand(2, 1024, device="cuda") < 0.003, dim=1).int()
+    long, short, paired = model.cfg.windows(256)
+    boolean = A.Masks(A.Mask(doc, long), A.Mask(doc, short), A.Mask(doc.repeat_interleave(2, dim=1), paired))
+    with torch.no_grad():
+        flex = A.masks(1024, idx.device, doc, model.cfg.windows(256))
+        assert flex.paired.block_mask is not None
+        got, want = model(idx, masks=flex), model(idx, masks=boolean)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+
+
 @pytest.mark.parametrize("prefix", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled, prefix):

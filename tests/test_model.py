@@ -345,6 +345,48 @@ def test_the_key_offset_gives_the_long_layers_keys_their_predecessors_unrotated_
         M.ModelConfig(**SMALL, key_offset=True)
 
 
+def test_paired_heads_see_both_heads_keys_in_one_softmax():
+    """paired_heads (record #58), float64 against a loop: in every other short layer, head j and head j + H/2 of token
+    t are one head over a sequence of two keys a token, t's at 2t (head j) and 2t + 1 (head j + H/2): a query sees the
+    keys before its own place in that sequence, of its document, within the window counted in those keys, each
+    rotated by its place. The layers, the config's checks and the model's use of it are checked too."""
+    parts = dict(n_layers=6, n_kv_heads=4, attn_window=5, short_windows=True, paired_heads=True)
+    model = small_model(**parts)
+    assert [b.attn.paired for b in model.blocks] == [False, True, False, True, False, False]
+    attn, (B, T, H, hd), w = model.blocks[1].attn, (2, 9, 4, 16), model.cfg.windows()[2]
+    x = torch.randn(B, T, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    doc = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    qkv = attn.wqkv(x).view(B, T, 3 * H, hd)
+    with torch.no_grad():
+        y = attn.attend(qkv, model.rope(T, None, torch.float64)[1], A.masks(T, x.device, doc, model.cfg.windows()))
+    cos, sin = M.rope_tables(hd, 2 * T, model.cfg.rope_theta)
+
+    def rotated(u, at):  # u (hd,) at its place `at` in the paired sequence
+        return u * cos[at] + torch.cat([-u[hd // 2:], u[:hd // 2]]) * sin[at]
+
+    ref = torch.zeros(B, T, H, hd, dtype=torch.float64)
+    for b, t, h in np.ndindex(B, T, H):
+        j, at = h % (H // 2), 2 * t + h // (H // 2)
+        keys = [(s, j + r * H // 2) for s in range(T) for r in (0, 1)
+                if 2 * s + r <= at and at - (2 * s + r) < w and doc[b, s] == doc[b, t]]
+        q = rotated(qkv[b, t, h], at)
+        scores = torch.stack([q @ rotated(qkv[b, s, H + g], 2 * s + g // (H // 2)) for s, g in keys]) / hd ** 0.5
+        ref[b, t, h] = torch.softmax(scores, 0) @ torch.stack([qkv[b, s, 2 * H + g] for s, g in keys])
+    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    plain = small_model(**{**parts, "paired_heads": False})
+    with torch.no_grad():
+        plain.load_state_dict(model.state_dict())
+        assert (model(idx) - plain(idx)).abs().max() > 1e-6
+    with pytest.raises(ValueError, match="^model.paired_heads needs model.short_windows: it pairs the heads of every other "
+                                         "short layer; set it or use --no-paired-heads$"):
+        M.ModelConfig(**{**SMALL, "n_kv_heads": 4}, paired_heads=True)
+    with pytest.raises(ValueError, match="^model.paired_heads needs a kv head per query head: set n_kv_heads = n_heads = 4$"):
+        M.ModelConfig(**{**SMALL, **parts, "n_kv_heads": 2})
+    with pytest.raises(ValueError, match="^model.paired_heads pairs the heads, but model.n_heads=3 is odd: make it even$"):
+        M.ModelConfig(**{**SMALL, **parts, "d_model": 48, "n_heads": 3, "n_kv_heads": 3})
+
+
 def test_mimetic_init_starts_each_attention_as_minus_b_times_what_it_attends_to():
     """mimetic_init (record #64): each attention's v and wo start at +-sqrt(b) I plus N(0, 0.01^2), so wo v = -b I
     (zero_init's zero wo replaced); q and k keep their init; a lone token, which attends to itself alone, gets -b x
@@ -434,6 +476,7 @@ def test_flops_per_token_count_matmuls_and_the_windows_keys():
     long_layers = 3  # 0, 4 and 11; layer 7, modded's fourth long one, has no attention
     attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
     assert FL.flops_per_token(cfg) == 6 * (matmuls + scalars + newest) + attention
+    assert FL.flops_per_token(replace(cfg, paired_heads=True)) == FL.flops_per_token(cfg)  # 2T queries, H/2 heads
 
 
 def test_unet_skips_add_each_mirrored_output_with_its_weight():
@@ -606,9 +649,11 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                                              (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1}),
                                              (True, {"attn_scale": 0.4, "attn_window": 6}),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True,
-                                                     "key_offset": True, "value_gate": True})],
+                                                     "key_offset": True, "value_gate": True}),
+                                             (True, {**RECORD_PARTS, "n_layers": 4, "short_windows": True, "paired_heads": True,
+                                                     "n_kv_heads": 4})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
-                              "attention-scale", "bigram-backout-smear"])
+                              "attention-scale", "bigram-backout-smear", "paired-heads"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions
@@ -630,7 +675,9 @@ def test_kv_cache_decode_equals_full_forward(windowed, parts):
         steps += [cached(model, idx[:, 7:12], torch.arange(7, 12), window(12))]  # a chunk after cached tokens,
         steps += [cached(model, idx[:, t:t + 1], torch.tensor([t]), window(t + 1))
                   for t in range(12, 20)]  # then one at a time
-    assert model.blocks[0].attn.cache.k.shape == (2, 2, 32, 16)  # the 2 kv heads, not the 4 query heads
+    assert model.blocks[0].attn.cache.k.shape == (2, model.cfg.n_kv_heads, 32, 16)  # the kv heads, not the 4 query heads
+    if parts.get("paired_heads"):  # a paired layer's: half the heads, two keys a token
+        assert model.blocks[1].attn.cache.k.shape == (2, 2, 64, 16)
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-9
 
 
