@@ -109,8 +109,8 @@ class ModelConfig:
             raise ValueError(
                 f"head size d_model/n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
                 f"dimensions: change model.d_model or model.n_heads so that the head size is even")
-        for name, zero in (("ffn_hidden", "0: SwiGLU's width or 1.5x it"), ("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"), ("mimetic_init", "0: off"),
-                           ("attn_window", "0: attend over the whole context")):
+        for name, zero in (("ffn_hidden", "0: automatic"), ("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"),
+                           ("mimetic_init", "0: off"), ("attn_window", "0: attend over the whole context")):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0 ({zero}), got {getattr(self, name)}")
         if not 0 <= self.value_embeds <= self.n_layers // 2:
