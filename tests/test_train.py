@@ -78,8 +78,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("recipe, stop", [(({}, {}), 3), (TODAYS_RECIPE, 4), (RECORD_RECIPE, 3), (FP16_RECIPE, 3)],
-                         ids=["article", "muon-mid-warm-down", "record-mid-window-schedule", "fp16-scaler"])
+# Paired heads (layer 1 of 4) on documents masked apart, their window growing with the others'.
+PAIRED_RECIPE = ({"n_layers": 4, "n_heads": 2, "n_kv_heads": 2, "attn_window": 48, "short_windows": True,
+                  "paired_heads": True}, {"doc_mask": True, "window_start": 16})
+
+
+@pytest.mark.parametrize("recipe, stop", [(({}, {}), 3), (TODAYS_RECIPE, 4), (RECORD_RECIPE, 3), (FP16_RECIPE, 3),
+                                          (PAIRED_RECIPE, 3)],
+                         ids=["article", "muon-mid-warm-down", "record-mid-window-schedule", "fp16-scaler", "paired-heads"])
 def test_resume_is_bitwise_exact(train_config, tmp_path, recipe, stop, one_thread):
     model, train = recipe
     train_config = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, **model),
