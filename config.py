@@ -218,6 +218,9 @@ class Config:
         if start and not 0 < start <= end:
             raise ValueError(f"train.window_start={start} grows the window to model.attn_window={end}, so it must "
                              f"be in (0, attn_window]: set model.attn_window, or train.window_start 0 for no schedule")
+        if self.model.rope_yarn and self.model.rope_yarn != start:
+            raise ValueError(f"model.rope_yarn={self.model.rope_yarn} is the window RoPE is first trained over, but "
+                             f"train.window_start={start}: set them equal (the window the run starts at)")
         if self.train.untie_at and self.model.tie_embeddings:
             raise ValueError(f"train.untie_at={self.train.untie_at:g} ties an untied head to the embedding for a share "
                              f"of the run, but model.tie_embeddings makes them one matrix all along: set one of the two")

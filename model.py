@@ -42,7 +42,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
                 "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
                 "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "bigram_signs",
-                "backout", "smear", "key_offset", "value_gate", "paired_heads")
+                "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -85,6 +85,7 @@ class ModelConfig:
     key_offset: bool = False  # long layers' keys take their unrotated dims from the token before (record #49)
     value_gate: bool = False  # each value embedding times a gate of the input, per token and kv head (record #55)
     paired_heads: bool = False  # every other short layer's heads attend in pairs over both heads' keys (record #58)
+    rope_yarn: int = 0  # YaRN: RoPE first trained over this window (train.window_start), stretched as it grows (#31)
     mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
     def __post_init__(self):
@@ -98,19 +99,17 @@ class ModelConfig:
             raise ValueError(f"model.vocab_size={self.vocab_size} is more than 65,536, the most a uint16 token shard "
                              f"holds: pick a vocabulary of at most 65,536 (2**15 = 32,768 is the presets')")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
-                f"pick n_heads that divides d_model (head size 64 means n_heads = d_model / 64)")
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                             f"pick n_heads that divides d_model (head size 64 means n_heads = d_model / 64)")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}: "
-                f"each kv head serves a whole group of query heads, so pick a divisor of n_heads")
+            raise ValueError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}: "
+                             f"each kv head serves a whole group of query heads, so pick a divisor of n_heads")
         if self.head_dim % 2:
-            raise ValueError(
-                f"head size d_model/n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
-                f"dimensions: change model.d_model or model.n_heads so that the head size is even")
+            raise ValueError(f"head size d_model/n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
+                             f"dimensions: change model.d_model or model.n_heads so that the head size is even")
         for name, zero in (("ffn_hidden", "0: automatic"), ("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"),
-                           ("mimetic_init", "0: off"), ("attn_window", "0: attend over the whole context")):
+                           ("mimetic_init", "0: off"), ("attn_window", "0: attend over the whole context"),
+                           ("rope_yarn", "0: off")):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0 ({zero}), got {getattr(self, name)}")
         if not 0 <= self.value_embeds <= self.n_layers // 2:
@@ -139,9 +138,11 @@ class ModelConfig:
         for part, needs, why in (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
                                  ("value_gate", "value_embeds", "it gates the value embeddings"),
                                  ("bigram_signs", "bigram_rows", "it signs the bigram table's rows"),
-                                 ("paired_heads", "short_windows", "it pairs the heads of every other short layer")):
+                                 ("paired_heads", "short_windows", "it pairs the heads of every other short layer"),
+                                 ("rope_yarn", "attn_window", "it stretches RoPE as the window grows")):
             if getattr(self, part) and not getattr(self, needs):
-                raise ValueError(f"model.{part} needs model.{needs}: {why}; set it or use --no-{part.replace('_', '-')}")
+                off = f"--no-{part}" if getattr(self, part) is True else f"--{part} 0"
+                raise ValueError(f"model.{part} needs model.{needs}: {why}; set it or use {off.replace('_', '-')}")
         if self.mlp not in ("swiglu", "relu2"):
             raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
         if self.ffn_hidden == 0:
@@ -229,20 +230,35 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps) * self.weight
 
 
-def rope_tables(head_dim: int, length: int, theta: float, truncate: bool = False):
+def rope_tables(head_dim: int, length: int, theta: float, truncate: bool = False, yarn: tuple[int, int] | None = None):
     """cos and sin, each (length, head_dim), in the "rotate half" layout HuggingFace Llama uses, so exported q/k
     weights need no permutation. Frequencies from Su et al. (2021). truncate: modded-nanogpt's half-truncated RoPE:
     the first head_dim/4 frequencies run from 1 down to 1/1024 radians per token (a base tuned there in place of
-    theta), the other head_dim/4 are zero: those dims are not rotated and match keys by content at any distance."""
+    theta), the other head_dim/4 are zero: those dims are not rotated and match keys by content at any distance.
+    yarn (trained, window): the frequencies stretched by YaRN (yarn_stretch), and both tables times the square root of
+    its attention factor, so that q . k, both rotated by them, is sharpened by it at no cost of its own."""
     # Computed on the CPU in float64 whatever the default device: exact, and cheap on "meta".
     if truncate:
         rotated = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
         inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - head_dim // 4, dtype=torch.float64, device="cpu")])
     else:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    factor = 1.0
+    if yarn is not None:
+        inv_freq, factor = yarn_stretch(inv_freq, *yarn)
     angles = torch.outer(torch.arange(length, dtype=torch.float64, device="cpu"), inv_freq)  # (length, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos() * factor ** 0.5, angles.sin() * factor ** 0.5
+
+
+def yarn_stretch(inv_freq, trained: int, window: int, alpha: float = 1.0, beta: float = 32.0):
+    """YaRN (Peng et al. 2023; record #31) for frequencies inv_freq (head_dim/2,) trained over `trained` keys, now over
+    `window`: one that turns less than alpha times over `trained` is slowed by trained / window (its angles stay those
+    it learned), one that turns over beta times is kept, those between blend. Returns them and the attention factor
+    0.2 ln(window / trained) + 1 (the record's 0.2): normed q and k need sharper scores among more keys."""
+    ratio = trained / window
+    keep = ((trained * inv_freq / (2 * math.pi) - alpha) / (beta - alpha)).clamp(0, 1)
+    return inv_freq * (ratio + keep * (1 - ratio)), 0.2 * math.log(window / trained) + 1
 
 
 def apply_rope(x, cos, sin):
@@ -501,15 +517,22 @@ class Llama(nn.Module):
         self.set_tables()
         self.reset_parameters()
 
-    def set_tables(self):
+    def set_tables(self, window: int | None = None):
         """Set the buffers that follow from the config, never saved, on the embedding's device: RoPE's cos and sin
         (T, head_dim), kept in float64 and cast to the activations' dtype when used, so a float64 model is exact;
         bigram_signs' patterns (SIGN_PATTERNS, d), so a row the hash shares serves each pair in its own directions
-        (record #83). At build, and again where a model was built without values (export's loader)."""
+        (record #83). At build, and again where a model was built without values (export's loader). rope_yarn: the
+        tables of the long layers' `window` (None: attn_window), set in place as training grows it (train.follow_window)."""
         cfg, device = self.cfg, self.embed.weight.device
+        self.tables_window = window or cfg.attn_window
         length = cfg.context * (2 if cfg.paired_heads else 1)  # paired heads: two keys a token
-        cos, sin = rope_tables(cfg.head_dim, length, cfg.rope_theta, cfg.rope_truncate)
-        self.cos, self.sin = cos.to(device), sin.to(device)
+        yarn = (cfg.rope_yarn, self.tables_window) if cfg.rope_yarn else None
+        cos, sin = rope_tables(cfg.head_dim, length, cfg.rope_theta, cfg.rope_truncate, yarn)
+        if self.cos is not None and self.cos.shape == cos.shape:
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
+        else:
+            self.cos, self.sin = cos.to(device), sin.to(device)
         self.signs = sign_patterns(cfg.d_model).to(device) if cfg.bigram_signs else None
 
     def reset_parameters(self):

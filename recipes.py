@@ -203,6 +203,13 @@ def _paired_heads(base: C.Config, micro_batch: int) -> dict:
     return change
 
 
+def _yarn(base: C.Config, micro_batch: int) -> dict:
+    """YaRN (#31) from the window the run starts at, with the record's first attention scale, 0.1 (it grows with the
+    window); a preset without a window schedule (tiny) gets one, from an eighth of its context to half of it."""
+    window, start = base.model.attn_window or base.model.context // 2, base.train.window_start or base.model.context // 8
+    return {"model__rope_yarn": start, "model__attn_scale": 0.1, "model__attn_window": window, "train__window_start": start}
+
+
 def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
     """A quarter of the preset's batch, at the largest micro-batch up to the study's that divides it (126m at 12:
     98,304 tokens, one micro-batch a step)."""
@@ -250,6 +257,7 @@ NEWEST = {
                 lambda base, micro_batch: {"model__mimetic_init": 0.05, "model__n_kv_heads": base.model.n_heads}),
     "prefix": ("+ prefix-token loss at 0.25, out by 2/3 of the run (#88)", {"train__prefix_weight": 0.25}),
     "paired-heads": ("+ paired-head attention in every other short layer (#58)", _paired_heads),
+    "yarn": ("+ YaRN as the window grows, attention scale from 0.1 (#31)", _yarn),
 }
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
@@ -424,7 +432,7 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 # with them off, generation's fused decode (which has no key offset or value gates) is back on.
 NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__backout": False, "model__smear": False,
               "model__key_offset": False, "model__value_gate": False, "model__mimetic_init": 0.0,
-              "model__paired_heads": False,
+              "model__paired_heads": False, "model__rope_yarn": 0,
               "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz", "train__muon_beta2": 0.0,
               "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
               "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,

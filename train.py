@@ -112,6 +112,13 @@ def window_at(step: int, steps: int, cfg: C.Config) -> tuple[int, int]:
     return cfg.model.windows(min(end, block * math.ceil(width / block)))
 
 
+def follow_window(model: M.Llama, windows: tuple[int, ...]):
+    """With model.rope_yarn, RoPE's tables stretched to the long layers' window of this step (Llama.set_tables), when
+    it has grown since the last: outside the compiled forward, which reads the same buffers."""
+    if model.cfg.rope_yarn and model.tables_window != windows[0]:
+        model.set_tables(windows[0])
+
+
 # --- Setting up a run ----------------------------------------------------------------------
 
 def cpu_fallbacks(cfg: C.TrainConfig, device: torch.device, log=print) -> C.TrainConfig:
@@ -818,7 +825,7 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     ("key offset on the long layers", m.key_offset),
                                     ("value-embedding gates", m.value_gate),
                                     (f"paired heads in layers {', '.join(str(i) for i in range(m.n_layers) if m.paired_layer(i))}",
-                                     m.paired_heads)) if on]
+                                     m.paired_heads), (f"YaRN from a window of {m.rope_yarn}", m.rope_yarn)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
     say(f"optimizer: {optimizer_line(tcfg, r.optimizer)}")
@@ -959,6 +966,7 @@ def evaluations(r: Run, step: int, token_bytes: torch.Tensor) -> dict:
     sequences, with whole windows (where the model has a sliding window) and on plain 1,024-token windows (where
     it trains on something else), each over eval_tokens' worth of the same targets at any micro-batch and world."""
     tcfg, windows = r.cfg.train, window_at(step, r.steps, r.cfg)
+    follow_window(r.raw, windows)
     eval_windows = max(1, tcfg.eval_tokens // r.cfg.model.context)
     found = evaluate(r.model, r.val_loader, eval_windows, token_bytes, tcfg, r.device, windows)
     if r.whole_val_loader is not None:
@@ -979,6 +987,7 @@ def timed_step(r: Run, p: Progress, session: Session, next_batch, prefetch, mete
     t0 = time.perf_counter()
     try:
         windows = r.cfg.model.windows() if probing_end(r, p, session) else window_at(p.step, r.steps, r.cfg)
+        follow_window(r.raw, windows)
         stage = SZ.batch_stage(p.step, r.steps, tcfg.batch_stages)
         loss, grad_norm = train_step(r.model, r.optimizer, next_batch, r.accum * stage // tcfg.batch_stages, tcfg,
                                      r.device, step_lr(p.step, tcfg, r.steps), O.muon_momentum_at(p.step, tcfg, r.steps),

@@ -120,6 +120,7 @@ MODEL_OUT_OF_RANGE = {
     "logit_softcap": (-1.0, r"model\.logit_softcap must be >= 0"),
     "value_embeds": (2, r"model\.value_embeds=2: the first and the last"),  # 2 layers hold one table each side
     "attn_window": (-1, r"model\.attn_window must be >= 0"),
+    "rope_yarn": (-1, r"model\.rope_yarn must be >= 0 \(0: off\), got -1"),
     "attn_scale": (-0.1, r"model\.attn_scale must be >= 0"),
     "skip_attn_layer": (2, r"model\.skip_attn_layer=2 is not a layer after the first of 2"),
     "bigram_rows": (1, r"model\.bigram_rows=1: give 0 \(no bigram table\) or at least 2 rows"),
@@ -228,6 +229,14 @@ def test_a_config_error_names_the_file_that_holds_the_key(tmp_path):
     (tmp_path / "w.toml").write_text('extends = "tiny"\n[model]\nattn_window = 64\n[train]\nwindow_start = 128\n')
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'w.toml'}: train\.window_start=128 grows the window"):
         C.load_config(tmp_path / "w.toml")
+
+
+def test_yarn_stretches_rope_from_the_window_the_run_starts_at():
+    """model.rope_yarn is the window RoPE is first trained over: it must be train.window_start."""
+    assert C.preset("126m", model__rope_yarn=128).model.rope_yarn == 128
+    with pytest.raises(ValueError, match=r"model.rope_yarn=256 is the window RoPE is first trained over, but "
+                                         r"train.window_start=128: set them equal \(the window the run starts at\)$"):
+        C.preset("126m", model__rope_yarn=256)
 
 
 def test_a_head_tied_for_part_of_the_run_needs_an_untied_model_started_fresh():

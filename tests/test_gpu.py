@@ -169,7 +169,7 @@ RECORD_ATTENTION = {"mlp": "relu2", "qk_norm": True, "attn_window": 16, "short_w
                     "attn_gate": True, "norm_gains": False, "rope_truncate": True, "tie_embeddings": False}
 # The newest records' parts, each reading the token before: through the cache (their model keeps the decode kernel out)
 NEWEST_PARTS = {"bigram_rows": 5000, "bigram_signs": True, "smear": True, "key_offset": True, "backout": True,
-                "value_gate": True}
+                "value_gate": True, "rope_yarn": 8}
 
 
 @pytest.mark.parametrize("recipe, fast", [({}, {}), ({"mlp": "relu2", "qk_norm": True}, {}), (RECORD_ATTENTION, {}),

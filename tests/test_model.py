@@ -387,6 +387,29 @@ def test_paired_heads_see_both_heads_keys_in_one_softmax():
         M.ModelConfig(**{**SMALL, **parts, "d_model": 48, "n_heads": 3, "n_kv_heads": 3})
 
 
+def test_yarn_slows_the_slow_frequencies_and_sharpens_the_scores_as_the_window_grows():
+    """rope_yarn (record #31): from the window RoPE was trained over to the one attended over, a frequency that turned
+    less than once over the first is slowed by their ratio, one that turned over 32 times is kept, those between
+    blend linearly; q . k is sharpened by 0.2 ln(window / trained) + 1, folded into both tables."""
+    turns = torch.tensor([0.5, 1.0, 16.5, 32.0, 40.0], dtype=torch.float64)  # over 128 keys
+    freqs, factor = M.yarn_stretch(turns * 2 * math.pi / 128, 128, 512)
+    assert torch.allclose(freqs / (turns * 2 * math.pi / 128), torch.tensor([0.25, 0.25, 0.625, 1.0, 1.0],
+                                                                             dtype=torch.float64))
+    assert factor == pytest.approx(0.2 * math.log(4) + 1)
+    cos, sin = M.rope_tables(16, 8, 10000.0, True, yarn=(128, 512))
+    plain_cos, plain_sin = M.rope_tables(16, 8, 10000.0, True)
+    assert torch.allclose(cos ** 2 + sin ** 2, torch.full_like(cos, factor))  # each pair's norm times sqrt(factor)
+    assert torch.equal(cos[:, 4:8], plain_cos[:, 4:8] * factor ** 0.5)  # the unrotated dims: scaled alone
+    assert not torch.allclose(cos / factor ** 0.5, plain_cos)  # the slowest rotated frequencies were slowed
+    model = small_model(attn_window=24, rope_yarn=8)
+    assert model.tables_window == 24 and torch.allclose(model.cos, M.rope_tables(16, 32, 10000.0, yarn=(8, 24))[0])
+    model.set_tables(16)
+    assert model.tables_window == 16 and torch.allclose(model.cos, M.rope_tables(16, 32, 10000.0, yarn=(8, 16))[0])
+    with pytest.raises(ValueError, match="^model.rope_yarn needs model.attn_window: it stretches RoPE as the window "
+                                         "grows; set it or use --rope-yarn 0$"):
+        M.ModelConfig(**SMALL, rope_yarn=8)
+
+
 def test_mimetic_init_starts_each_attention_as_minus_b_times_what_it_attends_to():
     """mimetic_init (record #64): each attention's v and wo start at +-sqrt(b) I plus N(0, 0.01^2), so wo v = -b I
     (zero_init's zero wo replaced); q and k keep their init; a lone token, which attends to itself alone, gets -b x

@@ -264,7 +264,7 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
     # configs/recipes/newest.toml is every idea's own setting but those not measured yet or not adopted, and the
     # fused decode off, which has no key offset or value gates
     unadopted = ("batch-stages", "quarter-batch", "tied-head", "untie", "mimetic", "prefix", "bigram-signs",
-                 "adam-wd", "paired-heads")
+                 "adam-wd", "paired-heads", "yarn")
     ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key not in unadopted]
     adopted = {k: v for idea in ideas for k, v in idea.items() if k not in RE.NEWEST_OFF or RE.NEWEST_OFF[k] != v}
     decode = {"speed__fused_decode": False, "speed__split_decode": False}

@@ -53,7 +53,7 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
                   "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "bigram_signs": True, "backout": True,
-                  "smear": True, "key_offset": True, "value_gate": True},
+                  "smear": True, "key_offset": True, "value_gate": True, "rope_yarn": 16},
                  {"muon": True, "schedule": "wsd", "warmdown_fraction": 0.5, "min_lr_ratio": 0.1, "warmup_steps": 0,
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
@@ -76,6 +76,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_yarn_tables_follow_the_window_as_it_grows(train_config, tmp_path, monkeypatch):
+    """model.rope_yarn: the model is built with the last window's tables, and each step whose window has grown (16,
+    32, 32, 32, 48, 48) first sets RoPE's tables for it; a resumed run sets them for its own first step."""
+    seen, set_tables = [], M.Llama.set_tables
+    monkeypatch.setattr(M.Llama, "set_tables", lambda self, window=None: (seen.append(window), set_tables(self, window)))
+    cfg = dataclasses.replace(train_config, model=dataclasses.replace(train_config.model, attn_window=48, rope_yarn=16),
+                              train=dataclasses.replace(train_config.train, window_start=16))
+    TR.train(cfg, tmp_path / "run", **QUIET)
+    assert seen == [None, 16, 32, 48]
+    seen.clear()
+    with pytest.raises(TR.Interrupted):
+        TR.train(cfg, tmp_path / "split", stop_after=3, **QUIET)
+    seen.clear()
+    TR.train(cfg, tmp_path / "split", resume=True, **QUIET)
+    assert [w for w in seen if w is not None] == [32, 48]
 
 
 # Paired heads (layer 1 of 4) on documents masked apart, their window growing with the others'.
