@@ -206,8 +206,10 @@ def _paired_heads(base: C.Config, micro_batch: int) -> dict:
 def _yarn(base: C.Config, micro_batch: int) -> dict:
     """YaRN (#31) from the window the run starts at, with the record's first attention scale, 0.1 (it grows with the
     window); a preset without a window schedule (tiny) gets one, from an eighth of its context to half of it."""
-    window, start = base.model.attn_window or base.model.context // 2, base.train.window_start or base.model.context // 8
-    return {"model__rope_yarn": start, "model__attn_scale": 0.1, "model__attn_window": window, "train__window_start": start}
+    window = base.model.attn_window or base.model.context // 2
+    start = base.train.window_start or base.model.context // 8
+    return {"model__rope_yarn": start, "model__attn_scale": 0.1, "model__attn_window": window,
+            "train__window_start": start}
 
 
 def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
@@ -429,7 +431,7 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 
 
 # Every NEWEST idea off: what the defaults are without them (record #28's recipe), where the newest rungs start;
-# with them off, generation's fused decode (which has no key offset or value gates) is back on.
+# with them off, generation's fused decode (which has no key offset, value gates or paired heads) is back on.
 NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__backout": False, "model__smear": False,
               "model__key_offset": False, "model__value_gate": False, "model__mimetic_init": 0.0,
               "model__paired_heads": False, "model__rope_yarn": 0,

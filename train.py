@@ -96,8 +96,8 @@ def probing_end(r: "Run", p: "Progress", session: "Session") -> bool:
             and p.step >= session.first_step + 2 + (SZ.PROBE_STEPS - 2) // 2)
 
 
-def window_at(step: int, steps: int, cfg: C.Config) -> tuple[int, int]:
-    """The sliding windows (long, short) at `step` (ModelConfig.windows): model.attn_window, or with
+def window_at(step: int, steps: int, cfg: C.Config) -> tuple[int, ...]:
+    """The sliding windows (long, short[, paired]) at `step` (ModelConfig.windows): model.attn_window, or with
     train.window_start a window grown linearly from window_start to attn_window over the run, rounded
     up to whole blocks of 128 tokens (FlexAttention's block), or of window_start where that is smaller.
     modded-nanogpt grows 128 to 1,792 this way: short windows cost less while the model learns local
@@ -325,7 +325,7 @@ def prefix_table(tok_path: Path | None, vocab_size: int, device: torch.device) -
 
 # --- The step ------------------------------------------------------------------------------
 
-def masks_for(batch, device: torch.device, windows: tuple[int, int] | None = None) -> A.Masks | None:
+def masks_for(batch, device: torch.device, windows: tuple[int, ...] | None = None) -> A.Masks | None:
     """The attention masks of a micro-batch (x, y[, doc_ids]): its documents when the loader gives their ids
     (train.doc_mask), and the sliding windows (long, short) (window_at; None: the model's own, applied by it)."""
     doc_ids = batch[2] if len(batch) > 2 else None
@@ -334,7 +334,7 @@ def masks_for(batch, device: torch.device, windows: tuple[int, int] | None = Non
     return A.masks(batch[0].shape[1], device, doc_ids, windows or (0, 0))
 
 
-def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, int] | None = None,
+def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, ...] | None = None,
                  mtp: tuple[float, ...] = (1.0,), prefix: tuple[torch.Tensor, float] | None = None):
     """Mean loss of one micro-batch (x, y[, doc_ids]); with later tokens weighted in mtp (mtp_weights_at), the
     multi-token loss; with prefix (table, weight) (prefix_at), the prefix-token loss beside it."""
@@ -390,7 +390,7 @@ def mtp_weights_at(step: int, steps: int, tokens: int) -> tuple[float, ...]:
 
 
 def train_step(model, optimizer, next_batch, accum: int, cfg: C.TrainConfig, device: torch.device, lr: float,
-               momentum: float | None = None, windows: tuple[int, int] | None = None, scaler=None, prefetch=None,
+               momentum: float | None = None, windows: tuple[int, ...] | None = None, scaler=None, prefetch=None,
                mtp: tuple[float, ...] = (1.0,), prefix: tuple[torch.Tensor, float] | None = None,
                tie: tuple[torch.Tensor, torch.Tensor, bool] | None = None):
     """One optimizer step over `accum` micro-batches. Returns (loss, grad norm) as 0-d tensors on
@@ -460,7 +460,7 @@ EVAL_LOSS_ROWS = 8192
 
 @torch.no_grad()
 def evaluate(model, loader: D.ShardLoader, n_windows: int, token_bytes: torch.Tensor, cfg: C.TrainConfig,
-             device: torch.device, windows: tuple[int, int] | None = None) -> dict:
+             device: torch.device, windows: tuple[int, ...] | None = None) -> dict:
     """Mean validation loss and bits per byte over the targets of the val split's first n_windows windows
     of loader.T tokens (over all ranks), whatever the micro-batch: the last batch's rows past them are
     not scored, so two runs with different micro-batches or ranks score the same tokens. The model runs
