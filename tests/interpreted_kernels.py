@@ -511,14 +511,14 @@ def gram_check():
 def qk_norm_rope_check():
     """model.QKNormRope (the plain lines forward, onegpu_kernels.qk_norm_rope_backward) against the plain lines
     (RMSNorm with q's and k's gains, then model.apply_rope) in float32: forward and the gradients of qkv and
-    both gains, float16, for full and half-truncated RoPE, at 10 tokens (fewer than a program's 16 x
+    both gains, float16, for full and half-truncated RoPE (the latter YaRN's, its tables scaled), at 10 tokens (fewer than a program's 16 x
     QK_BLOCKS = 128 in the interpreter) and at 135 (two token tiles of each head, the second partly masked;
     the partial gain gradients of all q and all k programs are summed), and with the outputs' gradients in
     attention's layout; then the model takes it in training with fused_qk_norm_rope."""
     g = torch.Generator().manual_seed(6)
     H, Hkv, D = 4, 2, 16
-    for truncate, B, T in ((False, 2, 5), (True, 3, 45)):
-        cos, sin = (t.half() for t in M.rope_tables(D, T, 10000.0, truncate))
+    for truncate, B, T, yarn in ((False, 2, 5, None), (True, 3, 45, (8, 32))):  # yarn: tables scaled too
+        cos, sin = (t.half() for t in M.rope_tables(D, T, 10000.0, truncate, yarn))
         qkv0 = torch.randn(B, T, H + 2 * Hkv, D, generator=g).half()
         gains0 = [torch.rand(D, generator=g) + 0.5 for _ in range(2)]
         dout = torch.randn(B, T, H + 2 * Hkv, D, generator=g).half()
