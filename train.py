@@ -337,9 +337,10 @@ def masks_for(batch, device: torch.device, windows: tuple[int, ...] | None = Non
 def forward_loss(model, batch, cfg: C.TrainConfig, device: torch.device, windows: tuple[int, ...] | None = None,
                  mtp: tuple[float, ...] = (1.0,), prefix: tuple[torch.Tensor, float] | None = None):
     """Mean loss of one micro-batch (x, y[, doc_ids]); with later tokens weighted in mtp (mtp_weights_at), the
-    multi-token loss; with prefix (table, weight) (prefix_at), the prefix-token loss beside it."""
+    multi-token loss; with prefix (table, weight) (prefix_at), the prefix-token loss beside it. The targets keep their
+    form all run, a faded one at weight 0: a compiled model given another form compiles again, mid-run."""
     masks = masks_for(batch, device, windows)
-    multi = any(mtp[1:]) or prefix is not None
+    multi = len(mtp) > 1 or prefix is not None
     with autocast(cfg, device):
         return model(batch[0], multi_targets(batch[1], mtp, prefix) if multi else batch[1], masks)
 
@@ -366,9 +367,10 @@ def step_lr(step: int, tcfg: C.TrainConfig, steps: int) -> float:
 def prefix_at(step: int, steps: int, tcfg: C.TrainConfig,
               table: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
     """The prefix-token loss at `step` of `steps`: (table, weight), train.prefix_weight for the run's first third,
-    fading linearly to 0 over the second (modded-nanogpt record #88's 0.25 -> 0.25 -> 0); None when it is 0."""
+    fading linearly to 0 over the second (modded-nanogpt record #88's 0.25 -> 0.25 -> 0), then at weight 0 (one
+    form of the targets all run: forward_loss); None in a run without it."""
     weight = tcfg.prefix_weight * min(1.0, max(0.0, 2.0 - 3.0 * step / max(1, steps)))
-    return (table, weight) if weight and table is not None else None
+    return (table, weight) if tcfg.prefix_weight and table is not None else None
 
 
 def step_terms(r: Run, step: int) -> dict:

@@ -433,7 +433,7 @@ def assert_compiled_matches_eager_with_a_block_mask(parts: dict, mtp: bool = Fal
     the compiled model's loss and gradients equal the eager model's (bf16 rounding apart)."""
     import train as TR
     torch.manual_seed(0)
-    model = llama(**{**CFG, "context": 1024}, **parts)
+    model = llama(**{**CFG, "context": 1024, **parts})
     for p in model.parameters():  # move every weight off its init, so zero-initialised parts carry gradients
         p.data.add_(0.02 * torch.randn_like(p))
     idx, y = torch.randint(0, 32768, (2, 2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
