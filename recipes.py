@@ -33,7 +33,7 @@ sequences) holds as many tokens per micro-batch, and is timed to the target on p
 --seconds S is the record ladder (record_plan): every rung trains for the same S training seconds,
 its steps sized from its own measured speed (train.seconds), so a change that slows the step must
 pay for it in loss. From configs/<preset>-muon.toml one record-holder idea is added per rung
-(RECORD_CHAIN), ending at configs/<preset>.toml's recipe without the newest records' ideas (NEWEST_OFF), which
+(RECORD_CHAIN), ending at configs/<preset>.toml's recipe without the newest records' ideas (newest_off), which
 then runs once per seed. Rows compare final losses at equal seconds, as each rung trains and on plain 1,024-token
 windows.
 """
@@ -87,7 +87,7 @@ def chain(article: C.Config) -> list[tuple[str, dict]]:
 
 
 # The record ladder (--seconds): modded-nanogpt's ideas one at a time from the Muon recipe, each on top of
-# the rungs before it; after the last, the rung is configs/<preset>.toml with NEWEST_OFF (a test checks). The values
+# the rungs before it; after the last, the rung is configs/<preset>.toml with newest_off (a test checks). The values
 # are modded's (its train_gpt.py at commit 9d9dc969). A change that depends on the preset is a function of
 # (preset config, micro-batch): three value tables, or fewer where the preset has fewer than six layers;
 # 1.5x the batch; sequences 8x the context, documents masked apart, with the micro-batch shrunk to hold as
@@ -215,12 +215,12 @@ def _yarn(base: C.Config, micro_batch: int) -> dict:
 def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
     """A quarter of the preset's batch, at the largest micro-batch up to the study's that divides it (126m at 12:
     98,304 tokens, one micro-batch a step)."""
-    tokens = base.train.batch_tokens // 4
+    tokens = base.train.batch_tokens // 4  # base: the preset with its newest ideas off (newest_plan)
     return {"train__batch_tokens": tokens, **_fitting_micro_batch(base, tokens, micro_batch, 1)}
 
 
 # The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
-# --newest, each on top of record #28's recipe (NEWEST_OFF) alone, once per seed. One seed draws the same data and
+# --newest, each on top of record #28's recipe (newest_off) alone, once per seed. One seed draws the same data and
 # the same first weights for every rung, so an idea's loss minus record #28's at the same seed (paired) shows its
 # effect with the seed's share taken out, which at 126m is larger than most ideas' (docs/performance/time-to-loss.md).
 NEWEST = {
@@ -253,7 +253,7 @@ NEWEST = {
     "tied-head": ("+ the head and the embedding one matrix again (#51)",
                   {"train__untie_at": 1.0, "model__tie_embeddings": False}),
     "untie": ("+ the head and the embedding one matrix until 2/3 of the run (#51, #53)",
-              {"train__untie_at": 2 / 3, "model__tie_embeddings": False}),
+              {"train__untie_at": 0.6667, "model__tie_embeddings": False}),
     # v and wo start as +-sqrt(0.05) I (#64), which needs a kv head per query head: tiny's rung brings that too
     "mimetic": ("+ mimetic value and output init, b = 0.05 (#64)",
                 lambda base, micro_batch: {"model__mimetic_init": 0.05, "model__n_kv_heads": base.model.n_heads}),
@@ -439,31 +439,45 @@ NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__bac
               "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
               "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,
               "speed__fused_decode": True, "speed__split_decode": True}
+# Taking a part out takes out what needs it: the signs sign the bigram table's rows.
+NEEDS_IT = {"model__bigram_rows": {"model__bigram_signs": False}}
 WITHOUT_NEWEST = "the newest ideas off (22m to 126m: record #28's recipe)"
 ADOPTED = "the default (its adopted ideas together)"
+
+
+def newest_off(preset: str) -> dict:
+    """NEWEST_OFF for `preset`, and where it took configs/recipes/newest.toml's smaller batch (126m), record #28's
+    batch (configs/recipes/record.toml's) back: the preset as record #28's recipe."""
+    newest, record = (C.read_toml(C.PRESETS_DIR / "recipes" / f"{name}.toml")["train"] for name in ("newest", "record"))
+    if C.preset(preset).train.batch_tokens != newest["batch_tokens"]:
+        return dict(NEWEST_OFF)
+    return {**NEWEST_OFF, "train__batch_tokens": record["batch_tokens"]}
 
 
 def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int, inside: bool = False) -> list[Recipe]:
     """configs/<preset>.toml with every NEWEST idea off, then each idea named in keys on top of that alone, then the
     preset as it is where it has adopted some (configs/recipes/newest.toml); each once per seed. inside: the preset
     as it is first, then each idea inside it: taken out where the preset has it, added where it has not."""
-    base = C.preset(preset)
+    base, off = C.preset(preset), newest_off(preset)
     rungs = lambda name, group, overrides: [Recipe(name, preset, group, dict(overrides), SEED + i) for i in range(seeds)]
-    changes = {key: NEWEST[key][1](base, micro_batch) if callable(NEWEST[key][1]) else NEWEST[key][1] for key in keys}
+    without = C.preset(preset, **off)
+    sized = lambda key, cfg: NEWEST[key][1](cfg, micro_batch) if callable(NEWEST[key][1]) else NEWEST[key][1]
+    changes = {key: sized(key, without) for key in keys}  # each idea on record #28's recipe
     if inside:
         plan = rungs(ADOPTED, "default", {})
         for key, change in changes.items():
             has = C.preset(preset, **change)
             if (has.model, has.train) == (base.model, base.train):  # adopted: the rung leaves it out
-                plan += rungs(f"- {NEWEST[key][0][2:]}", "newest", {k: NEWEST_OFF[k] for k in change if k in NEWEST_OFF})
-            else:
-                plan += rungs(NEWEST[key][0], "newest", change)
+                out = {k: off[k] for k in change if k in off}
+                out.update({k: v for part in list(out) for k, v in NEEDS_IT.get(part, {}).items()})
+                plan += rungs(f"- {NEWEST[key][0][2:]}", "newest", out)
+            else:  # sized on the preset as it is (its batch may be smaller than record #28's)
+                plan += rungs(NEWEST[key][0], "newest", sized(key, base))
         return plan
-    plan = rungs(WITHOUT_NEWEST, "default", NEWEST_OFF)
+    plan = rungs(WITHOUT_NEWEST, "default", off)
     for key, change in changes.items():
-        plan += rungs(NEWEST[key][0], "newest", {**NEWEST_OFF, **change})
-    off = C.preset(preset, **NEWEST_OFF)
-    if (off.model, off.train) != (base.model, base.train):  # the preset adopted some (speed switches do not count)
+        plan += rungs(NEWEST[key][0], "newest", {**off, **change})
+    if (without.model, without.train) != (base.model, base.train):  # the preset adopted some (speed switches do not count)
         plan += rungs(ADOPTED, "newest", {})
     return plan
 

@@ -223,7 +223,7 @@ def test_the_record_ladder_adds_one_idea_a_rung_and_ends_at_the_record_preset():
     assert [r.seed for r in plan[-2:]] == [RE.SEED, RE.SEED + 1] and plan[0].overrides == {"train__warmup_steps": 30}
     fixed = {**RE.fixed_settings(C.preset("126m-muon"), 0, "python", 32), "train__seconds": 150.0}
     last = C.preset("126m-muon", **{**fixed, **plan[-1].overrides})
-    assert last == C.preset("126m", **{**fixed, **RE.NEWEST_OFF, "train__micro_batch": 4, "speed__fp8": False})
+    assert last == C.preset("126m", **{**fixed, **RE.newest_off("126m"), "train__micro_batch": 4, "speed__fp8": False})
     long = C.preset("tiny", **{**RE.fixed_settings(C.preset("tiny"), 0, "stdlib", 16), "train__seconds": 5.0,
                                **RE.record_plan("tiny", 1, 16)[-1].overrides})
     assert (long.model.context, long.model.attn_window, long.train.window_start, long.train.micro_batch) == (4096, 896, 64, 2)
@@ -248,11 +248,13 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
         (RE.WITHOUT_NEWEST, 1337), (RE.WITHOUT_NEWEST, 1338), (RE.NEWEST["bigram"][0], 1337),
         (RE.NEWEST["bigram"][0], 1338), (RE.NEWEST["mtp"][0], 1337), (RE.NEWEST["mtp"][0], 1338),
         (RE.ADOPTED, 1337), (RE.ADOPTED, 1338)]
-    assert plan[2].overrides == {**RE.NEWEST_OFF, "model__bigram_rows": 5 * 32768}
-    assert plan[4].overrides == {**RE.NEWEST_OFF, "train__mtp_tokens": 3} and plan[-1].overrides == {}
-    assert RE.newest_plan("126m", 1, ("quarter-batch",), 12)[1].overrides == {**RE.NEWEST_OFF, "train__batch_tokens": 98304}
+    record = RE.newest_off("126m")  # 126m took the newest recipe's quarter batch: record #28's batch comes back
+    assert record == {**RE.NEWEST_OFF, "train__batch_tokens": 393216} and RE.newest_off("22m") == RE.NEWEST_OFF
+    assert plan[2].overrides == {**record, "model__bigram_rows": 5 * 32768}
+    assert plan[4].overrides == {**record, "train__mtp_tokens": 3} and plan[-1].overrides == {}
+    assert RE.newest_plan("126m", 1, ("quarter-batch",), 12)[1].overrides == {**record, "train__batch_tokens": 98304}
     assert RE.newest_plan("tiny", 1, ("quarter-batch",), 16)[1].overrides["train__micro_batch"] == 8
-    assert RE.newest_plan("126m", 1, ("batch-stages",), 12)[1].overrides == {**RE.NEWEST_OFF, "train__batch_stages": 3,
+    assert RE.newest_plan("126m", 1, ("batch-stages",), 12)[1].overrides == {**record, "train__batch_stages": 3,
                                                                              "train__micro_batch": 8}
     assert [r.name for r in RE.newest_plan("22m", 1, ("smear",), 12)] == [RE.WITHOUT_NEWEST, RE.NEWEST["smear"][0]]
     for preset, corpus in (("126m", "python"), ("tiny", "stdlib")):  # each idea's config loads on each
@@ -263,12 +265,11 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
             assert changed
     # configs/recipes/newest.toml is every idea's own setting but those not measured yet or not adopted, and the
     # fused decode off, which has no key offset or value gates
-    unadopted = ("batch-stages", "quarter-batch", "tied-head", "untie", "mimetic", "prefix", "bigram-signs",
-                 "adam-wd", "paired-heads", "yarn")
+    unadopted = ("batch-stages", "tied-head", "mimetic", "yarn")
     ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key not in unadopted]
-    adopted = {k: v for idea in ideas for k, v in idea.items() if k not in RE.NEWEST_OFF or RE.NEWEST_OFF[k] != v}
+    adopted = {k: v for idea in ideas for k, v in idea.items() if k not in record or record[k] != v}
     decode = {"speed__fused_decode": False, "speed__split_decode": False}
-    assert C.preset("126m", **{**RE.NEWEST_OFF, **adopted, **decode}) == C.preset("126m")
+    assert C.preset("126m", **{**record, **adopted, **decode}) == C.preset("126m")
     final = lambda loss, whole: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=whole)], "tok_s": 1.0}
     results = {plan[0].folder: final(3.0, 2.9), plan[1].folder: final(2.9, 2.8), plan[2].folder: final(2.95, 2.7),
                plan[3].folder: final(2.8, 2.75), plan[4].folder: final(3.1, 3.0), plan[5].folder: {"error": "timed out"}}
@@ -285,12 +286,16 @@ def test_inside_the_newest_ideas_leave_out_what_the_default_has_and_add_what_it_
     plan = RE.newest_plan("126m", 2, ("bigram", "mimetic", "value-gate"), 12, inside=True)
     assert [r.name for r in plan[::2]] == [RE.ADOPTED, "- bigram hash table, 5x the vocabulary (#62)",
                                            RE.NEWEST["mimetic"][0], "- gates on the value embeddings (#55)"]
-    assert [r.overrides for r in plan[::2]] == [{}, {"model__bigram_rows": 0},
+    assert [r.overrides for r in plan[::2]] == [{}, {"model__bigram_rows": 0, "model__bigram_signs": False},
                                                 {"model__mimetic_init": 0.05, "model__n_kv_heads": 6},
                                                 {"model__value_gate": False}]
     assert [r.seed for r in plan[:2]] == [1337, 1338]
     without = C.preset("126m", **plan[2].overrides)
     assert without.model.bigram_rows == 0 and without.train == C.preset("126m").train
+    # the quarter batch (adopted) out: record #28's batch; the batch stages added: sized on the preset's own batch
+    batch = RE.newest_plan("126m", 1, ("quarter-batch", "batch-stages"), 12, inside=True)
+    assert [r.overrides for r in batch[1:]] == [{"train__batch_tokens": 393216},
+                                                {"train__batch_stages": 3, "train__micro_batch": 4}]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -389,7 +394,7 @@ def test_each_default_preset_is_the_record_ladders_last_rung_at_its_own_micro_ba
     record #28's recipe but for the preset's own speed settings, which its rungs leave off (--versus runs the preset
     itself): FP8 block matmuls (88m's and 126m's) and the fused QK-norm + RoPE (88m's). Only 126m adopted the newest
     ideas (configs/recipes/newest.toml); the others are record #28's."""
-    muon, default = C.preset(f"{name}-muon"), C.preset(name, **RE.NEWEST_OFF)
+    muon, default = C.preset(f"{name}-muon"), C.preset(name, **RE.newest_off(name))
     assert (C.preset(name) != default) == (name == "126m")
     assert default.speed.fp8 == (name in ("88m", "126m")) and default.speed.fused_qk_norm_rope == (name == "88m")
     assert C.preset(f"{name}-muon", **RE.record_recipe(name, muon.train.micro_batch), speed__fp8=default.speed.fp8,
