@@ -301,12 +301,12 @@ def from_dict(cls, values: dict, source: str, section: str):
         raise ValueError(f"{source}: {e}") from None
 
 
-def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
+def read_toml(path: str | Path, _seen: tuple = (), without: tuple[str, ...] = ()) -> dict:
     """Read a config file; only [model], [data] and [train] may appear in it, and a top-level
     `extends = "126m"` (a preset's name, or a path relative to the file) or a list of them: their
     settings are read first, in order, and this file's replace them key by key, so a preset is its
     shape plus a shared recipe and holds only what it changes (as nanoGPT's override files and
-    torchtitan's derived configs do)."""
+    torchtitan's derived configs do). without: bases of this file's extends (as written there) left out."""
     path = Path(path)
     if not path.is_file():
         names = preset_names()
@@ -328,7 +328,7 @@ def read_toml(path: str | Path, _seen: tuple = ()) -> dict:
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
         raise ValueError(f"{path}: extends must be a preset name or a path, or a list of them, got {bases!r}")
     merged = {}
-    for base in bases + [None]:  # each base in turn, then this file's own settings
+    for base in [b for b in bases if b not in without] + [None]:  # each base in turn, then this file's own settings
         if base is None:
             layer = data
         else:

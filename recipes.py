@@ -446,12 +446,13 @@ ADOPTED = "the default (its adopted ideas together)"
 
 
 def newest_off(preset: str) -> dict:
-    """NEWEST_OFF for `preset`, and where it took configs/recipes/newest.toml's smaller batch (126m), record #28's
-    batch (configs/recipes/record.toml's) back: the preset as record #28's recipe."""
-    newest, record = (C.read_toml(C.PRESETS_DIR / "recipes" / f"{name}.toml")["train"] for name in ("newest", "record"))
-    if C.preset(preset).train.batch_tokens != newest["batch_tokens"]:
-        return dict(NEWEST_OFF)
-    return {**NEWEST_OFF, "train__batch_tokens": record["batch_tokens"]}
+    """Every NEWEST idea off in `preset`: NEWEST_OFF, and what else configs/recipes/newest.toml changes in it (126m's
+    quarter batch, its evaluations and checkpoints as many tokens apart) as the preset has it without that file."""
+    bare = C.load_config(values=C.read_toml(C.PRESETS_DIR / f"{preset}.toml", without=("recipes/newest.toml",)))
+    base, newest = C.preset(preset), C.read_toml(C.PRESETS_DIR / "recipes" / "newest.toml")
+    keys = [(section, key) for section, table in newest.items() for key in table if f"{section}__{key}" not in NEWEST_OFF]
+    return {**NEWEST_OFF, **{f"{s}__{k}": getattr(getattr(bare, s), k) for s, k in keys
+                             if getattr(getattr(bare, s), k) != getattr(getattr(base, s), k)}}
 
 
 def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int, inside: bool = False) -> list[Recipe]:

@@ -249,7 +249,8 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
         (RE.NEWEST["bigram"][0], 1338), (RE.NEWEST["mtp"][0], 1337), (RE.NEWEST["mtp"][0], 1338),
         (RE.ADOPTED, 1337), (RE.ADOPTED, 1338)]
     record = RE.newest_off("126m")  # 126m took the newest recipe's quarter batch: record #28's batch comes back
-    assert record == {**RE.NEWEST_OFF, "train__batch_tokens": 393216} and RE.newest_off("22m") == RE.NEWEST_OFF
+    assert record == {**RE.NEWEST_OFF, "train__batch_tokens": 393216, "train__eval_every": 250, "train__ckpt_every": 250}
+    assert RE.newest_off("22m") == RE.NEWEST_OFF
     assert plan[2].overrides == {**record, "model__bigram_rows": 5 * 32768}
     assert plan[4].overrides == {**record, "train__mtp_tokens": 3} and plan[-1].overrides == {}
     assert RE.newest_plan("126m", 1, ("quarter-batch",), 12)[1].overrides == {**record, "train__batch_tokens": 98304}
@@ -263,13 +264,15 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
             off, idea = RE.newest_plan(preset, 1, (key,), 12)[:2]
             changed = C.preset(idea.config, **{**fixed, **idea.overrides}) != C.preset(preset, **{**fixed, **off.overrides})
             assert changed
-    # configs/recipes/newest.toml is every idea's own setting but those not measured yet or not adopted, and the
-    # fused decode off, which has no key offset or value gates
+    # configs/recipes/newest.toml is every idea's own setting but those not measured yet or not adopted, the fused
+    # decode off (it has no key offset, value gates or paired heads), and at the quarter batch evaluations and
+    # checkpoints as many tokens apart as record #28's
     unadopted = ("batch-stages", "tied-head", "mimetic", "yarn")
     ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key not in unadopted]
     adopted = {k: v for idea in ideas for k, v in idea.items() if k not in record or record[k] != v}
-    decode = {"speed__fused_decode": False, "speed__split_decode": False}
-    assert C.preset("126m", **{**record, **adopted, **decode}) == C.preset("126m")
+    rest = {"speed__fused_decode": False, "speed__split_decode": False, "train__eval_every": 1000,
+            "train__ckpt_every": 1000}
+    assert C.preset("126m", **{**record, **adopted, **rest}) == C.preset("126m")
     final = lambda loss, whole: {"curve": [dict(CURVE[-1], val_loss=loss, val_loss_whole=whole)], "tok_s": 1.0}
     results = {plan[0].folder: final(3.0, 2.9), plan[1].folder: final(2.9, 2.8), plan[2].folder: final(2.95, 2.7),
                plan[3].folder: final(2.8, 2.75), plan[4].folder: final(3.1, 3.0), plan[5].folder: {"error": "timed out"}}
