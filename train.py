@@ -1188,7 +1188,7 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     given |= {C.moved_key(k): v for k, v in overrides.items()}
     if not (args.resume and run_dir is not None and (run_dir / "ckpt.pt").exists()):
         if given.get("train__init_from"):
-            return init_config(args.config, given, log), None
+            return init_config(args.config, given, log, flags=set(overrides)), None
         return C.load_config(args.config or DEFAULT_CONFIG, **overrides), None
     ckpt = CK.load(run_dir / "ckpt.pt")
     # What the user asked for: the file's settings (when --config is given) and the flags, resolved
@@ -1217,12 +1217,18 @@ def resolve_config(args: argparse.Namespace, run_dir: Path | None = None, log=pr
     return asked, dataclasses.replace(ckpt, config=asked)  # only [train] values differ from the saved config
 
 
-def init_config(config: str | None, given: dict, log=print) -> C.Config:
+def init_config(config: str | None, given: dict, log=print, flags: set = frozenset()) -> C.Config:
     """train.init_from: the config of a new run that starts from a checkpoint's weights. given: the --config
-    file's settings and the flags, as load_config overrides. The model is the checkpoint's: a shape setting
-    given must equal it. Data, schedule and optimizer are the given ones over the checkpoint's run; the data
-    is tokenized with the checkpoint's tokenizer (checkpoint.data_for). Kernel switches may differ."""
+    file's settings and the flags (whose keys are `flags`), as load_config overrides. The model is the checkpoint's:
+    a shape setting given must equal it. Data, schedule and optimizer are the given ones over the checkpoint's run;
+    the data is tokenized with the checkpoint's tokenizer (checkpoint.data_for). Kernel switches may differ. The
+    head and the embedding start apart, as they were trained: train.untie_at is 0 unless a flag asks otherwise."""
     src = CK.load(given["train__init_from"], "cpu")
+    untie = given.get("train__untie_at", src.config.train.untie_at)
+    if untie and "train__untie_at" not in flags:
+        given = {**given, "train__untie_at": 0.0}
+        log(f"init-from: the head and the embedding start apart, as {src.path} trained them (train.untie_at "
+            f"{untie:g} -> 0)")
     asked = C.load_config(values=dataclasses.asdict(src.config), source=config or "flags", **given)
     for name in M.SHAPE_FIELDS:
         mine, theirs = getattr(asked.model, name), getattr(src.config.model, name)

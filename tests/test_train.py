@@ -22,7 +22,7 @@ import optim as O
 import sizing as SZ
 import plots as PL
 import train as TR
-from conftest import tiny_run_config, with_train
+from conftest import tiny_model_cfg, tiny_run_config, with_train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -970,6 +970,19 @@ def test_init_from_refuses_another_model_value_or_tokenizer_in_one_line(trained,
     other.write_text(tokenizer_file_of(trained).read_text() + " ")  # the same tokenizer, another hash
     with pytest.raises(SystemExit, match=r"^error: data.tokenizer_file=.* has hash .* but .* was trained with tokenizer"):
         new_run(trained, tmp_path, "--tokenizer-file", str(other))
+
+
+def test_init_from_a_run_that_tied_its_head_starts_them_apart(data_cfg, tmp_path, capsys):
+    """A run trained with train.untie_at (the 126m default's) is a start for a new run, which does not tie trained
+    weights again: untie_at 0, said in one line; asking for it by flag is refused by the config's own check."""
+    cfg = tiny_run_config(data_cfg, tiny_model_cfg(tie_embeddings=False), steps=2, eval_every=2, ckpt_every=2,
+                          untie_at=0.5)
+    TR.train(cfg, tmp_path / "a", **QUIET)
+    run = new_run(tmp_path / "a", tmp_path)
+    assert "init-from: the head and the embedding start apart" in capsys.readouterr().out
+    assert json.loads((run / "config.json").read_text())["config"]["train"]["untie_at"] == 0.0
+    with pytest.raises(SystemExit, match=r"train.untie_at=0.5 starts the head and the embedding as one matrix"):
+        new_run(tmp_path / "a", tmp_path / "c", "--untie-at", "0.5")
 
 
 def tokenizer_file_of(run):
