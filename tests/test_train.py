@@ -49,7 +49,8 @@ TODAYS_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True},
 # modded-nanogpt's parts (the newest record's bigram table, backout and smear too) on documents masked apart, with
 # Polar Express and NorMuon (whose second moments a resume must restore), Muon's momentum, the sliding window (16,
 # 32, 32, 32, 48, 48 tokens), the multi-token loss's weights and the batch (half, then whole) all changing over the 6
-# steps, and the head and the embedding one matrix for the first 3: a stop after step 3 resumes inside each.
+# steps, the prefix-token loss fading out, and the head and the embedding one matrix for the first 3: a stop after
+# step 3 resumes inside each.
 RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embeddings": False, "embed_norm": True,
                   "logit_softcap": 15.0, "value_embeds": 1, "unet_skips": True, "x0_mix": True, "rope_truncate": True,
                   "attn_gate": True, "attn_window": 48, "bigram_rows": 1000, "bigram_signs": True, "backout": True,
@@ -58,7 +59,7 @@ RECORD_RECIPE = ({"mlp": "relu2", "qk_norm": True, "zero_init": True, "tie_embed
                   "muon_momentum_warmup": 5, "window_start": 16, "doc_mask": True, "embed_lr": 0.05,
                   "scalar_lr": 0.01, "head_lr": 0.002, "beta1": 0.8, "adam_eps": 1e-10,
                   "muon_iteration": "polar-express", "muon_beta2": 0.95, "mtp_tokens": 3, "batch_stages": 2,
-                  "untie_at": 0.5, "adam_weight_decay": 0.005})
+                  "untie_at": 0.5, "adam_weight_decay": 0.005, "prefix_weight": 0.25})
 
 
 # fp16 with its gradient scaler (the path of GPUs without bf16), which CPU autocast runs too: the
@@ -888,7 +889,11 @@ def test_bad_config_errors_name_key_and_file(tmp_path, capsys):
 
 # In the slow tier (CI runs it): each costs about 10 s of the suite's 2 minutes, two processes on two cores.
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", [({}, {}), TODAYS_RECIPE, RECORD_RECIPE], ids=["article", "muon", "record"])
+# Paired heads with Muon on the matrices, as the 126m default trains them (under AdamW one entry of a paired layer's
+# output projection, moved by about one lr, differed by 1.6e-5: Adam's step on a near-zero gradient, as below).
+@pytest.mark.parametrize("recipe", [({}, {}), TODAYS_RECIPE, RECORD_RECIPE,
+                                    (PAIRED_RECIPE[0], {**PAIRED_RECIPE[1], "muon": True})],
+                         ids=["article", "muon", "record", "paired-heads"])
 def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe, free_port):
     """torchrun with 2 CPU ranks, each half the micro-batches, matches 1 process (same global batch),
     with AdamW and with Muon (each rank orthogonalises the same all-reduced gradients)."""
