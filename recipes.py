@@ -768,7 +768,7 @@ def newest_study(preset: str, keys: tuple[str, ...], seeds: int, corpus: str, mi
     """Record #28's recipe and each NEWEST idea in keys on top of it alone (or, inside, the default and each idea
     taken out of it or added to it), once per seed, at equal training seconds (each run's steps sized from its own
     speed) or at equal tokens; each idea's row carries its paired differences."""
-    base = C.preset(preset)
+    base = C.preset(preset, **newest_off(preset))  # record #28's recipe: its batch sizes the evaluations, as before
     micro_batch = micro_batch or base.train.micro_batch
     plan = newest_plan(preset, seeds, keys, micro_batch, inside)
     folder = f"{preset}_{corpus}_newest{'_inside' if inside else ''}_{f'{seconds:g}s' if seconds else f'{tokens}-tokens'}"
