@@ -783,9 +783,13 @@ def budget_study(plan: list[Recipe], base: C.Config, preset: str, corpus: str, m
                  timeout: int, resume: bool, devices: list[str | None], seconds: float = 0.0,
                  tokens: int = 0) -> tuple[dict, dict]:
     """Run `plan`, every rung for `seconds` training seconds or else `tokens` tokens, evaluated every
-    SECONDS_EVAL_EVERY steps. Returns (rows and curves, the runs by folder)."""
+    SECONDS_EVAL_EVERY steps of base's batch (a rung of a quarter of it: every 4 x as many steps, the same tokens
+    apart, and a quarter of the evaluations' time). Returns (rows and curves, the runs by folder)."""
     fixed = {**fixed_settings(base, 0 if seconds else tokens, corpus, micro_batch), "train__seconds": seconds,
-             "train__eval_every": SECONDS_EVAL_EVERY, "train__ckpt_every": 10**6}  # saved at the end and on a signal
+             "train__ckpt_every": 10**6}  # saved at the end and on a signal
+    batch = lambda r: C.preset(r.config, **{**fixed, **r.overrides}).train.batch_tokens
+    every = lambda r: max(1, SECONDS_EVAL_EVERY * base.train.batch_tokens // batch(r))
+    plan = [Recipe(r.name, r.config, r.group, {**r.overrides, "train__eval_every": every(r)}, r.seed) for r in plan]
     cfg = check_and_prepare(plan, fixed, sized=False)
     budget = f"{seconds:g} training seconds" if seconds else f"{tokens:,} tokens"
     print(f"recipes: {preset} on {corpus}, {budget} per rung, {len(plan)} runs, {len(devices)} at a time", flush=True)

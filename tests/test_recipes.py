@@ -283,16 +283,21 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
     assert "| 2 | 2.8750 | 2.7250 | 2.8750 | 0.1500 | 3 | 300 | 3.0 | 1 | -0.2000 -0.0500 |" in RE.seconds_table([row])
 
 
-def test_the_newest_ideas_evaluate_on_as_many_tokens_whatever_the_defaults_batch(monkeypatch, tmp_path):
+def test_the_newest_ideas_evaluate_on_as_many_tokens_as_far_apart_whatever_the_batch(monkeypatch, tmp_path):
     """Every --newest rung validates on the tokens record #28's batch sizes (2 x 393,216 at 126m), not on the quarter
-    batch's: the ladder's losses stay comparable with those measured before 126m took it."""
+    batch's, so the ladder's losses compare with those measured before 126m took it; and every 25 steps of that
+    batch: the default's quarter batch every 100, record #28's rung every 25."""
     seen = {}
-    def study(plan, base, *args, **kwargs):
-        seen.update(RE.fixed_settings(base, 0, "python", 12))
-        return {"rows": []}, {}
-    monkeypatch.setattr(RE, "budget_study", study)
+    def run_all(plan, fixed, *args, **kwargs):
+        seen.update(fixed, every={r.name: r.overrides["train__eval_every"] for r in plan})
+        return {r.folder: {} for r in plan}
+    monkeypatch.setattr(RE, "check_and_prepare", lambda *args, **kwargs: C.preset("126m"))
+    monkeypatch.setattr(RE, "run_all", run_all)
+    monkeypatch.setattr(RE, "summarize", lambda *args: {"rung": args[0]})
+    monkeypatch.setattr(RE, "paired", lambda *args: [])
     RE.newest_study("126m", ("smear",), 1, "python", 12, tmp_path, 60, False, [None], seconds=70.0)
     assert seen["train__eval_tokens"] == 2 * 393216
+    assert seen["every"] == {RE.WITHOUT_NEWEST: 25, RE.NEWEST["smear"][0]: 25, RE.ADOPTED: 100}
 
 
 def test_inside_the_newest_ideas_leave_out_what_the_default_has_and_add_what_it_has_not():
