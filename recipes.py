@@ -213,9 +213,9 @@ def _yarn(base: C.Config, micro_batch: int) -> dict:
 
 
 def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
-    """A quarter of the preset's batch, at the largest micro-batch up to the study's that divides it (126m at 12:
-    98,304 tokens, one micro-batch a step)."""
-    tokens = base.train.batch_tokens // 4  # base: the preset with its newest ideas off (newest_plan)
+    """A quarter of base's batch (newest_plan's base: the preset as record #28's recipe), at the largest micro-batch
+    up to the study's that divides it (126m at 12: 98,304 tokens, one micro-batch a step)."""
+    tokens = base.train.batch_tokens // 4
     return {"train__batch_tokens": tokens, **_fitting_micro_batch(base, tokens, micro_batch, 1)}
 
 
