@@ -464,6 +464,13 @@ def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int
     without = C.preset(preset, **off)
     sized = lambda key, cfg: NEWEST[key][1](cfg, micro_batch) if callable(NEWEST[key][1]) else NEWEST[key][1]
     changes = {key: sized(key, without) for key in keys}  # each idea on record #28's recipe
+    for key, change in changes.items():  # an idea this preset cannot take is named, before anything runs
+        try:
+            C.preset(preset, **{**off, **change})
+        except ValueError as e:
+            reason = str(e).split("): ", 1)[-1]
+            raise ValueError(f"--newest {key} does not apply to {preset}: {reason}; leave it out of --newest's "
+                             f"list") from None
     if inside:
         plan = rungs(ADOPTED, "default", {})
         for key, change in changes.items():

@@ -300,6 +300,12 @@ def test_the_newest_ideas_evaluate_on_as_many_tokens_as_far_apart_whatever_the_b
     assert seen["every"] == {RE.WITHOUT_NEWEST: 25, RE.NEWEST["smear"][0]: 25, RE.ADOPTED: 100}
 
 
+def test_an_idea_a_preset_cannot_take_is_named_in_one_line():
+    with pytest.raises(ValueError, match=r"^--newest paired-heads does not apply to 22m: model.paired_heads pairs the "
+                                         r"heads, but model.n_heads=3 is odd: make it even; leave it out of --newest"):
+        RE.newest_plan("22m", 1, ("smear", "paired-heads"), 12)
+
+
 def test_inside_the_newest_ideas_leave_out_what_the_default_has_and_add_what_it_has_not():
     """--newest --inside: the 126m default first, then each idea inside it: the bigram table (adopted) taken out, the
     mimetic init (not adopted) added; pairs by seed against the default."""
