@@ -260,6 +260,7 @@ NEWEST = {
     "prefix": ("+ prefix-token loss at 0.25, out by 2/3 of the run (#88)", {"train__prefix_weight": 0.25}),
     "paired-heads": ("+ paired-head attention in every other short layer (#58)", _paired_heads),
     "yarn": ("+ YaRN as the window grows, attention scale from 0.1 (#31)", _yarn),
+    "lr-floor": ("+ the warm-down ending at 0.15 of the peak rate, not 0.1 (#72)", {"train__min_lr_ratio": 0.15}),
 }
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
