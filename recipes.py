@@ -261,6 +261,9 @@ NEWEST = {
     "paired-heads": ("+ paired-head attention in every other short layer (#58)", _paired_heads),
     "yarn": ("+ YaRN as the window grows, attention scale from 0.1 (#31)", _yarn),
     "lr-floor": ("+ the warm-down ending at 0.15 of the peak rate, not 0.1 (#72)", {"train__min_lr_ratio": 0.15}),
+    # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
+    "momentum-cooldown": ("+ Muon's momentum back down over the last 50 steps (#39)",
+                          {"train__muon_momentum_cooldown": 50}),
 }
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
