@@ -42,8 +42,18 @@ def test_two_checkpoints_compare_in_one_table_and_json(two_runs, tmp_path, capsy
     assert f"| {two_runs / 'longer' / 'ckpt.pt'} | 6 |" in printed
 
 
-def test_a_windowed_checkpoint_also_evaluates_to_its_logged_loss_with_whole_windows(data_cfg, tmp_path, capsys):
-    cfg = tiny_run_config(data_cfg, tiny_model_cfg(attn_window=16), steps=3, eval_every=3, doc_mask=True)
+# The 126m default's parts that change what the model computes from a window: paired heads in the short layers,
+# the signed bigram table; trained with the multi-token and prefix-token losses, scored on the next token alone.
+NEWEST = dict(n_layers=4, n_heads=2, n_kv_heads=2, short_windows=True, paired_heads=True, bigram_rows=1000,
+              bigram_signs=True, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("parts, train", [({}, {}), (NEWEST, {"mtp_tokens": 3, "prefix_weight": 0.25})],
+                         ids=["window", "newest-parts"])
+def test_a_windowed_checkpoint_also_evaluates_to_its_logged_loss_with_whole_windows(data_cfg, tmp_path, capsys, parts,
+                                                                                    train):
+    cfg = tiny_run_config(data_cfg, tiny_model_cfg(attn_window=16, **parts), steps=3, eval_every=3, doc_mask=True,
+                          **train)
     TR.train(cfg, tmp_path / "windowed", **QUIET)
     logged = [r for r in PL.read_log(tmp_path / "windowed" / "log.jsonl") if "val_loss" in r][-1]
     found = EV.evaluate_checkpoint(tmp_path / "windowed", **QUIET)
