@@ -44,7 +44,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -805,7 +805,7 @@ def budget_study(plan: list[Recipe], base: C.Config, preset: str, corpus: str, m
              "train__ckpt_every": 10**6}  # saved at the end and on a signal
     batch = lambda r: C.preset(r.config, **{**fixed, **r.overrides}).train.batch_tokens
     every = lambda r: max(1, SECONDS_EVAL_EVERY * base.train.batch_tokens // batch(r))
-    plan = [Recipe(r.name, r.config, r.group, {**r.overrides, "train__eval_every": every(r)}, r.seed) for r in plan]
+    plan = [replace(r, overrides={**r.overrides, "train__eval_every": every(r)}) for r in plan]
     cfg = check_and_prepare(plan, fixed, sized=False)
     budget = f"{seconds:g} training seconds" if seconds else f"{tokens:,} tokens"
     print(f"recipes: {preset} on {corpus}, {budget} per rung, {len(plan)} runs, {len(devices)} at a time", flush=True)
