@@ -260,7 +260,8 @@ NEWEST = {
     "prefix": ("+ prefix-token loss at 0.25, out by 2/3 of the run (#88)", {"train__prefix_weight": 0.25}),
     "paired-heads": ("+ paired-head attention in every other short layer (#58)", _paired_heads),
     "yarn": ("+ YaRN as the window grows, attention scale from 0.1 (#31)", _yarn),
-    "lr-floor": ("+ the warm-down ending at 0.15 of the peak rate, not 0.1 (#72)", {"train__min_lr_ratio": 0.15}),
+    "warmdown": ("+ the warm-down over the last 60% of the run, down to 0.15 of the peak rate (#72, #73)",
+                 {"train__warmdown_fraction": 0.6, "train__min_lr_ratio": 0.15}),
     # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
     "momentum-cooldown": ("+ Muon's momentum back down over the last 50 steps (#39)",
                           {"train__muon_momentum_cooldown": 50}),
@@ -451,7 +452,8 @@ ADOPTED = "the default (its adopted ideas together)"
 
 def newest_off(preset: str) -> dict:
     """Every NEWEST idea off in `preset`: NEWEST_OFF, and what else configs/recipes/newest.toml changes in it (126m's
-    quarter batch, its evaluations and checkpoints as many tokens apart) as the preset has it without that file."""
+    quarter batch, its evaluations and checkpoints as many tokens apart, its warm-down) as the preset has it without
+    that file."""
     bare = C.load_config(values=C.read_toml(C.PRESETS_DIR / f"{preset}.toml", without=("recipes/newest.toml",)))
     base, newest = C.preset(preset), C.read_toml(C.PRESETS_DIR / "recipes" / "newest.toml")
     keys = [(section, key) for section, table in newest.items() for key in table if f"{section}__{key}" not in NEWEST_OFF]

@@ -248,8 +248,9 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
         (RE.WITHOUT_NEWEST, 1337), (RE.WITHOUT_NEWEST, 1338), (RE.NEWEST["bigram"][0], 1337),
         (RE.NEWEST["bigram"][0], 1338), (RE.NEWEST["mtp"][0], 1337), (RE.NEWEST["mtp"][0], 1338),
         (RE.ADOPTED, 1337), (RE.ADOPTED, 1338)]
-    record = RE.newest_off("126m")  # 126m took the newest recipe's quarter batch: record #28's batch comes back
-    assert record == {**RE.NEWEST_OFF, "train__batch_tokens": 393216, "train__eval_every": 250, "train__ckpt_every": 250}
+    record = RE.newest_off("126m")  # 126m took the newest recipe's quarter batch and warm-down: record #28's come back
+    assert record == {**RE.NEWEST_OFF, "train__batch_tokens": 393216, "train__eval_every": 250, "train__ckpt_every": 250,
+                      "train__warmdown_fraction": 0.45, "train__min_lr_ratio": 0.1}
     assert RE.newest_off("22m") == RE.NEWEST_OFF
     assert plan[2].overrides == {**record, "model__bigram_rows": 5 * 32768}
     assert plan[4].overrides == {**record, "train__mtp_tokens": 3} and plan[-1].overrides == {}
@@ -267,7 +268,7 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
     # configs/recipes/newest.toml is every idea's own setting but those not measured yet or not adopted, the fused
     # decode off (it has no key offset, value gates or paired heads), and at the quarter batch evaluations and
     # checkpoints as many tokens apart as record #28's
-    unadopted = ("batch-stages", "tied-head", "mimetic", "yarn", "lr-floor", "momentum-cooldown")
+    unadopted = ("batch-stages", "tied-head", "mimetic", "yarn", "momentum-cooldown")
     ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key not in unadopted]
     adopted = {k: v for idea in ideas for k, v in idea.items() if k not in record or record[k] != v}
     rest = {"speed__fused_decode": False, "speed__split_decode": False, "train__eval_every": 1000,
@@ -318,9 +319,11 @@ def test_inside_the_newest_ideas_leave_out_what_the_default_has_and_add_what_it_
     assert [r.seed for r in plan[:2]] == [1337, 1338]
     without = C.preset("126m", **plan[2].overrides)
     assert without.model.bigram_rows == 0 and without.train == C.preset("126m").train
-    # the quarter batch (adopted) out: record #28's batch; the batch stages added: sized on the preset's own batch
-    batch = RE.newest_plan("126m", 1, ("quarter-batch", "batch-stages"), 12, inside=True)
+    # the quarter batch and the warm-down (adopted) out: record #28's; the batch stages added: sized on the preset's
+    # own batch
+    batch = RE.newest_plan("126m", 1, ("quarter-batch", "warmdown", "batch-stages"), 12, inside=True)
     assert [r.overrides for r in batch[1:]] == [{"train__batch_tokens": 393216},
+                                                {"train__warmdown_fraction": 0.45, "train__min_lr_ratio": 0.1},
                                                 {"train__batch_stages": 3, "train__micro_batch": 4}]
 
 

@@ -1,0 +1,1 @@
+python train.py --config configs/126m.toml --corpus python --max-documents 0 --tokenizer-documents 10000 --steps 0 --eval-every 40 --ckpt-every 100000 --sample-tokens 0 --tokens 0 --seconds 70 --micro-batch 12 --runs-dir /tmp/runs --seed 1337 --muon-momentum-warmup 100
