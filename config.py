@@ -115,6 +115,12 @@ class TrainConfig:
     embed_lr: float = 0.0  # AdamW lr of the token and value embeddings; 0: lr (modded-nanogpt: 0.6)
     head_lr: float = 0.0  # AdamW lr of an untied head; 0: lr (modded-nanogpt: 0.008)
     scalar_lr: float = 0.0  # AdamW lr of the norm gains and mixing scalars; 0: lr (modded-nanogpt: 0.04)
+    # each AdamW group's own betas, 0: beta1 / beta2 (modded-nanogpt since #52 and #57: the head and the embedding
+    # tied to it 0.5, the value and bigram tables 0.75, the scalars 0.9 and 0.99; beta2 0.95 elsewhere)
+    head_beta1: float = 0.0  # AdamW beta1 of the head and of the embedding where it steps as the head
+    embed_beta1: float = 0.0  # AdamW beta1 of the value and bigram tables and an untied token embedding
+    scalar_beta1: float = 0.0  # AdamW beta1 of the norm gains and mixing scalars
+    scalar_beta2: float = 0.0  # AdamW beta2 of the norm gains and mixing scalars
     adam_eps: float = 1e-8  # AdamW's epsilon (torch's default; modded-nanogpt: 1e-10 on a loss summed, not averaged)
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping (and the norm's cost) off
     eval_every: int = 250  # steps between validation passes (and at the end)
@@ -184,6 +190,9 @@ TRAIN_RANGES = {  # field: (test, the rule as the error message says it)
     "muon_momentum_start": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "muon_beta2": (lambda v: 0 <= v < 1, "in [0, 1) (0 turns NorMuon off)"),
     **dict.fromkeys(("embed_lr", "head_lr", "scalar_lr"), (lambda v: 0 <= v <= 10, "in [0, 10] (0: train.lr)")),
+    **dict.fromkeys(("head_beta1", "embed_beta1", "scalar_beta1"),
+                    (lambda v: 0 <= v < 1, "in [0, 1) (0: train.beta1)")),
+    "scalar_beta2": (lambda v: 0 <= v < 1, "in [0, 1) (0: train.beta2)"),
     "adam_eps": (lambda v: 0 < v <= 1e-3, "in (0, 1e-3]"),
 }
 

@@ -392,10 +392,13 @@ ADAM_DECAY = {"head": 150.0, "embed": 5.0, "scalars": 0.0}
 
 
 def adamw_groups(groups: dict, cfg: C.TrainConfig) -> list[dict]:
-    """AdamW's groups, one per role that has parameters, each at its own learning rate; none has AdamW's own
-    decay, some CautiousAdamW's (train.adam_weight_decay)."""
+    """AdamW's groups, one per role that has parameters, each at its own learning rate and betas; none has AdamW's
+    own decay, some CautiousAdamW's (train.adam_weight_decay)."""
     rates = {"embed": cfg.embed_lr, "head": cfg.head_lr, "scalars": cfg.scalar_lr}
+    betas = {"embed": (cfg.embed_beta1, 0.0), "head": (cfg.head_beta1, 0.0),
+             "scalars": (cfg.scalar_beta1, cfg.scalar_beta2)}
     return [{"params": [p for _, p in groups[role]], "weight_decay": 0.0, "lr_ratio": (rate or cfg.lr) / cfg.lr,
+             "betas": (betas[role][0] or cfg.beta1, betas[role][1] or cfg.beta2),
              "role": role, "cautious_decay": cfg.adam_weight_decay * ADAM_DECAY[role]}
             for role, rate in rates.items() if groups[role]]
 

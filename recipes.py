@@ -260,6 +260,10 @@ NEWEST = {
     "prefix": ("+ prefix-token loss at 0.25, out by 2/3 of the run (#88)", {"train__prefix_weight": 0.25}),
     "paired-heads": ("+ paired-head attention in every other short layer (#58)", _paired_heads),
     "yarn": ("+ YaRN as the window grows, attention scale from 0.1 (#31)", _yarn),
+    # the record's betas by group (#52, #57): each AdamW group's own, where record #28's were one pair for all
+    "adam-betas": ("+ AdamW's betas by group: head 0.5, tables 0.75, scalars (0.9, 0.99) (#52, #57)",
+                   {"train__head_beta1": 0.5, "train__embed_beta1": 0.75, "train__scalar_beta1": 0.9,
+                    "train__scalar_beta2": 0.99}),
     "warmdown": ("+ the warm-down over the last 60% of the run, down to 0.15 of the peak rate (#72, #73)",
                  {"train__warmdown_fraction": 0.6, "train__min_lr_ratio": 0.15}),
     # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
@@ -443,6 +447,7 @@ NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__bac
               "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz", "train__muon_beta2": 0.0,
               "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
               "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,
+              "train__head_beta1": 0.0, "train__embed_beta1": 0.0, "train__scalar_beta1": 0.0, "train__scalar_beta2": 0.0,
               "speed__fused_decode": True, "speed__split_decode": True}
 # Taking a part out takes out what needs it: the signs sign the bigram table's rows.
 NEEDS_IT = {"model__bigram_rows": {"model__bigram_signs": False}}

@@ -94,6 +94,7 @@ OUT_OF_RANGE = {
     "grad_clip": -1.0, "warmdown_fraction": 0.0, "muon_lr": 0.0, "muon_momentum": 1.0, "muon_weight_decay": -1.0,
     "muon_momentum_warmup": -1, "mtp_tokens": 0, "prefix_weight": 1.5, "batch_stages": 0, "muon_momentum_start": 1.0, "embed_lr": 11.0, "head_lr": -1.0, "scalar_lr": 20.0,
     "adam_eps": 0.0, "muon_beta2": 1.0, "muon_momentum_cooldown": -1, "untie_at": 1.5,
+    "head_beta1": 1.0, "embed_beta1": -0.5, "scalar_beta1": 1.5, "scalar_beta2": -0.1,
     "adam_weight_decay": 2.0,
 }
 

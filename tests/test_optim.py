@@ -48,6 +48,30 @@ def test_each_adamw_group_runs_at_its_own_rate_and_the_record_parts_find_theirs(
     assert ratios["scalars"] == pytest.approx(5)
 
 
+def test_each_adamw_group_steps_with_its_own_betas():
+    """head_beta1, embed_beta1 and scalar_beta1/2 (modded-nanogpt's since #52 and #57) reach the moments torch keeps:
+    after one step of gradient g, each group's first moment is (1 - beta1) g and its second (1 - beta2) g^2; an
+    unset one (0) is train.beta1 / beta2."""
+    model = M.Llama(tiny_model_cfg(n_layers=2, tie_embeddings=False, value_embeds=1))
+    tcfg = C.TrainConfig(steps=1, muon=True, lr=0.008, beta1=0.8, beta2=0.95, head_beta1=0.5, embed_beta1=0.75,
+                         scalar_beta1=0.9, scalar_beta2=0.99, optimizer="for-loop")
+    opt = O.configure_optimizer(model, tcfg)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    adamw = O.inner_optimizers(opt)[1]
+    want = {"embed": (0.75, 0.95), "head": (0.5, 0.95), "scalars": (0.9, 0.99)}
+    for group in adamw.param_groups:
+        b1, b2 = want[group["role"]]
+        for p in group["params"]:
+            state = adamw.state[p]
+            assert state["exp_avg"] == pytest.approx(torch.full_like(p, (1 - b1) * 0.5))
+            assert state["exp_avg_sq"] == pytest.approx(torch.full_like(p, (1 - b2) * 0.25))
+    plain = O.configure_optimizer(model, dataclasses.replace(tcfg, head_beta1=0.0, scalar_beta2=0.0))
+    assert {g["role"]: g["betas"] for g in O.inner_optimizers(plain)[1].param_groups} == {
+        "embed": (0.75, 0.95), "head": (0.8, 0.95), "scalars": (0.9, 0.95)}
+
+
 def test_adamw_decays_only_the_block_matrices():
     model = M.Llama(tiny_model_cfg(n_layers=1))
     opt = O.configure_optimizer(model, C.TrainConfig(steps=1))
