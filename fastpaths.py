@@ -84,7 +84,8 @@ def fast_path_applies(name: str, cfg: M.ModelConfig, speed: SpeedConfig) -> bool
              "decode_mlp": cfg.mlp == "relu2",
              "fused_swiglu": cfg.mlp == "swiglu", "fused_relu2": cfg.mlp == "relu2" and not speed.fp8,
              "fused_qk_norm_rope": cfg.qk_norm, "fused_loss": not speed.fp8_head and not speed.loss_kernel,
-             "loss_kernel": not speed.fused_loss, "fp8_head": not cfg.tie_embeddings and not speed.fused_loss,
+             "loss_kernel": not speed.fused_loss,
+             "fp8_head": not cfg.tie_embeddings and not speed.fused_loss and not steep_cap(cfg),
              "fp8_fast_accum": speed.fp8 or speed.fp8_head}
     return rules.get(name, True)
 
@@ -94,8 +95,18 @@ def running(names, cfg: M.ModelConfig, speed: SpeedConfig) -> list[str]:
     return [n for n in names if getattr(speed, n) and fast_path_applies(n, cfg, speed)]
 
 
+def steep_cap(cfg: M.ModelConfig) -> bool:
+    """Whether the logits' soft-cap can be steeper than 1 (a temperature below the cap): the FP8 head scales the
+    logits' gradient to e5m2 by its bound, 1 / tokens, which holds for a slope of at most 1 (fp8.py)."""
+    return 0 < cfg.logit_temperature < cfg.logit_softcap
+
+
 def check(cfg: M.ModelConfig, speed: SpeedConfig):
     """Refuse in one line a switch that cannot run beside cfg (those that merely do nothing pass)."""
+    if speed.fp8_head and steep_cap(cfg):
+        raise ValueError(f"speed.fp8_head bounds the logits' gradient by a soft-cap slope of at most 1, but "
+                         f"model.logit_temperature={cfg.logit_temperature:g} below logit_softcap={cfg.logit_softcap:g} "
+                         f"is steeper: give a temperature of at least the cap, or use --no-fp8-head")
     if speed.fp8_head and not fast_path_applies("fp8_head", cfg, speed):
         raise ValueError("speed.fp8_head runs the untied head's matmul in FP8: it needs --no-tie-embeddings and "
                          "--no-fused-loss (the fused loss has its own head), or use --no-fp8-head")
@@ -281,7 +292,7 @@ class TrainingLoss(M.Output):
         multi = isinstance(targets, M.MultiTargets)  # the multi-token loss: its own kernel, after the head's matmul
         if self.fp8_head and self.loss_kernel and K.runs_on(x) and not multi:
             return fp8_head_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.cap,
-                                          fast_accum=self.fast_accum)
+                                          fast_accum=self.fast_accum, shift=self.shift, temperature=self.temperature)
         ids, weights = (targets.ids.flatten(0, 1), targets.weights) if multi else (targets.flatten(), None)  # (N[, K])
         if self.fp8_head:  # a logit's gradient is at most its row's weights' sum (each at most 1) over the rows
             logits = fp8_linear(x, weight, grad_bound=(ids.shape[1] if multi else 1) / ids.shape[0],
@@ -291,9 +302,9 @@ class TrainingLoss(M.Output):
         logits = logits.flatten(0, 1)
         if self.loss_kernel and K.cross_entropy_supported(logits):
             if multi:
-                return K.multi_cross_entropy(logits, ids, weights, self.cap)[0].mean()
-            return K.cross_entropy(logits, ids, self.cap)[0].mean()
-        return M.cross_entropy(logits, ids, self.cap, weights)
+                return K.multi_cross_entropy(logits, ids, weights, self.cap, self.shift, self.temperature)[0].mean()
+            return K.cross_entropy(logits, ids, self.cap, self.shift, self.temperature)[0].mean()
+        return M.cross_entropy(logits, ids, self.cap, weights, self.shift, self.temperature)
 
 
 class FusedLoss(M.Output):
@@ -301,7 +312,8 @@ class FusedLoss(M.Output):
 
     def loss(self, x, weight, targets):
         ids, weights = targets if isinstance(targets, M.MultiTargets) else (targets, None)
-        return linear_cross_entropy(x.flatten(0, 1), weight, ids.flatten(0, 1), self.cap, weights)
+        return linear_cross_entropy(x.flatten(0, 1), weight, ids.flatten(0, 1), self.cap, weights, self.shift,
+                                    self.temperature)
 
 
 class CheckpointedBlock(M.Block):
@@ -396,15 +408,15 @@ LOSS_CHUNK_ROWS = 2048  # at least 2,048 rows a chunk: 2,048 x 32,768 logits are
 LOSS_MAX_CHUNKS = 16  # larger batches take larger chunks: each chunk adds into the (vocab, d) weight gradient
 
 
-def _loss_chunk(x, w, targets, weights, scale: float, cap: float = 0.0):
+def _loss_chunk(x, w, targets, weights, scale: float, cap: float = 0.0, shift: float = 0.0, temperature: float = 0.0):
     """Sum over one chunk of each row's weighted cross-entropies, and the gradients of scale * that sum with respect
     to x (rows, d) and w (vocab, d). targets (rows, K): the k-th target of each row (-1: none, counting 0), weighted
     by weights[k] (K,) (M.MultiTargets; one target of weight 1 is the plain loss). x and w in the matmul dtype;
-    softmax in float32. cap: the logits' soft-cap (softcap; 0: none), whose slope 1 - tanh^2 scales the logits'
-    gradient."""
+    softmax in float32. cap, shift, temperature: the logits' soft-cap (M.softcap; cap 0: none), whose slope
+    cap / temperature (1 - tanh^2) scales the logits' gradient."""
     logits = (x @ w.t()).to(torch.promote_types(x.dtype, torch.float32))  # (rows, vocab), at least float32
     if cap:
-        squashed = torch.tanh(logits / cap)
+        squashed = torch.tanh((logits + shift) / (temperature or cap))
         logits = cap * squashed
     lse = torch.logsumexp(logits, dim=-1)
     share = (targets >= 0) * weights.to(logits.dtype)  # (rows, K): each target's weight, 0 where there is none
@@ -417,7 +429,7 @@ def _loss_chunk(x, w, targets, weights, scale: float, cap: float = 0.0):
     hot = sum((column == targets[:, k:k + 1]) * share[:, k:k + 1] for k in range(targets.shape[1]))
     grad = (torch.exp(logits - lse[:, None]) * share.sum(-1, keepdim=True) - hot) * scale
     if cap:
-        grad = grad * (1 - squashed * squashed)
+        grad = grad * (cap / (temperature or cap) * (1 - squashed * squashed))
     grad = grad.to(x.dtype)
     return loss, grad @ w, grad.t() @ x
 
@@ -438,7 +450,7 @@ def loss_chunk_fn(device: torch.device):
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, weights, compute_dtype, cap):
+    def forward(ctx, x, weight, targets, weights, compute_dtype, cap, shift, temperature):
         n = x.shape[0]
         w = weight.to(compute_dtype)
         grad_x = torch.empty_like(x)
@@ -447,7 +459,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         chunk, size = loss_chunk_fn(x.device), max(LOSS_CHUNK_ROWS, -(-n // LOSS_MAX_CHUNKS))
         for start in range(0, n, size):
             rows = slice(start, start + size)
-            loss, gx, gw = chunk(x[rows].to(compute_dtype), w, targets[rows], weights, 1.0 / n, cap)
+            loss, gx, gw = chunk(x[rows].to(compute_dtype), w, targets[rows], weights, 1.0 / n, cap, shift,
+                                 temperature)
             total += loss
             grad_x[rows] = gx
             grad_w += gw  # float32 accumulation across chunks
@@ -457,13 +470,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_out, grad_w * grad_out, None, None, None, None
+        return grad_x * grad_out, grad_w * grad_out, None, None, None, None, None, None
 
 
-def linear_cross_entropy(x, weight, targets, cap: float = 0.0, weights=None):
-    """Mean cross-entropy of softmax(softcap(x @ weight.T, cap)) against targets. x: (N, d); weight:
-    (vocab, d); targets: (N,), or (N, K) with weights (K,) for the multi-token loss. Equals
-    M.cross_entropy(F.linear(x, weight), targets, cap, weights), computed in chunks.
+def linear_cross_entropy(x, weight, targets, cap: float = 0.0, weights=None, shift: float = 0.0,
+                         temperature: float = 0.0):
+    """Mean cross-entropy of softmax(softcap(x @ weight.T, cap, shift, temperature)) against targets. x: (N, d);
+    weight: (vocab, d); targets: (N,), or (N, K) with weights (K,) for the multi-token loss. Equals
+    M.cross_entropy(F.linear(x, weight), targets, cap, weights, shift, temperature), computed in chunks.
     Kept out of an enclosing torch.compile graph: a plain Python loop over compiled chunks is
     compiled once, where tracing it would unroll one copy per chunk."""
     global _uncompiled_loss
@@ -471,13 +485,13 @@ def linear_cross_entropy(x, weight, targets, cap: float = 0.0, weights=None):
         _uncompiled_loss = torch.compiler.disable(_linear_cross_entropy)
     if weights is None:
         targets, weights = targets[:, None], torch.ones(1, device=x.device)
-    return _uncompiled_loss(x, weight, targets, cap, weights)
+    return _uncompiled_loss(x, weight, targets, cap, weights, shift, temperature)
 
 
 _uncompiled_loss = None
 
 
-def _linear_cross_entropy(x, weight, targets, cap: float, weights):
+def _linear_cross_entropy(x, weight, targets, cap: float, weights, shift: float, temperature: float):
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        return LinearCrossEntropy.apply(x, weight, targets, weights, dtype, cap)
+        return LinearCrossEntropy.apply(x, weight, targets, weights, dtype, cap, shift, temperature)

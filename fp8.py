@@ -158,12 +158,14 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     loss_kernel are both on."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad, transpose_kernel, fast_accum):
+    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad, transpose_kernel, fast_accum, shift,
+                temperature):
         logits, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype, fast_accum)  # x: (N, d); weight: (vocab, d)
         # Each logit's gradient of the mean loss lies within 1 / n, so e5m2 holds it scaled by top * n,
         # never read for its maximum (as FP8Matmul's head).
         n, top = targets.numel(), torch.finfo(E5M2).max
-        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n, fp8_only=fp8_weight_grad)
+        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n, fp8_only=fp8_weight_grad,
+                                                     shift=shift, temperature=temperature)
         ctx.save_for_backward(x8 if fp8_weight_grad else x.to(out_dtype), sx, w8, sw, dz, dz8)
         ctx.scale, ctx.dtypes, ctx.fp8_weight_grad = top * n, (x.dtype, weight.dtype), fp8_weight_grad
         ctx.transpose_kernel = transpose_kernel
@@ -184,20 +186,22 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
                                       scale_b=sx, out_dtype=ctx.dtypes[1])
         else:
             grad_w = (dz.t() @ x_saved).to(ctx.dtypes[1]) * grad
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def fp8_head_cross_entropy(x, weight, targets, cap: float, fp8_weight_grad: bool = True,
-                           transpose_kernel: bool = True, fast_accum: bool = False):
-    """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True), its gradient written in the
-    forward (FP8HeadCrossEntropy): for training, where a backward follows. x: (N, d); weight: (vocab, d);
+                           transpose_kernel: bool = True, fast_accum: bool = False, shift: float = 0.0,
+                           temperature: float = 0.0):
+    """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True) (shift, temperature: the cap's,
+    model.softcap), its gradient written in the forward (FP8HeadCrossEntropy): for training, where a backward
+    follows. x: (N, d); weight: (vocab, d);
     targets: (N,). fp8_weight_grad: the weight gradient's matmul in FP8 too, its operand transposed by
     `transposed` (transpose_kernel: our kernel, or the plain copy, its twin). fast_accum: the forward
     product with fast accumulation (speed.fp8_fast_accum). Where K.runs_on(x)."""
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad, transpose_kernel,
-                                         fast_accum)
+                                         fast_accum, shift, temperature)
 
 
 def relu2_fp8_plain(u):

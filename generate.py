@@ -328,7 +328,7 @@ class SmallOutput(M.Output):
     """decode_matmuls: the head's product through small_linear."""
 
     def logits(self, x, weight):
-        return M.softcap(small_linear(x, weight), self.cap)
+        return M.softcap(small_linear(x, weight), self.cap, self.shift, self.temperature)
 
 
 class DecodeReLU2(M.ReLU2):

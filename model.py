@@ -38,12 +38,20 @@ import attention as A
 
 MLPKind = Literal["swiglu", "relu2"]
 # The fields that fix the weights' shapes and meaning: a checkpoint resumes only with the same values.
-SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context",
-                "tie_embeddings", "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "embed_norm",
-                "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
-                "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows", "bigram_signs",
-                "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn")
+SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "context", "tie_embeddings",
+                "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "logit_shift", "logit_temperature",
+                "embed_norm", "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate",
+                "attn_gate", "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows",
+                "bigram_signs", "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
+# The parts that act on another setting, which ModelConfig refuses without it: (part, what it needs, why).
+PART_NEEDS = (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
+              ("value_gate", "value_embeds", "it gates the value embeddings"),
+              ("bigram_signs", "bigram_rows", "it signs the bigram table's rows"),
+              ("paired_heads", "short_windows", "it pairs the heads of every other short layer"),
+              ("rope_yarn", "attn_window", "it stretches RoPE as the window grows"),
+              ("logit_shift", "logit_softcap", "it shifts the logits inside the soft-cap"),
+              ("logit_temperature", "logit_softcap", "it widens the soft-cap"))
 
 
 @dataclass
@@ -63,6 +71,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (as Qwen3 and modded-nanogpt)
     zero_init: bool = False  # attention and MLP output projections start at zero (each block starts as identity)
     logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (Gemma 2, modded-nanogpt); 0 turns it off
+    logit_shift: float = 0.0  # ... c * tanh((logits + shift) / temperature) (softcap; modded #54: 5)
+    logit_temperature: float = 0.0  # the soft-cap's width; 0: the cap itself (modded #54: 15, with a cap of 11.5)
     # modded-nanogpt's architecture (its train_gpt.py at the record-#28 commit 9d9dc969 and its records/
     # READMEs); each is off by default and on in the presets that measured it to pay:
     embed_norm: bool = False  # RMSNorm without gain on the token embedding (modded record #8)
@@ -89,7 +99,8 @@ class ModelConfig:
     mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
     def __post_init__(self):
-        for name in ("rope_theta", "norm_eps", "logit_softcap", "attn_scale", "mimetic_init"):  # NaN, inf pass "< 0"
+        for name in ("rope_theta", "norm_eps", "logit_softcap", "logit_shift", "logit_temperature", "attn_scale",
+                     "mimetic_init"):  # NaN, inf pass "< 0"
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is not a finite number: give a real number")
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context", "rope_theta", "norm_eps"):
@@ -108,7 +119,8 @@ class ModelConfig:
             raise ValueError(f"head size d_model/n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
                              f"dimensions: change model.d_model or model.n_heads so that the head size is even")
         for name, zero in (("ffn_hidden", "0: automatic"), ("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"),
-                           ("mimetic_init", "0: off"), ("attn_window", "0: attend over the whole context"),
+                           ("logit_temperature", "0: the cap"), ("mimetic_init", "0: off"),
+                           ("attn_window", "0: attend over the whole context"),
                            ("rope_yarn", "0: off")):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0 ({zero}), got {getattr(self, name)}")
@@ -135,11 +147,7 @@ class ModelConfig:
                              f"into its attention (model.value_embeds={self.value_embeds}): pick a middle layer")
         if self.bigram_rows == 1 or self.bigram_rows < 0:
             raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows")
-        for part, needs, why in (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
-                                 ("value_gate", "value_embeds", "it gates the value embeddings"),
-                                 ("bigram_signs", "bigram_rows", "it signs the bigram table's rows"),
-                                 ("paired_heads", "short_windows", "it pairs the heads of every other short layer"),
-                                 ("rope_yarn", "attn_window", "it stretches RoPE as the window grows")):
+        for part, needs, why in PART_NEEDS:
             if getattr(self, part) and not getattr(self, needs):
                 off = f"--no-{part}" if getattr(self, part) is True else f"--{part} 0"
                 raise ValueError(f"model.{part} needs model.{needs}: {why}; set it or use {off.replace('_', '-')}")
@@ -268,7 +276,6 @@ def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
-
 
 
 def bigram_row(prev, idx, rows: int):
@@ -476,14 +483,15 @@ class Output(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cap = cfg.logit_softcap
+        self.cap, self.shift, self.temperature = cfg.logit_softcap, cfg.logit_shift, cfg.logit_temperature
 
     def logits(self, x, weight):
-        return softcap(F.linear(x, weight), self.cap)
+        return softcap(F.linear(x, weight), self.cap, self.shift, self.temperature)
 
     def loss(self, x, weight, targets):
         ids, weights = targets if isinstance(targets, MultiTargets) else (targets, None)
-        return cross_entropy(F.linear(x, weight).flatten(0, 1), ids.flatten(0, 1), self.cap, weights)
+        return cross_entropy(F.linear(x, weight).flatten(0, 1), ids.flatten(0, 1), self.cap, weights, self.shift,
+                             self.temperature)
 
 
 class Llama(nn.Module):
@@ -675,20 +683,21 @@ class Llama(nn.Module):
         return self.output.loss(x, self.output_weight(), targets)
 
 
-def cross_entropy(logits, targets, cap: float, weights=None):
-    """Mean cross-entropy of softcap(logits, cap) (N, vocab) against targets (N,), the softmax in (at least)
-    float32: bf16 logits lose about three digits of the loss. With weights (K,), targets (N, K): the mean over rows
-    of sum_k weights[k] * the cross-entropy against targets[:, k], a -1 target counting 0 (MultiTargets)."""
-    logits = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), cap)
+def cross_entropy(logits, targets, cap: float, weights=None, shift: float = 0.0, temperature: float = 0.0):
+    """Mean cross-entropy of softcap(logits, cap, shift, temperature) (N, vocab) against targets (N,), the softmax in
+    (at least) float32: bf16 logits lose about three digits of the loss. With weights (K,), targets (N, K): the mean
+    over rows of sum_k weights[k] * the cross-entropy against targets[:, k], a -1 target counting 0 (MultiTargets)."""
+    logits = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)), cap, shift, temperature)
     if weights is None:
         return F.cross_entropy(logits, targets)
     nll = -F.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0))  # (N, K)
     return (nll * (targets >= 0) * weights).sum(-1).mean()
 
 
-def softcap(logits, cap: float):
-    """cap * tanh(logits / cap): logits stay within (-cap, cap), smoothly (Gemma 2's final-logit
-    soft-cap). Near zero it is the identity, so it only bites on confident tokens. cap 0: off.
-    modded-nanogpt's 30 * sigmoid(logits / 7.5) is 15 + 15 * tanh(logits / 15), and a softmax does not
-    see a constant added to every logit: it is this function with cap 15, to the loss and its gradient."""
-    return cap * torch.tanh(logits / cap) if cap else logits
+def softcap(logits, cap: float, shift: float = 0.0, temperature: float = 0.0):
+    """cap * tanh(logits / cap): logits stay within (-cap, cap), smoothly (Gemma 2's final-logit soft-cap). Near
+    zero it is the identity, so it only bites on confident tokens. cap 0: off. modded-nanogpt's 30 * sigmoid(logits /
+    7.5) is 15 + 15 * tanh(logits / 15), and a softmax does not see a constant added to every logit: it is this with
+    cap 15. Shifted and wider, cap * tanh((logits + shift) / temperature) (temperature 0: the cap): record #54's
+    23 * sigmoid((logits + 5) / 7.5) is cap 11.5, shift 5, temperature 15 (from 0, less room above than below)."""
+    return cap * torch.tanh((logits + shift) / (temperature or cap)) if cap else logits

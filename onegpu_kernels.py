@@ -430,19 +430,23 @@ if AVAILABLE:
     # value: 2.25 results a logit. The interpreter has no PTX: there the cap keeps the sigmoid form.
     _PTX = tl.constexpr(not INTERPRET)  # a kernel reads a module's global only as a constexpr
 
+    # A shift and a temperature (model.softcap) are the cap of the logit alpha z + beta, alpha = cap / temperature
+    # and beta = shift * alpha (cap_terms): one multiply-add a logit, and the slope times alpha.
     @triton.jit
-    def _capped(z, cap, CAPPED: tl.constexpr):
+    def _capped(z, cap, alpha, beta, CAPPED: tl.constexpr):
         if CAPPED:
+            u = z * alpha + beta
             if not _PTX:
-                t = 2.0 * tl.sigmoid(z * (2.0 / cap)) - 1.0
+                t = 2.0 * tl.sigmoid(u * (2.0 / cap)) - 1.0
             else:
-                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z * (1.0 / cap)],
+                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u * (1.0 / cap)],
                                               dtype=tl.float32, is_pure=True, pack=1)
-            return cap * t, 1.0 - t * t
+            return cap * t, alpha * (1.0 - t * t)
         return z, z * 0.0 + 1.0
 
     @triton.jit
-    def _row_logsumexp(z_row, vocab, cap, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
+    def _row_logsumexp(z_row, vocab, cap, alpha, beta, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
+                       FIXED_SHIFT: tl.constexpr):
         """The logsumexp of softcap(z) over one row of vocab logits, read once."""
         # A capped logit lies within (-cap, cap), so exp(y - cap) lies within (exp(-2 cap), 1]: for a cap of
         # at most 40 (FIXED_SHIFT) it neither overflows nor leaves float32's normal range, and the sum runs
@@ -462,7 +466,7 @@ if AVAILABLE:
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             keep = cols < vocab
-            y, _ = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
+            y, _ = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, alpha, beta, CAPPED)
             y = tl.where(keep, y, float("-inf"))  # exp(-inf - m) = 0 past the row's end
             if FIXED_SHIFT:
                 sums += tl.exp(y - m)
@@ -475,8 +479,9 @@ if AVAILABLE:
         return m + tl.log(total)
 
     @triton.jit
-    def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, fp8_scale, fp8_max, BLOCK: tl.constexpr,
-                      CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr, DZ: tl.constexpr = True):
+    def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, alpha, beta, fp8_scale, fp8_max,
+                      BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr,
+                      DZ: tl.constexpr = True):
         """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype (DZ: else not
         written); with FP8 also times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's
         blocks last to first."""
@@ -488,7 +493,7 @@ if AVAILABLE:
                 cols = step * BLOCK + tl.arange(0, BLOCK)
             keep = cols < vocab
             z = tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32)
-            y, slope = _capped(z, cap, CAPPED)
+            y, slope = _capped(z, cap, alpha, beta, CAPPED)
             p = tl.exp(y - lse)
             d = (p - tl.where(cols == target, 1.0, 0.0)) * slope * g
             if DZ:
@@ -498,22 +503,24 @@ if AVAILABLE:
                 tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _cross_entropy_forward_kernel(z_ptr, t_ptr, loss_ptr, lse_ptr, vocab, cap, BLOCK: tl.constexpr,
+    def _cross_entropy_forward_kernel(z_ptr, t_ptr, loss_ptr, lse_ptr, vocab, cap, alpha, beta, BLOCK: tl.constexpr,
                                       CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
-        lse = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT)
-        y_t, _ = _capped(tl.load(z_row + tl.load(t_ptr + row)).to(tl.float32), cap, CAPPED)
+        lse = _row_logsumexp(z_row, vocab, cap, alpha, beta, BLOCK, CAPPED, FIXED_SHIFT)
+        y_t, _ = _capped(tl.load(z_row + tl.load(t_ptr + row)).to(tl.float32), cap, alpha, beta, CAPPED)
         tl.store(lse_ptr + row, lse)
         tl.store(loss_ptr + row, lse - y_t)
 
     @triton.jit
-    def _cross_entropy_backward_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, dz8_ptr, vocab, cap, fp8_scale, fp8_max,
-                                       BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr):
+    def _cross_entropy_backward_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, dz8_ptr, vocab, cap, alpha, beta,
+                                       fp8_scale, fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
+                                       FP8: tl.constexpr):
         """The gradient of sum(g * loss) for the per-row g at g_ptr (_row_gradient)."""
         row = tl.program_id(0).to(tl.int64)
         _row_gradient(z_ptr + row * vocab, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, tl.load(t_ptr + row),
-                      tl.load(lse_ptr + row), tl.load(g_ptr + row), cap, fp8_scale, fp8_max, BLOCK, CAPPED, FP8, False)
+                      tl.load(lse_ptr + row), tl.load(g_ptr + row), cap, alpha, beta, fp8_scale, fp8_max, BLOCK, CAPPED,
+                      FP8, False)
 
     # The loss and its gradient in one launch, for the FP8 head (model.FP8HeadCrossEntropy), whose backward
     # can scale the products by the incoming gradient where the loss kernel's backward had to scale every
@@ -525,30 +532,38 @@ if AVAILABLE:
     # against 7.80 for the two kernels (docs/LOG.md, 2026-12-04): 3.0 TB/s, with the tanh and exponentials
     # (4.25 special-function results a logit) at about two thirds of those units' rate, so neither bounds it.
     @triton.jit
-    def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, row_grad, fp8_scale,
-                                           fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
+    def _cross_entropy_and_gradient_kernel(z_ptr, t_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, alpha, beta, row_grad,
+                                           fp8_scale, fp8_max, BLOCK: tl.constexpr, CAPPED: tl.constexpr,
                                            FIXED_SHIFT: tl.constexpr, FP8: tl.constexpr, DZ: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
-        lse, target = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
-        y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, CAPPED)
+        lse, target = _row_logsumexp(z_row, vocab, cap, alpha, beta, BLOCK, CAPPED, FIXED_SHIFT), tl.load(t_ptr + row)
+        y_t, _ = _capped(tl.load(z_row + target).to(tl.float32), cap, alpha, beta, CAPPED)
         tl.store(loss_ptr + row, lse - y_t)
-        _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap,
-                      fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True, DZ)
+        _row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, vocab, target, lse, row_grad, cap, alpha,
+                      beta, fp8_scale, fp8_max, BLOCK, CAPPED, FP8, True, DZ)
+
+    def cap_terms(cap: float, shift: float, temperature: float) -> tuple[float, float, float]:
+        """The kernels' (cap, alpha, beta): model.softcap(z, cap, shift, temperature) is cap * tanh(u / cap) of
+        u = alpha z + beta, alpha = cap / temperature (1 where temperature is 0: the cap) and beta = shift * alpha."""
+        alpha = cap / temperature if cap and temperature else 1.0
+        return float(cap), float(alpha), float(shift * alpha)
 
     @torch.library.custom_op("onegpu::cross_entropy", mutates_args=())
-    def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row cross-entropy of softcap(logits, cap) (model.softcap; cap 0: none) against targets,
-        in float32, and each row's logsumexp (kept for the backward). logits: (N, vocab), contiguous;
+    def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float, shift: float = 0.0,
+                      temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row cross-entropy of softcap(logits, cap, shift, temperature) (model.softcap; cap 0: none) against
+        targets, in float32, and each row's logsumexp (kept for the backward). logits: (N, vocab), contiguous;
         targets: (N,) integers. Returns (loss (N,), lse (N,)), both float32."""
         n, vocab = logits.shape
         loss, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(2))
-        _cross_entropy_forward_kernel[(n,)](logits, targets, loss, lse, vocab, float(cap), BLOCK=CE_BLOCK,
-                                            CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40, num_warps=CE_WARPS)
+        _cross_entropy_forward_kernel[(n,)](logits, targets, loss, lse, vocab, *cap_terms(cap, shift, temperature),
+                                            BLOCK=CE_BLOCK, CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40,
+                                            num_warps=CE_WARPS)
         return loss, lse
 
     @cross_entropy.register_fake
-    def _(logits, targets, cap):
+    def _(logits, targets, cap, shift=0.0, temperature=0.0):
         return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
 
     def _logit_gradients(logits, fp8_scale: float, fp8_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -559,7 +574,8 @@ if AVAILABLE:
 
     @torch.library.custom_op("onegpu::cross_entropy_backward", mutates_args=())
     def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
-                               cap: float, fp8_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                               cap: float, fp8_scale: float = 0.0, shift: float = 0.0,
+                               temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradient with respect to logits (N, vocab), in their dtype, of sum(grad * cross_entropy's
         loss), and with fp8_scale > 0 the same gradient times fp8_scale in float8_e5m2, written in the
         same pass (the FP8 head's input gradient reads it; model.FP8HeadCrossEntropy). Without, the
@@ -568,25 +584,26 @@ if AVAILABLE:
         dz, dz8 = _logit_gradients(logits, fp8_scale)
         # Without the FP8 copy its pointer is dz's, never written: no FP8 type reaches a GPU without it.
         _cross_entropy_backward_kernel[(n,)](logits, targets, lse, grad.float().contiguous(), dz,
-                                             dz8 if fp8_scale else dz, vocab, float(cap),
+                                             dz8 if fp8_scale else dz, vocab, *cap_terms(cap, shift, temperature),
                                              float(fp8_scale), torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK,
                                              CAPPED=cap > 0, FP8=fp8_scale > 0, num_warps=CE_WARPS)
         return dz, dz8
 
     @cross_entropy_backward.register_fake
-    def _(logits, targets, lse, grad, cap, fp8_scale=0.0):
+    def _(logits, targets, lse, grad, cap, fp8_scale=0.0, shift=0.0, temperature=0.0):
         return _logit_gradients(logits, fp8_scale)
 
     @torch.library.custom_op("onegpu::cross_entropy_and_gradient", mutates_args=())
     def cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, cap: float, fp8_scale: float = 0.0,
-                                   fp8_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                   fp8_only: bool = False, shift: float = 0.0,
+                                   temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cross_entropy's per-row loss and, from the same launch, cross_entropy_backward's two gradients
         of the mean loss (each row's incoming gradient 1 / N); fp8_only (with fp8_scale): the e5m2 one alone,
         dz empty. Returns (loss (N,), dz, dz8)."""
         n, vocab = logits.shape
         loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale, fp8_only)
         _cross_entropy_and_gradient_kernel[(n,)](logits, targets, loss, dz, dz8 if fp8_scale else dz, vocab,
-                                                 float(cap), 1.0 / n, float(fp8_scale),
+                                                 *cap_terms(cap, shift, temperature), 1.0 / n, float(fp8_scale),
                                                  torch.finfo(torch.float8_e5m2).max, BLOCK=CE_BLOCK, CAPPED=cap > 0,
                                                  FIXED_SHIFT=0 < cap <= 40, FP8=fp8_scale > 0,
                                                  DZ=not (fp8_only and fp8_scale),
@@ -594,17 +611,18 @@ if AVAILABLE:
         return loss, dz, dz8
 
     @cross_entropy_and_gradient.register_fake
-    def _(logits, targets, cap, fp8_scale=0.0, fp8_only=False):
+    def _(logits, targets, cap, fp8_scale=0.0, fp8_only=False, shift=0.0, temperature=0.0):
         return logits.new_empty(logits.shape[0], dtype=torch.float32), *_logit_gradients(logits, fp8_scale, fp8_only)
 
     def _cross_entropy_save(ctx, inputs, output):
-        logits, targets, cap = inputs
+        logits, targets, *ctx.cap = inputs  # cap, shift, temperature
         ctx.save_for_backward(logits, targets, output[1])
-        ctx.cap = cap
 
     def _cross_entropy_grad(ctx, grad_loss, grad_lse):
         logits, targets, lse = ctx.saved_tensors
-        return cross_entropy_backward(logits, targets, lse, grad_loss, ctx.cap)[0], None, None
+        cap, shift, temperature = ctx.cap
+        dz = cross_entropy_backward(logits, targets, lse, grad_loss, cap, shift=shift, temperature=temperature)[0]
+        return dz, None, None, None, None
 
     cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_save)
 
@@ -612,21 +630,22 @@ if AVAILABLE:
     # logsumexp is one read of it, as above; the K targets' logits are K loads; the gradient one more read,
     # (softmax(y) * sum of the row's weights - the weights where a column is a target) * dy/dz.
     @triton.jit
-    def _multi_cross_entropy_forward_kernel(z_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, vocab, cap, K: tl.constexpr,
+    def _multi_cross_entropy_forward_kernel(z_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, vocab, cap, alpha, beta,
+                                            K: tl.constexpr,
                                             BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
-        lse = _row_logsumexp(z_row, vocab, cap, BLOCK, CAPPED, FIXED_SHIFT)
+        lse = _row_logsumexp(z_row, vocab, cap, alpha, beta, BLOCK, CAPPED, FIXED_SHIFT)
         loss = 0.0
         for k in tl.static_range(K):
             target = tl.load(t_ptr + row * K + k)
-            y_t, _ = _capped(tl.load(z_row + tl.maximum(target, 0)).to(tl.float32), cap, CAPPED)
+            y_t, _ = _capped(tl.load(z_row + tl.maximum(target, 0)).to(tl.float32), cap, alpha, beta, CAPPED)
             loss += tl.where(target >= 0, tl.load(w_ptr + k) * (lse - y_t), 0.0)
         tl.store(lse_ptr + row, lse)
         tl.store(loss_ptr + row, loss)
 
     @triton.jit
-    def _multi_cross_entropy_backward_kernel(z_ptr, t_ptr, w_ptr, lse_ptr, g_ptr, dz_ptr, vocab, cap,
+    def _multi_cross_entropy_backward_kernel(z_ptr, t_ptr, w_ptr, lse_ptr, g_ptr, dz_ptr, vocab, cap, alpha, beta,
                                              K: tl.constexpr, BLOCK: tl.constexpr, CAPPED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row, dz_row = z_ptr + row * vocab, dz_ptr + row * vocab
@@ -637,7 +656,7 @@ if AVAILABLE:
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             keep = cols < vocab
-            y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, CAPPED)
+            y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, alpha, beta, CAPPED)
             hit = tl.zeros([BLOCK], dtype=tl.float32)
             for k in tl.static_range(K):
                 hit += tl.where(cols == tl.load(t_ptr + row * K + k), tl.load(w_ptr + k), 0.0)
@@ -645,45 +664,48 @@ if AVAILABLE:
             tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
 
     @torch.library.custom_op("onegpu::multi_cross_entropy", mutates_args=())
-    def multi_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                            cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, sum_k weights[k] * the cross-entropy of softcap(logits, cap) against targets[:, k] (-1: none,
-        counting 0), in float32, and the row's logsumexp. logits: (N, vocab), contiguous; targets: (N, K) int64;
-        weights: (K,) float32. Returns (loss (N,), lse (N,))."""
+    def multi_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, cap: float,
+                            shift: float = 0.0, temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, sum_k weights[k] * the cross-entropy of softcap(logits, cap, shift, temperature) against
+        targets[:, k] (-1: none, counting 0), in float32, and the row's logsumexp. logits: (N, vocab), contiguous;
+        targets: (N, K) int64; weights: (K,) float32. Returns (loss (N,), lse (N,))."""
         n, vocab = logits.shape
         loss, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(2))
         _multi_cross_entropy_forward_kernel[(n,)](logits, targets.contiguous(), weights.float().contiguous(), loss,
-                                                  lse, vocab, float(cap), K=targets.shape[1], BLOCK=CE_BLOCK,
+                                                  lse, vocab, *cap_terms(cap, shift, temperature), K=targets.shape[1],
+                                                  BLOCK=CE_BLOCK,
                                                   CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40, num_warps=CE_WARPS)
         return loss, lse
 
     @multi_cross_entropy.register_fake
-    def _(logits, targets, weights, cap):
+    def _(logits, targets, weights, cap, shift=0.0, temperature=0.0):
         return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
 
     @torch.library.custom_op("onegpu::multi_cross_entropy_backward", mutates_args=())
     def multi_cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                                     lse: torch.Tensor, grad: torch.Tensor, cap: float) -> torch.Tensor:
+                                     lse: torch.Tensor, grad: torch.Tensor, cap: float, shift: float = 0.0,
+                                     temperature: float = 0.0) -> torch.Tensor:
         """The gradient with respect to logits (N, vocab), in their dtype, of sum(grad * multi_cross_entropy's loss)."""
         n, vocab = logits.shape
         dz = torch.empty_like(logits)
         _multi_cross_entropy_backward_kernel[(n,)](logits, targets.contiguous(), weights.float().contiguous(), lse,
-                                                   grad.float().contiguous(), dz, vocab, float(cap), K=targets.shape[1],
+                                                   grad.float().contiguous(), dz, vocab,
+                                                   *cap_terms(cap, shift, temperature), K=targets.shape[1],
                                                    BLOCK=CE_BLOCK, CAPPED=cap > 0, num_warps=CE_WARPS)
         return dz
 
     @multi_cross_entropy_backward.register_fake
-    def _(logits, targets, weights, lse, grad, cap):
+    def _(logits, targets, weights, lse, grad, cap, shift=0.0, temperature=0.0):
         return torch.empty_like(logits)
 
     def _multi_cross_entropy_save(ctx, inputs, output):
-        logits, targets, weights, cap = inputs
+        logits, targets, weights, *ctx.cap = inputs  # cap, shift, temperature
         ctx.save_for_backward(logits, targets, weights, output[1])
-        ctx.cap = cap
 
     def _multi_cross_entropy_grad(ctx, grad_loss, grad_lse):
         logits, targets, weights, lse = ctx.saved_tensors
-        return multi_cross_entropy_backward(logits, targets, weights, lse, grad_loss, ctx.cap), None, None, None
+        dz = multi_cross_entropy_backward(logits, targets, weights, lse, grad_loss, *ctx.cap)
+        return dz, None, None, None, None, None
 
     multi_cross_entropy.register_autograd(_multi_cross_entropy_grad, setup_context=_multi_cross_entropy_save)
 

@@ -264,6 +264,9 @@ NEWEST = {
     "adam-betas": ("+ AdamW's betas by group: head 0.5, tables 0.75, scalars (0.9, 0.99) (#52, #57)",
                    {"train__head_beta1": 0.5, "train__embed_beta1": 0.75, "train__scalar_beta1": 0.9,
                     "train__scalar_beta2": 0.99}),
+    # the head's logits capped as 23 sigmoid((z + 5) / 7.5), not 30 sigmoid(z / 7.5) (#54; model.softcap)
+    "logit-rescale": ("+ the asymmetric logit soft-cap, 23 sigmoid((z + 5) / 7.5) (#54)",
+                      {"model__logit_softcap": 11.5, "model__logit_shift": 5.0, "model__logit_temperature": 15.0}),
     "warmdown": ("+ the warm-down over the last 60% of the run, down to 0.15 of the peak rate (#72, #73)",
                  {"train__warmdown_fraction": 0.6, "train__min_lr_ratio": 0.15}),
     # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
@@ -443,7 +446,8 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 # with them off, generation's fused decode (which has no key offset, value gates or paired heads) is back on.
 NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__backout": False, "model__smear": False,
               "model__key_offset": False, "model__value_gate": False, "model__mimetic_init": 0.0,
-              "model__paired_heads": False, "model__rope_yarn": 0,
+              "model__paired_heads": False, "model__rope_yarn": 0, "model__logit_shift": 0.0,
+              "model__logit_temperature": 0.0,
               "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz", "train__muon_beta2": 0.0,
               "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
               "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,

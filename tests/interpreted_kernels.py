@@ -261,17 +261,18 @@ def swiglu_check():
 def cross_entropy_check():
     """The cross-entropy kernels against model.softcap and F.cross_entropy in float64, forward and
     backward, float16 logits: with the soft-cap and without, a vocabulary that the kernel's block does
-    not divide (and a cap above 40, which takes the running max), and a per-row gradient (its mean)
-    as the loss's backward hands it in."""
+    not divide (and a cap above 40, which takes the running max), record #54's shifted cap, and a per-row
+    gradient (its mean) as the loss's backward hands it in."""
     g = torch.Generator().manual_seed(0)
-    for n, vocab, cap in [(5, 4096, 15.0), (3, 2500, 0.0), (4, 300, 2.0), (2, 1000, 50.0)]:  # 50: the running max
+    for n, vocab, cap, *shaped in [(5, 4096, 15.0), (3, 2500, 0.0), (4, 300, 2.0), (2, 1000, 50.0),  # 50: running max
+                                   (4, 2500, 11.5, 5.0, 15.0)]:  # shift 5, temperature 15
         # rising along the row, so that a later block holds a larger max than the blocks before it
         logits = (torch.randn(n, vocab, generator=g) * 6 + torch.linspace(-10, 10, vocab)).half().requires_grad_()
         targets = torch.randint(0, vocab, (n,), generator=g)
-        loss, lse = K.cross_entropy(logits, targets, cap)
+        loss, lse = K.cross_entropy(logits, targets, cap, *shaped)
         loss.mean().backward()
         z = logits.detach().double().requires_grad_()
-        reference = torch.nn.functional.cross_entropy(M.softcap(z, cap), targets, reduction="none")
+        reference = torch.nn.functional.cross_entropy(M.softcap(z, cap, *shaped), targets, reduction="none")
         reference.mean().backward()
         assert loss.dtype == torch.float32 and lse.shape == (n,)
         assert (loss.double() - reference.detach()).abs().max() < 1e-5, (n, vocab, cap)
@@ -286,17 +287,18 @@ def multi_cross_entropy_check():
     without, and a vocabulary the kernel's block does not divide, there with a fourth, the prefix token
     (train.prefix_weight), which may be another column's target too (both weights land on that logit) or none (-1)."""
     g = torch.Generator().manual_seed(3)
-    for n, vocab, cap, weights in [(6, 4096, 15.0, [1.0, 0.5, 0.25]), (4, 2500, 0.0, [1.0, 0.5, 0.25, 0.25])]:
+    for n, vocab, cap, weights, *shaped in [(6, 4096, 15.0, [1.0, 0.5, 0.25]), (4, 2500, 0.0, [1.0, 0.5, 0.25, 0.25]),
+                                            (3, 1000, 11.5, [1.0, 0.5, 0.25], 5.0, 15.0)]:  # record #54's cap
         logits = (torch.randn(n, vocab, generator=g) * 6).half().requires_grad_()
         targets = torch.randint(0, vocab, (n, len(weights)), generator=g)
         targets[-1, 1:3] = targets[-2, 2] = -1  # the last rows' later targets lie past the sequence
         if len(weights) == 4:
             targets[:2, 3], targets[2, 3] = targets[:2, 1], -1  # the prefix token is the 2nd token ahead, or none
         weights = torch.tensor(weights)
-        loss, lse = K.multi_cross_entropy(logits, targets, weights, cap)
+        loss, lse = K.multi_cross_entropy(logits, targets, weights, cap, *shaped)
         loss.mean().backward()
         z = logits.detach().double().requires_grad_()
-        reference = M.cross_entropy(z, targets, cap, weights.double())
+        reference = M.cross_entropy(z, targets, cap, weights.double(), *shaped)
         reference.backward()
         assert loss.dtype == torch.float32 and lse.shape == (n,)
         assert abs(loss.double().mean() - reference.detach()) < 1e-5, (n, vocab, cap)
@@ -361,6 +363,13 @@ def fp8_head_loss_check():
     assert K.cross_entropy_and_gradient(logits, targets, cap)[2].numel() == 0
     only = K.cross_entropy_and_gradient(logits, targets, cap, scale, fp8_only=True)  # the e5m2 gradient alone
     assert only[1].numel() == 0 and torch.equal(only[0], loss) and torch.equal(only[2].float(), dz8.float())
+    # ... and with record #54's shifted cap, the one launch as the two kernels, which agree with the plain path above
+    shaped = dict(shift=5.0, temperature=15.0)
+    loss, dz1, dz81 = K.cross_entropy_and_gradient(logits, targets, 11.5, scale, **shaped)
+    first, lse = K.cross_entropy(logits, targets, 11.5, **shaped)
+    dz, dz8 = K.cross_entropy_backward(logits, targets, lse, torch.full((n,), 1.0 / n), 11.5, scale, **shaped)
+    assert torch.equal(loss, first) and torch.equal(dz1, dz) and torch.equal(dz81.float(), dz8.float())
+    assert not torch.equal(first, K.cross_entropy(logits, targets, 11.5)[0])
     # The model takes the one function where fp8_head and loss_kernel are both on: its loss and head gradient
     # as the FP8 head with the plain loss, within FP8's rounding (a wrong target or cap there fails).
     cfg = dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300, context=16, tie_embeddings=False,

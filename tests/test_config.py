@@ -119,6 +119,8 @@ MODEL_OUT_OF_RANGE = {
     "rope_theta": (0.0, r"model\.rope_theta must be positive, got 0\.0"),
     "norm_eps": (0.0, r"model\.norm_eps must be positive, got 0\.0"),
     "logit_softcap": (-1.0, r"model\.logit_softcap must be >= 0"),
+    "logit_temperature": (-1.0, r"model\.logit_temperature must be >= 0 \(0: the cap\)"),
+    "logit_shift": (float("inf"), r"model\.logit_shift=inf is not a finite number"),
     "value_embeds": (2, r"model\.value_embeds=2: the first and the last"),  # 2 layers hold one table each side
     "attn_window": (-1, r"model\.attn_window must be >= 0"),
     "rope_yarn": (-1, r"model\.rope_yarn must be >= 0 \(0: off\), got -1"),

@@ -134,7 +134,7 @@ def test_the_test_fails_when_the_exported_model_drops_a_recipe_part(run, tmp_pat
     broken = tmp_path / f"broken_{out.name}"
     shutil.copytree(out, broken)
     source = (broken / "model.py").read_text()
-    line = "        return softcap(F.linear(x, weight), self.cap)\n"
+    line = "        return softcap(F.linear(x, weight), self.cap, self.shift, self.temperature)\n"
     assert source.count(line) == 1
     (broken / "model.py").write_text(source.replace(line, "        return F.linear(x, weight)\n"))
     ours = CK.load(folder, "cpu").build_model().eval()

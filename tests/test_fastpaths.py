@@ -69,6 +69,13 @@ def test_fp8_head_trains_close_to_the_plain_head_and_evaluates_plainly(monkeypat
     assert g8.float().abs().max() <= torch.finfo(F8.E5M2).max and rel(g8.float() * scale, g) < 0.15
     with pytest.raises(ValueError, match="speed.fp8_head runs the untied head"):
         FP.check(M.ModelConfig(**SMALL), FP.SpeedConfig(fp8_head=True))
+    # a soft-cap steeper than 1 would break that bound: refused with the FP8 head, built without it
+    steep = M.ModelConfig(**{**SMALL, "tie_embeddings": False, "logit_softcap": 15.0, "logit_temperature": 10.0})
+    with pytest.raises(ValueError, match=r"speed.fp8_head bounds the logits' gradient by a soft-cap slope of at most "
+                                         r"1, but model.logit_temperature=10 below logit_softcap=15 is steeper"):
+        FP.check(steep, FP.SpeedConfig(fp8_head=True))
+    FP.check(steep, FP.SpeedConfig())
+    FP.check(replace(steep, logit_temperature=15.0), FP.SpeedConfig(fp8_head=True))
 
 
 
@@ -96,7 +103,8 @@ def test_the_multi_token_loss_goes_through_each_training_loss(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [7, 64])  # several chunks with a short last one; one chunk
-@pytest.mark.parametrize("cap", [0.0, 0.5])  # no soft-cap; one that bends most logits (they reach about +-1)
+# no soft-cap; one that bends most logits (they reach about +-1); record #54's form of it, shifted and wider
+@pytest.mark.parametrize("cap", [0.0, 0.5, (0.5, 0.3, 0.8)])
 @pytest.mark.parametrize("mtp", [False, True])  # one target a row; three, weighted, the last rows' later ones none
 def test_fused_loss_equals_plain_loss_and_gradients(rows, cap, mtp, monkeypatch):
     import train as TR
@@ -105,8 +113,10 @@ def test_fused_loss_equals_plain_loss_and_gradients(rows, cap, mtp, monkeypatch)
     idx, targets = torch.randint(0, 97, (2, 2, 30), generator=torch.Generator().manual_seed(7))
     targets = TR.multi_targets(targets, (1.0, 0.5, 0.25)) if mtp else targets
     results = []
+    cap, shift, temperature = cap if isinstance(cap, tuple) else (cap, 0.0, 0.0)
     for fused in (False, True):
-        model = small_model(speed=FP.SpeedConfig(fused_loss=fused), logit_softcap=cap)
+        model = small_model(speed=FP.SpeedConfig(fused_loss=fused), logit_softcap=cap, logit_shift=shift,
+                            logit_temperature=temperature)
         assert (type(model.output) is FP.FusedLoss) == fused  # really swapped in, so the comparison means something
         model.train()
         loss = model(idx, targets)
@@ -165,7 +175,7 @@ def test_fp8_forward_products_alone_take_the_fast_accumulation_switch(monkeypatc
     assert forwards == [fast] * products
     assert len(backwards) == products and not any(backwards)  # each one's input gradient
     # The head with the loss kernel: the kernel (CUDA alone) stood in for by zero gradients of the right types.
-    monkeypatch.setattr(F8.K, "cross_entropy_and_gradient", lambda logits, targets, cap, scale, fp8_only: (
+    monkeypatch.setattr(F8.K, "cross_entropy_and_gradient", lambda logits, targets, cap, scale, fp8_only, **caps: (
         logits.new_zeros(len(logits), dtype=torch.float32), logits.new_empty(0),
         logits.new_zeros(logits.shape, dtype=F8.E5M2)))
     x, w = torch.randn(16, 32, requires_grad=True), torch.randn(97, 32, requires_grad=True)

@@ -605,7 +605,7 @@ def test_the_config_is_printed_one_short_line_per_section(finished, tmp_path, ca
     TR.main(["--config", str(toml_config(cfg, tmp_path / "c.toml")), "--runs-dir", str(tmp_path), "--name", "r"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[:3]] == ["[model]", "[data]", "[train]"]
-    assert max(len(line) for line in lines[:3]) < 1000
+    assert max(len(line) for line in lines[:3]) < 1500  # key=value for each field: [train] has about 85
 
 
 def test_exported_models_stay_out_of_git():

@@ -329,6 +329,16 @@ def test_the_loss_kernel_matches_the_plain_loss_in_bf16(compiled, cap):
     assert_close(out, 2e-3, 2e-2)
 
 
+@pytest.mark.parametrize("switches, tolerances", [
+    (dict(loss_kernel=True), (2e-3, 2e-2)), (dict(fused_loss=True), (2e-3, 2e-2)),
+    (dict(fp8_head=True, loss_kernel=True), (1e-2, 0.15))])
+def test_record_54s_shifted_soft_cap_through_each_loss_path_matches_plain(switches, tolerances):
+    """logit_shift and logit_temperature (11.5 tanh((z + 5) / 15)) on the GPU, compiled: the loss kernel (hardware
+    tanh), the fused loss, and the FP8 head with the loss kernel as one function, each against the plain loss."""
+    base = dict(tie_embeddings=False, logit_softcap=11.5, logit_shift=5.0, logit_temperature=15.0)
+    assert_close(loss_and_grads(True, seed=6, base=base, **switches), *tolerances)
+
+
 @pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("loss_kernel", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])

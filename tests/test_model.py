@@ -833,3 +833,31 @@ def test_compiled_flex_attention_with_the_document_block_mask_is_the_boolean_mas
         mask = A.flex_block_mask(doc, window, 384, torch.device("cpu"))
         out = flex(q, k, v, block_mask=mask, enable_gqa=True)
         torch.testing.assert_close(out, A.attend(q, k, v, A.Mask(doc, window)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_shifted_soft_cap_is_record_54s_logit_rescale_to_a_softmax():
+    """logit_shift and logit_temperature: 11.5 tanh((z + 5) / 15) is 23 sigmoid((z + 5) / 7.5) less a constant, so the
+    same log-softmax in float64; without them, the symmetric cap; and the model's logits take the shaped cap."""
+    z = torch.randn(4, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 20
+    record = torch.log_softmax(23 * torch.sigmoid((z + 5) / 7.5), dim=-1)
+    torch.testing.assert_close(torch.log_softmax(M.softcap(z, 11.5, 5.0, 15.0), dim=-1), record, rtol=0, atol=1e-12)
+    assert torch.equal(M.softcap(z, 15.0, 0.0, 0.0), 15.0 * torch.tanh(z / 15.0))
+    cfg = M.ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=50, context=8, logit_softcap=11.5,
+                        logit_shift=5.0, logit_temperature=15.0, tie_embeddings=True)
+    torch.manual_seed(0)
+    model = M.Llama(cfg).double().eval()
+    x = torch.randint(0, 50, (1, 8))
+    shaped = model(x)
+    model.output.shift = model.output.temperature = 0.0
+    assert (shaped - model(x)).abs().max() > 1e-3 and shaped.max() < 11.5
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(logit_shift=5.0), r"model\.logit_shift needs model\.logit_softcap: it shifts the logits inside the soft-cap"),
+    (dict(logit_temperature=15.0), r"model\.logit_temperature needs model\.logit_softcap: it widens the soft-cap; set "
+                                   r"it or use --logit-temperature 0"),
+    (dict(logit_softcap=15.0, logit_shift=float("nan")), r"model\.logit_shift=nan is not a finite number"),
+])
+def test_a_soft_cap_shape_without_a_cap_is_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        M.ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=50, context=8, **values)
