@@ -20,9 +20,9 @@ for each of a micro-batch's (B, T) tokens:
     cross-entropy against the targets.
 The norms have no gains (norm_gains = false) and the output projections and head start at zero (zero_init).
 126m adds the newest records' parts (configs/recipes/newest.toml): a hashed (previous, current) token-pair table added
-to every block's input (bigram_rows), each embedding smeared with its predecessor's (smear), the long layers' keys
-offset by a token (key_offset), gated value embeddings (value_gate) and the head reading x minus its 2/3-depth state
-(backout).
+to every block's input, its rows signed by pair (bigram_rows, bigram_signs), each embedding smeared with its
+predecessor's (smear), the long layers' keys offset by a token (key_offset), gated value embeddings (value_gate),
+paired heads in every other short layer (paired_heads) and the head reading x minus its 2/3-depth state (backout).
 Every recipe option defaults to the article's Llama 2, so a config that names none computes that.
 """
 
