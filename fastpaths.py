@@ -76,10 +76,12 @@ def fast_path_applies(name: str, cfg: M.ModelConfig, speed: SpeedConfig) -> bool
     """Whether fast path `name` runs for cfg's architecture beside speed's other switches (a GPU that has it
     aside): the fused SwiGLU for the SwiGLU MLP alone, the fused ReLU² for the ReLU² MLP outside FP8 matmuls
     (each has its own MLP), the fused loss outside the FP8 head and the loss kernel, those two outside the
-    fused loss (the FP8 head for an untied head), fast accumulation beside an FP8 path, the fused QK-norm +
+    fused loss (the FP8 head for an untied head whose soft-cap is at most 1 steep), fast accumulation beside an
+    FP8 path, the fused QK-norm +
     RoPE for a model with QK-norm (swap_in leaves paired layers plain); the decode kernel (and its split) outside
-    the key offset, the value gates and paired heads, which it does not compute; the decode MLP for the ReLU² MLP."""
-    plain_attention = not (cfg.key_offset or cfg.value_gate or cfg.paired_heads)
+    the key offset, the value gates, paired heads and XSA, which it does not compute; the decode MLP for the ReLU²
+    MLP."""
+    plain_attention = not (cfg.key_offset or cfg.value_gate or cfg.paired_heads or cfg.xsa)
     rules = {"fused_decode": plain_attention, "split_decode": speed.fused_decode and plain_attention,
              "decode_mlp": cfg.mlp == "relu2",
              "fused_swiglu": cfg.mlp == "swiglu", "fused_relu2": cfg.mlp == "relu2" and not speed.fp8,

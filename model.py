@@ -42,7 +42,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "logit_shift", "logit_temperature",
                 "embed_norm", "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate",
                 "attn_gate", "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows",
-                "bigram_signs", "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn")
+                "bigram_signs", "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn", "xsa")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 # The parts that act on another setting, which ModelConfig refuses without it: (part, what it needs, why).
 PART_NEEDS = (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
@@ -95,6 +95,7 @@ class ModelConfig:
     key_offset: bool = False  # long layers' keys take their unrotated dims from the token before (record #49)
     value_gate: bool = False  # each value embedding times a gate of the input, per token and kv head (record #55)
     paired_heads: bool = False  # every other short layer's heads attend in pairs over both heads' keys (record #58)
+    xsa: bool = False  # each unpaired head's output less a learned share of its part along its own value (record #82)
     rope_yarn: int = 0  # YaRN: RoPE first trained over this window (train.window_start), stretched as it grows (#31)
     mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
@@ -329,6 +330,7 @@ class Attention(nn.Module):
         self.gate = nn.Linear(GATE_CHANNELS, cfg.n_heads, bias=False) if cfg.attn_gate else None
         # value_gate: ve times 2 sigmoid(a gate of the same 12 channels), per kv head: 1 at init
         self.ve_gate = nn.Linear(GATE_CHANNELS, cfg.n_kv_heads, bias=False) if mixes and cfg.value_gate else None
+        self.xsa = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.xsa and not self.paired else None  # a head, from 0
         self.cache = None  # an attention.KVCache while generating (Llama.setup_cache)
 
     def new_cache(self, batch: int, device, dtype) -> A.KVCache:
@@ -373,6 +375,7 @@ class Attention(nn.Module):
         """(B, T, H + 2 Hkv, hd) -> the heads' outputs (B, T, H, hd). Generating (masks.pos), the new keys and
         values go into the cache and the queries read it."""
         q, k, v = (t.transpose(1, 2) for t in self.heads(qkv, rope, ve))  # (B, heads, T, hd)
+        own = v  # the tokens' own values (xsa)
         mask = masks.paired if self.paired else masks.short if self.short else masks.long
         if masks.pos is None:
             y = A.attend(q, self.offset(k), v, mask, self.scale, self.backend)
@@ -382,7 +385,15 @@ class Attention(nn.Module):
             k, v = self.offset(k[:, :, :read]).to(q.dtype), v[:, :, :read].to(q.dtype)
             y = A.cached_attention(q, k, v, mask.cache, self.scale)
         y = y.transpose(1, 2)  # (B, T, H, hd); paired (B, 2T, H/2, hd): token t's heads j and j + H/2 at 2t and 2t + 1
+        if self.xsa is not None:
+            y = self.less_own_value(y, own.transpose(1, 2))
         return y.reshape(*qkv.shape[:2], self.n_heads, self.head_dim) if self.paired else y
+
+    def less_own_value(self, y, v):
+        """xsa (record #82's gated XSA): each head's output y (B, T, H, hd) less tanh(a_head) times its part along its
+        token's own value v (B, T, Hkv, hd), normed: what a head carries of the token itself, a share learned from 0."""
+        v = F.normalize(v, dim=-1, eps=1e-4).repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
+        return y - torch.tanh(self.xsa).to(y.dtype)[:, None] * (y * v).sum(-1, keepdim=True) * v
 
     def offset(self, k):
         """The keys (B, Hkv, S, hd) of a sequence from its start, with key_offset each one's unrotated dims (hd/4 to
@@ -553,7 +564,8 @@ class Llama(nn.Module):
         (x0_mix (1, 0), skip weights 1, smear's 0) or not far (v_mix (0.5, 0.5), bigram_mix 0.1, backout_mix 0.5),
         gates and the bigram table at zero, and the value embeddings, and the embedding behind embed_norm when
         untied, at nn.Embedding's N(0, 1): a norm follows them, so only their scale against Adam's step matters."""
-        scalars = {"x0_mix": (1.0, 0.0), "v_mix": (0.5, 0.5), "bigram_mix": (0.1,), "backout_mix": (0.5,), "mix": (0.0,)}
+        scalars = {"x0_mix": (1.0, 0.0), "v_mix": (0.5, 0.5), "bigram_mix": (0.1,), "backout_mix": (0.5,), "mix": (0.0,),
+                   "xsa": (0.0,)}
         unit_embedding = self.cfg.embed_norm and not self.cfg.tie_embeddings
         for name, p in self.named_parameters():
             if p.is_meta:  # shapes only (counting a 7B model): there are no values to set

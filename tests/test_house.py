@@ -209,22 +209,22 @@ def functions(module: str):
 
 
 def test_model_py_is_the_plain_model_a_person_reads():
-    """At most 710 lines (650 until paired heads and YaRN, two record ideas with tables of their own; 700 until the
-    soft-cap's shift and temperature, record #54's, two settings with their checks); no kernel module, FP8
-    or 'does this run here' test in it; Llama.forward of at most 40 lines and 4 parameters; ModelConfig of at most 37
+    """At most 720 lines (650 until paired heads and YaRN, two record ideas with tables of their own; 700 until the
+    soft-cap's shift and temperature, record #54's, two settings with their checks; 710 until record #82's gated XSA);
+    no kernel module, FP8 or 'does this run here' test in it; Llama.forward of at most 40 lines and 4 parameters; ModelConfig of at most 38
     fields (the house's 26 and room for the newest record's ideas, each a recipe field; 35 until the soft-cap's
-    shift and temperature): shape and recipe, no speed switch."""
+    shift and temperature, 37 until XSA): shape and recipe, no speed switch."""
     import dataclasses
     import fastpaths as FP
     import model as M
     source = (ROOT / "model.py").read_text()
-    assert len(source.splitlines()) <= 710
+    assert len(source.splitlines()) <= 720
     assert "onegpu_kernels" not in source and "fp8" not in source.lower() and "is_grad_enabled" not in source
     llama = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Llama")
     forward = next(n for n in llama.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
     assert forward.end_lineno - forward.lineno + 1 <= 40 and len(forward.args.args) - 1 <= 4
     fields = {f.name for f in dataclasses.fields(M.ModelConfig)}
-    assert len(fields) <= 37 and not fields & set(FP.SPEED_FIELDS)
+    assert len(fields) <= 38 and not fields & set(FP.SPEED_FIELDS)
 
 
 def test_no_function_over_60_lines_outside_the_triton_kernels():

@@ -674,9 +674,9 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                                              (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True,
                                                      "key_offset": True, "value_gate": True}),
                                              (True, {**RECORD_PARTS, "n_layers": 4, "short_windows": True, "paired_heads": True,
-                                                     "n_kv_heads": 4})],
+                                                     "n_kv_heads": 4, "xsa": True})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
-                              "attention-scale", "bigram-backout-smear", "paired-heads"])
+                              "attention-scale", "bigram-backout-smear", "paired-heads-xsa"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
     """Through the cache, a prompt, a chunk and single tokens give the full forward's logits,
     reading the whole cache through its mask or, as eager decoding does, only the positions
@@ -685,7 +685,8 @@ def test_kv_cache_decode_equals_full_forward(windowed, parts):
     model = small_model(**parts)
     with torch.no_grad():  # a gate and a mix off their init, so a decode path that skips them fails
         for name, p in model.named_parameters():
-            if name.endswith(("gate.weight", "v_mix", "x0_mix", "bigram.weight", "bigram_mix", "backout_mix", "smear.mix")):
+            if name.endswith(("gate.weight", "v_mix", "x0_mix", "bigram.weight", "bigram_mix", "backout_mix", "smear.mix",
+                              "xsa")):
                 p.copy_(torch.randn_like(p))
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
     window = (lambda end: end) if windowed else (lambda end: None)
@@ -861,3 +862,25 @@ def test_the_shifted_soft_cap_is_record_54s_logit_rescale_to_a_softmax():
 def test_a_soft_cap_shape_without_a_cap_is_refused(values, message):
     with pytest.raises(ValueError, match=message):
         M.ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=50, context=8, **values)
+
+
+def test_gated_xsa_takes_each_heads_share_along_its_own_value_as_a_float64_reference_does():
+    """xsa (record #82): each unpaired layer's head output y less tanh(a) (y . v^) v^, v^ its token's own value normed
+    (a kv head shared by the query heads of its group), a from 0 (the model as without it); a paired layer has none."""
+    parts = dict(n_layers=4, attn_window=6, short_windows=True, paired_heads=True, n_kv_heads=4, xsa=True)
+    model = small_model(**parts)
+    assert [b.attn.xsa is not None for b in model.blocks] == [True, False, True, True]  # layer 1 is paired
+    idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), small_model(**{**parts, "xsa": False})(idx), rtol=0, atol=0)
+    attn = small_model(n_kv_heads=2, xsa=True).blocks[0].attn  # 4 query heads, 2 kv heads
+    with torch.no_grad():
+        attn.xsa.copy_(torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64))
+    g = torch.Generator().manual_seed(7)
+    y, v = torch.randn(2, 5, 4, 16, generator=g, dtype=torch.float64), torch.randn(2, 5, 2, 16, generator=g, dtype=torch.float64)
+    want = y.clone()
+    for h in range(4):
+        unit = v[:, :, h // 2] / v[:, :, h // 2].norm(dim=-1, keepdim=True)
+        share = math.tanh(attn.xsa[h].item()) * (y[:, :, h] * unit).sum(-1, keepdim=True)
+        want[:, :, h] = y[:, :, h] - share * unit
+    torch.testing.assert_close(attn.less_own_value(y, v), want, rtol=1e-12, atol=1e-12)
