@@ -291,11 +291,14 @@ class TrainingLoss(M.Output):
     def loss(self, x, weight, targets):
         if not torch.is_grad_enabled():
             return super().loss(x, weight, targets)
-        multi = isinstance(targets, M.MultiTargets)  # the multi-token loss: its own kernel, after the head's matmul
-        if self.fp8_head and self.loss_kernel and K.runs_on(x) and not multi:
-            return fp8_head_cross_entropy(x.flatten(0, 1), weight, targets.flatten(), self.cap,
-                                          fast_accum=self.fast_accum, shift=self.shift, temperature=self.temperature)
+        multi = isinstance(targets, M.MultiTargets)  # the multi-token loss: its own kernels
         ids, weights = (targets.ids.flatten(0, 1), targets.weights) if multi else (targets.flatten(), None)  # (N[, K])
+        if self.fp8_head and self.loss_kernel and K.runs_on(x):
+            # With K targets a row the gradient's bound is K / N, a coarser e5m2 grid than one target's: the head's
+            # weight gradient then stays in bf16, as the FP8 head alone computes it (fp8_head_loss_check's tests)
+            return fp8_head_cross_entropy(x.flatten(0, 1), weight, ids, self.cap, fp8_weight_grad=not multi,
+                                          fast_accum=self.fast_accum, shift=self.shift, temperature=self.temperature,
+                                          weights=weights)
         if self.fp8_head:  # a logit's gradient is at most its row's weights' sum (each at most 1) over the rows
             logits = fp8_linear(x, weight, grad_bound=(ids.shape[1] if multi else 1) / ids.shape[0],
                                 fast_accum=self.fast_accum)

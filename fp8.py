@@ -150,7 +150,8 @@ def transposed(t, kernel: bool):
 
 class FP8HeadCrossEntropy(torch.autograd.Function):
     """The FP8 head and the loss kernel as one function: FP8Matmul's forward, then
-    onegpu_kernels.cross_entropy_and_gradient, which writes the logits' gradient in the forward, in the same
+    onegpu_kernels.cross_entropy_and_gradient (multi_cross_entropy_and_gradient for the multi-token loss), which
+    writes the logits' gradient in the forward, in the same
     launch as the loss: in e5m2, scaled by the bound 1/n, for the input gradient and, with fp8_weight_grad, the
     weight gradient; without, also in the logits' dtype for a weight gradient in that dtype. The backward is
     two matmuls, whose products it scales by the incoming gradient (a scalar: the step's 1 / accumulation),
@@ -158,16 +159,18 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
     loss_kernel are both on."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, out_dtype, fp8_weight_grad, transpose_kernel, fast_accum, shift,
+    def forward(ctx, x, weight, targets, weights, cap, out_dtype, fp8_weight_grad, transpose_kernel, fast_accum, shift,
                 temperature):
         logits, x8, sx, w8, sw = fp8_matmul(x, weight, out_dtype, fast_accum)  # x: (N, d); weight: (vocab, d)
-        # Each logit's gradient of the mean loss lies within 1 / n, so e5m2 holds it scaled by top * n,
-        # never read for its maximum (as FP8Matmul's head).
-        n, top = targets.numel(), torch.finfo(E5M2).max
-        loss, dz, dz8 = K.cross_entropy_and_gradient(logits, targets, cap, top * n, fp8_only=fp8_weight_grad,
-                                                     shift=shift, temperature=temperature)
+        # Each logit's gradient of the mean loss lies within 1 / n (K / n with K targets a row, each weighted at most
+        # 1), so e5m2 holds it scaled by top * n / K, never read for its maximum (as FP8Matmul's head).
+        n, top = targets.shape[0], torch.finfo(E5M2).max
+        scale = top * n / (1 if weights is None else targets.shape[1])
+        caps = dict(fp8_only=fp8_weight_grad, shift=shift, temperature=temperature)
+        loss, dz, dz8 = (K.cross_entropy_and_gradient(logits, targets, cap, scale, **caps) if weights is None else
+                         K.multi_cross_entropy_and_gradient(logits, targets, weights, cap, scale, **caps))
         ctx.save_for_backward(x8 if fp8_weight_grad else x.to(out_dtype), sx, w8, sw, dz, dz8)
-        ctx.scale, ctx.dtypes, ctx.fp8_weight_grad = top * n, (x.dtype, weight.dtype), fp8_weight_grad
+        ctx.scale, ctx.dtypes, ctx.fp8_weight_grad = scale, (x.dtype, weight.dtype), fp8_weight_grad
         ctx.transpose_kernel = transpose_kernel
         return loss.mean()
 
@@ -186,21 +189,21 @@ class FP8HeadCrossEntropy(torch.autograd.Function):
                                       scale_b=sx, out_dtype=ctx.dtypes[1])
         else:
             grad_w = (dz.t() @ x_saved).to(ctx.dtypes[1]) * grad
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fp8_head_cross_entropy(x, weight, targets, cap: float, fp8_weight_grad: bool = True,
                            transpose_kernel: bool = True, fast_accum: bool = False, shift: float = 0.0,
-                           temperature: float = 0.0):
+                           temperature: float = 0.0, weights=None):
     """cross_entropy(fp8_linear(x, weight, 1 / n), targets, cap, kernel=True) (shift, temperature: the cap's,
     model.softcap), its gradient written in the forward (FP8HeadCrossEntropy): for training, where a backward
-    follows. x: (N, d); weight: (vocab, d);
-    targets: (N,). fp8_weight_grad: the weight gradient's matmul in FP8 too, its operand transposed by
+    follows. x: (N, d); weight: (vocab, d); targets: (N,), or (N, K) with weights (K,) for the multi-token loss
+    (model.MultiTargets). fp8_weight_grad: the weight gradient's matmul in FP8 too, its operand transposed by
     `transposed` (transpose_kernel: our kernel, or the plain copy, its twin). fast_accum: the forward
     product with fast accumulation (speed.fp8_fast_accum). Where K.runs_on(x)."""
     dtype = matmul_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        return FP8HeadCrossEntropy.apply(x, weight, targets, cap, dtype, fp8_weight_grad, transpose_kernel,
+        return FP8HeadCrossEntropy.apply(x, weight, targets, weights, cap, dtype, fp8_weight_grad, transpose_kernel,
                                          fast_accum, shift, temperature)
 
 

@@ -630,38 +630,73 @@ if AVAILABLE:
     # logsumexp is one read of it, as above; the K targets' logits are K loads; the gradient one more read,
     # (softmax(y) * sum of the row's weights - the weights where a column is a target) * dy/dz.
     @triton.jit
+    def _multi_row_loss(z_row, t_row, w_ptr, lse, cap, alpha, beta, K: tl.constexpr, CAPPED: tl.constexpr):
+        """sum_k w_k (lse - y_k) over the row's K targets at t_row, those past the sequence's end (-1) left out."""
+        loss = 0.0
+        for k in tl.static_range(K):
+            target = tl.load(t_row + k)
+            y_t, _ = _capped(tl.load(z_row + tl.maximum(target, 0)).to(tl.float32), cap, alpha, beta, CAPPED)
+            loss += tl.where(target >= 0, tl.load(w_ptr + k) * (lse - y_t), 0.0)
+        return loss
+
+    @triton.jit
+    def _multi_row_gradient(z_row, dz_row, dz8_row, t_row, w_ptr, vocab, lse, g, cap, alpha, beta, fp8_scale, fp8_max,
+                            K: tl.constexpr, BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr,
+                            BACKWARDS: tl.constexpr, DZ: tl.constexpr):
+        """_row_gradient for K weighted targets: (softmax(y) * the row's weights' sum - the weights where a column is
+        a target) * dy/dz, times g."""
+        weight = 0.0  # the row's targets' weights, those past the sequence's end (-1) left out
+        for k in tl.static_range(K):
+            weight += tl.where(tl.load(t_row + k) >= 0, tl.load(w_ptr + k), 0.0)
+        steps = tl.cdiv(vocab, BLOCK)
+        for step in range(0, steps):
+            if BACKWARDS:
+                cols = (steps - 1 - step) * BLOCK + tl.arange(0, BLOCK)
+            else:
+                cols = step * BLOCK + tl.arange(0, BLOCK)
+            keep = cols < vocab
+            y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, alpha, beta, CAPPED)
+            hit = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in tl.static_range(K):
+                hit += tl.where(cols == tl.load(t_row + k), tl.load(w_ptr + k), 0.0)
+            d = (tl.exp(y - lse) * weight - hit) * slope * g
+            if DZ:
+                tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
+            if FP8:
+                d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
+                tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
+
+    @triton.jit
     def _multi_cross_entropy_forward_kernel(z_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, vocab, cap, alpha, beta,
                                             K: tl.constexpr,
                                             BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * vocab
         lse = _row_logsumexp(z_row, vocab, cap, alpha, beta, BLOCK, CAPPED, FIXED_SHIFT)
-        loss = 0.0
-        for k in tl.static_range(K):
-            target = tl.load(t_ptr + row * K + k)
-            y_t, _ = _capped(tl.load(z_row + tl.maximum(target, 0)).to(tl.float32), cap, alpha, beta, CAPPED)
-            loss += tl.where(target >= 0, tl.load(w_ptr + k) * (lse - y_t), 0.0)
         tl.store(lse_ptr + row, lse)
-        tl.store(loss_ptr + row, loss)
+        tl.store(loss_ptr + row, _multi_row_loss(z_row, t_ptr + row * K, w_ptr, lse, cap, alpha, beta, K, CAPPED))
 
     @triton.jit
     def _multi_cross_entropy_backward_kernel(z_ptr, t_ptr, w_ptr, lse_ptr, g_ptr, dz_ptr, vocab, cap, alpha, beta,
                                              K: tl.constexpr, BLOCK: tl.constexpr, CAPPED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        z_row, dz_row = z_ptr + row * vocab, dz_ptr + row * vocab
-        lse, g = tl.load(lse_ptr + row), tl.load(g_ptr + row)
-        weight = 0.0  # the row's targets' weights, those past the sequence's end (-1) left out
-        for k in tl.static_range(K):
-            weight += tl.where(tl.load(t_ptr + row * K + k) >= 0, tl.load(w_ptr + k), 0.0)
-        for start in range(0, vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            keep = cols < vocab
-            y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, alpha, beta, CAPPED)
-            hit = tl.zeros([BLOCK], dtype=tl.float32)
-            for k in tl.static_range(K):
-                hit += tl.where(cols == tl.load(t_ptr + row * K + k), tl.load(w_ptr + k), 0.0)
-            d = (tl.exp(y - lse) * weight - hit) * slope * g
-            tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
+        dz_row = dz_ptr + row * vocab  # no FP8 copy: its pointer is dz's, never written
+        _multi_row_gradient(z_ptr + row * vocab, dz_row, dz_row, t_ptr + row * K, w_ptr, vocab, tl.load(lse_ptr + row),
+                            tl.load(g_ptr + row), cap, alpha, beta, 0.0, 0.0, K, BLOCK, CAPPED, False, False, True)
+
+    # The multi-token loss and its gradient in one launch, for the FP8 head (fp8.FP8HeadCrossEntropy), as
+    # _cross_entropy_and_gradient_kernel for one target: the row's second read starts from the block read last.
+    @triton.jit
+    def _multi_cross_entropy_and_gradient_kernel(z_ptr, t_ptr, w_ptr, loss_ptr, dz_ptr, dz8_ptr, vocab, cap, alpha,
+                                                 beta, row_grad, fp8_scale, fp8_max, K: tl.constexpr,
+                                                 BLOCK: tl.constexpr, CAPPED: tl.constexpr, FIXED_SHIFT: tl.constexpr,
+                                                 FP8: tl.constexpr, DZ: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        z_row, t_row = z_ptr + row * vocab, t_ptr + row * K
+        lse = _row_logsumexp(z_row, vocab, cap, alpha, beta, BLOCK, CAPPED, FIXED_SHIFT)
+        tl.store(loss_ptr + row, _multi_row_loss(z_row, t_row, w_ptr, lse, cap, alpha, beta, K, CAPPED))
+        _multi_row_gradient(z_row, dz_ptr + row * vocab, dz8_ptr + row * vocab, t_row, w_ptr, vocab, lse, row_grad, cap,
+                            alpha, beta, fp8_scale, fp8_max, K, BLOCK, CAPPED, FP8, True, DZ)
 
     @torch.library.custom_op("onegpu::multi_cross_entropy", mutates_args=())
     def multi_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, cap: float,
@@ -708,6 +743,27 @@ if AVAILABLE:
         return dz, None, None, None, None, None
 
     multi_cross_entropy.register_autograd(_multi_cross_entropy_grad, setup_context=_multi_cross_entropy_save)
+
+    @torch.library.custom_op("onegpu::multi_cross_entropy_and_gradient", mutates_args=())
+    def multi_cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, cap: float,
+                                         fp8_scale: float = 0.0, fp8_only: bool = False, shift: float = 0.0,
+                                         temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """multi_cross_entropy's per-row loss and, from the same launch, the gradients of the mean loss (each row's
+        incoming gradient 1 / N) as cross_entropy_and_gradient gives them for one target. Returns (loss (N,), dz, dz8)."""
+        n, vocab = logits.shape
+        loss, (dz, dz8) = logits.new_empty(n, dtype=torch.float32), _logit_gradients(logits, fp8_scale, fp8_only)
+        _multi_cross_entropy_and_gradient_kernel[(n,)](logits, targets.contiguous(), weights.float().contiguous(), loss,
+                                                       dz, dz8 if fp8_scale else dz, vocab,
+                                                       *cap_terms(cap, shift, temperature), 1.0 / n, float(fp8_scale),
+                                                       torch.finfo(torch.float8_e5m2).max, K=targets.shape[1],
+                                                       BLOCK=CE_BLOCK, CAPPED=cap > 0, FIXED_SHIFT=0 < cap <= 40,
+                                                       FP8=fp8_scale > 0, DZ=not (fp8_only and fp8_scale),
+                                                       num_warps=CE_WARPS)
+        return loss, dz, dz8
+
+    @multi_cross_entropy_and_gradient.register_fake
+    def _(logits, targets, weights, cap, fp8_scale=0.0, fp8_only=False, shift=0.0, temperature=0.0):
+        return logits.new_empty(logits.shape[0], dtype=torch.float32), *_logit_gradients(logits, fp8_scale, fp8_only)
 
 
     # The ReLU² MLP's activation in its matmuls' epilogues. Compiled, relu(h)^2 is one elementwise

@@ -304,6 +304,17 @@ def multi_cross_entropy_check():
         assert abs(loss.double().mean() - reference.detach()) < 1e-5, (n, vocab, cap)
         err = (logits.grad.double() - z.grad).abs().max() / z.grad.abs().max()
         assert err < 1e-3, (n, vocab, cap, err)
+        # the loss and its gradients from one launch (the FP8 head's): the two kernels' to the bit, the e5m2 copy
+        # within its rounding of the float64 gradient (or, the interpreter dropping a carry, at half: fp8_head_loss_check)
+        caps, scale = dict(zip(("shift", "temperature"), shaped)), torch.finfo(torch.float8_e5m2).max * n / len(weights)
+        one, dz1, dz81 = K.multi_cross_entropy_and_gradient(logits.detach(), targets, weights, cap, scale, **caps)
+        dz = K.multi_cross_entropy_backward(logits.detach(), targets, weights, lse, torch.full((n,), 1.0 / n), cap,
+                                            *shaped)
+        assert torch.equal(one, loss.detach()) and torch.equal(dz1, dz), (n, vocab, cap)
+        err = (dz81.double() / scale - z.grad).abs()
+        assert ((err <= 0.25 * z.grad.abs() + 2 ** -16 / scale) | (err <= 0.5 * z.grad.abs())).all()
+        only = K.multi_cross_entropy_and_gradient(logits.detach(), targets, weights, cap, scale, True, **caps)
+        assert only[1].numel() == 0 and torch.equal(only[2].float(), dz81.float())
     # and as the training loss runs it: the loss kernel's output swap, given MultiTargets, against the plain output
     cfg = M.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=512, context=32,
                         tie_embeddings=False, logit_softcap=15.0)
@@ -375,17 +386,21 @@ def fp8_head_loss_check():
     cfg = dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=300, context=16, tie_embeddings=False,
                logit_softcap=cap)
     idx, targets = torch.randint(0, 300, (2, 2, 16), generator=g)
-    grads = []
-    with counted(FP, "fp8_head_cross_entropy") as calls:
-        for kernel in (True, False):
-            torch.manual_seed(0)
-            model = built(cfg, fp8_head=True, loss_kernel=kernel).train()
-            torch.nn.init.normal_(model.head.weight, std=0.2)
-            loss = model(idx, targets)
-            loss.backward()
-            grads.append((loss.detach(), model.head.weight.grad))
-    (l1, h1), (l2, h2) = grads
-    assert calls == [1] and abs(l1 - l2) < 1e-4 and ((h1 - h2).norm() / h2.norm()) < 0.05, (l1, l2)
+    # ... and so with the multi-token loss's targets (the last position's later ones none): its K targets' kernel
+    multi = M.MultiTargets(torch.randint(0, 300, (2, 16, 3), generator=g), torch.tensor([1.0, 0.5, 0.25]))
+    multi.ids[:, -1, 1:] = -1
+    for aims in (targets, multi):
+        grads = []
+        with counted(FP, "fp8_head_cross_entropy") as calls:
+            for kernel in (True, False):
+                torch.manual_seed(0)
+                model = built(cfg, fp8_head=True, loss_kernel=kernel).train()
+                torch.nn.init.normal_(model.head.weight, std=0.2)
+                loss = model(idx, aims)
+                loss.backward()
+                grads.append((loss.detach(), model.head.weight.grad))
+        (l1, h1), (l2, h2) = grads
+        assert calls == [1] and abs(l1 - l2) < 1e-4 and ((h1 - h2).norm() / h2.norm()) < 0.05, (l1, l2)
 
 
 def relu2_check():

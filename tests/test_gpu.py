@@ -498,10 +498,11 @@ def test_paired_heads_block_mask_allows_what_their_boolean_mask_does():
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
 
 
-@pytest.mark.parametrize("prefix", [False, True])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled, prefix):
-    """Three targets, and with prefix a fourth: a prefix token (train.prefix_weight), some the 2nd token's too."""
+@pytest.mark.parametrize("compiled,prefix,fp8_head", [(False, False, False), (True, False, False), (False, True, False),
+                                                      (True, True, False), (True, True, True)])
+def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled, prefix, fp8_head):
+    """Three targets, and with prefix a fourth: a prefix token (train.prefix_weight), some the 2nd token's too; with
+    fp8_head, the FP8 head and the loss as one function (fp8.FP8HeadCrossEntropy over the K targets)."""
     import train as TR
     g = torch.Generator("cuda").manual_seed(5)
     idx, y = torch.randint(0, 32768, (2, 4, 256), device="cuda", generator=g)
@@ -511,13 +512,13 @@ def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled, pr
     out = []
     for on in (False, True):
         torch.manual_seed(0)
-        model = llama(**CFG, **PLAIN, tie_embeddings=False, logit_softcap=15.0, loss_kernel=on)
+        model = llama(**CFG, **PLAIN, tie_embeddings=False, logit_softcap=15.0, loss_kernel=on, fp8_head=on and fp8_head)
         assert isinstance(model.output, FP.TrainingLoss) == on
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = (torch.compile(model) if compiled else model)(idx, targets)
         loss.backward()
         out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    assert_close(out, 2e-3, 2e-2)
+    assert_close(out, *((1e-2, 0.15) if fp8_head else (2e-3, 2e-2)))  # the FP8 head's tolerance: test_fp8_head_stays_close
 
 
 def test_the_88m_defaults_trace_as_one_graph_with_a_block_mask():

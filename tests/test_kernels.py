@@ -232,6 +232,8 @@ BUILDS = [  # (kernel, constexprs, pointer dtypes other than bf16)
      {"t_ptr": "*i64", "w_ptr": "*fp32", "loss_ptr": "*fp32", "lse_ptr": "*fp32"}),
     ("_multi_cross_entropy_backward_kernel", dict(K=3, BLOCK=2048, CAPPED=True),
      {"t_ptr": "*i64", "w_ptr": "*fp32", "lse_ptr": "*fp32", "g_ptr": "*fp32"}),
+    ("_multi_cross_entropy_and_gradient_kernel", dict(K=4, BLOCK=2048, CAPPED=True, FIXED_SHIFT=True, FP8=True, DZ=True),
+     {"t_ptr": "*i64", "w_ptr": "*fp32", "loss_ptr": "*fp32", "dz8_ptr": "*fp8e5"}),
     ("_relu2_matmul_kernel", dict(GROUP_M=8), {}),
     ("_relu2_fp8_kernel", dict(BLOCK=4096), {"a8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     ("_relu2_fp8_backward_kernel", dict(BLOCK=4096), {"du8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
