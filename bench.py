@@ -393,12 +393,11 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
     """Milliseconds of one micro-batch's training loss (micro_batch x context tokens against the
     preset's vocabulary and soft-cap, median of 20 after 5 warm-ups): forward alone and forward plus
     backward, the plain loss against the loss kernel, each compiled on CUDA, on bf16 logits and, for
-    an untied head, behind the FP8 head (x of width d_model): apart (model.fp8_linear, then the loss),
-    and as one function (model.fp8_head_cross_entropy, which the model runs where both are on, with its
+    an untied head, behind the FP8 head (x of width d_model): apart (fp8.fp8_linear, then the loss),
+    and as one function (fp8.fp8_head_cross_entropy, which the model runs where both are on, with its
     weight gradient in bf16 and in FP8, the FP8 one's operand transposed by Inductor's copy and by
-    onegpu_kernels.transposed, and with the kernel once more with the loss kernel's gradient pass through
-    float16; its forward also writes the logits' gradient, so its forward_ms is not comparable with the
-    others')."""
+    onegpu_kernels.transposed; its forward also writes the logits' gradient, so its forward_ms is not comparable
+    with the others'), and the multi-token loss over four targets behind it, apart and as one function."""
     speed = C.preset(preset).speed
     mcfg = C.preset(preset).model
     device = torch.device("cuda" if cuda else "cpu")
@@ -421,19 +420,24 @@ def loss_study(preset: str, micro_batch: int, cuda: bool) -> list[dict]:
         return run
 
     if FP.fast_path_applies("fp8_head", mcfg, speed):  # an untied head, its forward product as the preset runs it
-        accum = speed.fp8_fast_accum
-        head = lambda x: fp8.fp8_linear(x, w, grad_bound=1.0 / n, fast_accum=accum)  # noqa: E731
+        accum, one = speed.fp8_fast_accum, fp8.fp8_head_cross_entropy  # named here, so a CPU run resolves it too
+        head = lambda x, bound=1.0: fp8.fp8_linear(x, w, grad_bound=bound / n, fast_accum=accum)  # noqa: E731
+        # the multi-token loss as the 126m default starts it: 3 tokens ahead and the prefix token (M.MultiTargets)
+        ahead = torch.randint(0, mcfg.vocab_size, (n, 4), device=device, generator=g)
+        shares = torch.tensor([1.0, 0.5, 0.25, 0.25], device=device)
         cases += [(name, under_autocast(loss), x, True) for name, loss in (
             ("FP8 head + plain loss", lambda x: M.cross_entropy(head(x), targets, cap)),
             ("FP8 head + loss kernel, apart", lambda x: kernel_loss(head(x))),
             ("FP8 head + loss kernel, one function, bf16 weight gradient",
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=False, fast_accum=accum)),
+             lambda x: one(x, w, targets, cap, fp8_weight_grad=False, fast_accum=accum)),
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by Inductor",
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=False,
-                                                fast_accum=accum)),
+             lambda x: one(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=False, fast_accum=accum)),
             ("FP8 head + loss kernel, one function, FP8 weight gradient, the gradient transposed by our kernel",
-             lambda x: M.fp8_head_cross_entropy(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True,
-                                                fast_accum=accum)))]
+             lambda x: one(x, w, targets, cap, fp8_weight_grad=True, transpose_kernel=True, fast_accum=accum)),
+            ("FP8 head + multi-token loss kernels (4 targets), apart",
+             lambda x: K.multi_cross_entropy(head(x, 4.0), ahead, shares, cap)[0].mean()),
+            ("FP8 head + multi-token loss (4 targets), one function, bf16 weight gradient",
+             lambda x: one(x, w, ahead, cap, fp8_weight_grad=False, fast_accum=accum, weights=shares)))]
     rows, timing = [], {"repeats": 20, "warmup": 5} if cuda else {"repeats": 2, "warmup": 1}  # CPU: a smoke test
     for name, fn, inp, cuda_only in cases:
         if cuda_only and not cuda:

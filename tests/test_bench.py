@@ -712,3 +712,17 @@ def test_a_plan_on_a_cpu_leaves_out_rungs_that_differ_only_in_cuda_settings(caps
     assert f"rung '{rungs[1].name}' runs on a CPU as rung '{rungs[0].name}' does" in capsys.readouterr().out
     mixed = [B.cpu_sized(r, None) for r in B.plan_rungs(B.ROOT / "configs" / "plans" / "recipe-speed.toml")]
     assert len(B.cpu_distinct(mixed)) >= 2  # rungs that change what a CPU computes all run
+
+
+def test_the_loss_study_lists_each_fp8_head_case_and_resolves_what_they_call(monkeypatch):
+    """--loss on an untied head: the FP8 head's cases, the multi-token loss's apart and as one function among them,
+    skipped on a CPU (CUDA times them), and the functions they call named when the cases are built, so a CPU run
+    fails where one is missing (the one function moved from model.py to fp8.py once, and the study kept calling
+    model.py's)."""
+    untied = C.preset("tiny", model__tie_embeddings=False)
+    monkeypatch.setattr(B.C, "preset", lambda name, **overrides: untied)
+    rows = B.loss_study("tiny", 1, False)
+    names = [r["rung"] for r in rows]
+    assert "FP8 head + multi-token loss (4 targets), one function, bf16 weight gradient" in names
+    assert "FP8 head + multi-token loss kernels (4 targets), apart" in names
+    assert [r["rung"] for r in rows if "ms" in r] == ["plain loss"]  # the rest need CUDA
