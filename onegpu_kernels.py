@@ -479,28 +479,38 @@ if AVAILABLE:
         return m + tl.log(total)
 
     @triton.jit
+    def _block_cols(step, steps, BLOCK: tl.constexpr, BACKWARDS: tl.constexpr):
+        """The columns of a row's block `step` of `steps`; BACKWARDS: the row's blocks last to first."""
+        block = step
+        if BACKWARDS:
+            block = steps - 1 - step
+        return block * BLOCK + tl.arange(0, BLOCK)
+
+    @triton.jit
+    def _store_gradient(d, dz_row, dz8_row, cols, keep, fp8_scale, fp8_max, FP8: tl.constexpr, DZ: tl.constexpr):
+        """A block's gradient d in dz's dtype (DZ: else not written); with FP8 also times fp8_scale, clamped to
+        +-fp8_max, in dz8's FP8 dtype."""
+        if DZ:
+            tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
+        if FP8:
+            d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
+            tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
+
+    @triton.jit
     def _row_gradient(z_row, dz_row, dz8_row, vocab, target, lse, g, cap, alpha, beta, fp8_scale, fp8_max,
                       BLOCK: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr, BACKWARDS: tl.constexpr,
                       DZ: tl.constexpr = True):
-        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, in dz's dtype (DZ: else not
-        written); with FP8 also times fp8_scale, clamped to +-fp8_max, in dz8's FP8 dtype. BACKWARDS: the row's
-        blocks last to first."""
+        """d loss_row / d z = (softmax(y) - onehot(target)) * dy/dz, times g, stored by _store_gradient; BACKWARDS:
+        the row's blocks last to first."""
         steps = tl.cdiv(vocab, BLOCK)
         for step in range(0, steps):
-            if BACKWARDS:
-                cols = (steps - 1 - step) * BLOCK + tl.arange(0, BLOCK)
-            else:
-                cols = step * BLOCK + tl.arange(0, BLOCK)
+            cols = _block_cols(step, steps, BLOCK, BACKWARDS)
             keep = cols < vocab
             z = tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32)
             y, slope = _capped(z, cap, alpha, beta, CAPPED)
             p = tl.exp(y - lse)
             d = (p - tl.where(cols == target, 1.0, 0.0)) * slope * g
-            if DZ:
-                tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
-            if FP8:
-                d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
-                tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
+            _store_gradient(d, dz_row, dz8_row, cols, keep, fp8_scale, fp8_max, FP8, DZ)
 
     @triton.jit
     def _cross_entropy_forward_kernel(z_ptr, t_ptr, loss_ptr, lse_ptr, vocab, cap, alpha, beta, BLOCK: tl.constexpr,
@@ -650,21 +660,14 @@ if AVAILABLE:
             weight += tl.where(tl.load(t_row + k) >= 0, tl.load(w_ptr + k), 0.0)
         steps = tl.cdiv(vocab, BLOCK)
         for step in range(0, steps):
-            if BACKWARDS:
-                cols = (steps - 1 - step) * BLOCK + tl.arange(0, BLOCK)
-            else:
-                cols = step * BLOCK + tl.arange(0, BLOCK)
+            cols = _block_cols(step, steps, BLOCK, BACKWARDS)
             keep = cols < vocab
             y, slope = _capped(tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32), cap, alpha, beta, CAPPED)
             hit = tl.zeros([BLOCK], dtype=tl.float32)
             for k in tl.static_range(K):
                 hit += tl.where(cols == tl.load(t_row + k), tl.load(w_ptr + k), 0.0)
             d = (tl.exp(y - lse) * weight - hit) * slope * g
-            if DZ:
-                tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=keep)
-            if FP8:
-                d8 = tl.minimum(tl.maximum(d * fp8_scale, -fp8_max), fp8_max)
-                tl.store(dz8_row + cols, d8.to(dz8_row.dtype.element_ty), mask=keep)
+            _store_gradient(d, dz_row, dz8_row, cols, keep, fp8_scale, fp8_max, FP8, DZ)
 
     @triton.jit
     def _multi_cross_entropy_forward_kernel(z_ptr, t_ptr, w_ptr, loss_ptr, lse_ptr, vocab, cap, alpha, beta,
