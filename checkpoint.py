@@ -359,11 +359,12 @@ def write_hf_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
 
 
 # Our own model as transformers remote code (write_own_model), for what no stock class computes: these files ship
-# beside the weights, in this order. model.py reads attention.py as a flat module here, and as a file of the same
-# package in the export folder.
+# beside the weights, in this order. model.py reads attention.py and model_checks.py as flat modules here, and as
+# files of the same package in the export folder: PACKAGE_IMPORTS, each flat import line with its package twin.
 ROOT = Path(__file__).resolve().parent
-OWN_SOURCES = ("modeling_onegpu.py", "model.py", "attention.py")
-FLAT_IMPORT, PACKAGE_IMPORT = "import attention as A\n", "from . import attention as A\n"
+OWN_SOURCES = ("modeling_onegpu.py", "model.py", "attention.py", "model_checks.py")
+PACKAGE_IMPORTS = {"import attention as A\n": "from . import attention as A\n",
+                   "from model_checks import check_config\n": "from .model_checks import check_config\n"}
 AUTO_MAP = {"AutoConfig": "modeling_onegpu.OnegpuConfig", "AutoModel": "modeling_onegpu.OnegpuForCausalLM",
             "AutoModelForCausalLM": "modeling_onegpu.OnegpuForCausalLM"}
 
@@ -378,15 +379,22 @@ def write_transformers_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id:
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))
 
 
+def packaged(model_source: str) -> str:
+    """model.py as a file of the export folder's package: its imports of our modules made relative."""
+    for flat, relative in PACKAGE_IMPORTS.items():
+        assert model_source.count(flat) == 1, f"model.py imports {flat.strip()!r} once"
+        model_source = model_source.replace(flat, relative)
+    return model_source
+
+
 def write_own_model(state: dict, cfg: M.ModelConfig, out: Path, eot_id: int):
     """Our model as transformers remote code: the weights under our own names (the Llama is the wrapper's
     `model`), config.json with the ModelConfig and auto_map, and the three source files. config.json records
     each source file's SHA-256 as this checkout has it, so a folder names the code it was written by."""
     save_safetensors({"model." + k: v for k, v in state.items()}, out / "model.safetensors")
     sources = {name: (ROOT / name).read_text() for name in OWN_SOURCES}
-    assert sources["model.py"].count(FLAT_IMPORT) == 1, f"model.py imports attention.py as {FLAT_IMPORT!r}, once"
     for name, text in sources.items():
-        (out / name).write_text(text.replace(FLAT_IMPORT, PACKAGE_IMPORT) if name == "model.py" else text)
+        (out / name).write_text(packaged(text) if name == "model.py" else text)
     (out / "config.json").write_text(json.dumps({
         "architectures": ["OnegpuForCausalLM"], "model_type": "onegpu", "auto_map": AUTO_MAP,
         "onegpu": dataclasses.asdict(cfg), "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",

@@ -2,8 +2,8 @@
 
 Where a stock transformers class computes the model exactly (checkpoint.HF_CLASSES: Llama, Qwen3 for
 QK-norm, Arcee for ReLU², Apertus for both), the folder is that class's. Otherwise (a logit soft-cap or
-any of the record's parts: every default GPU preset) it holds onegpu's own model: model.py and
-attention.py beside modeling_onegpu.py, named in config.json's auto_map, loaded with trust_remote_code.
+any of the record's parts: every default GPU preset) it holds onegpu's own model: model.py,
+attention.py and model_checks.py beside modeling_onegpu.py, named in config.json's auto_map, loaded with trust_remote_code.
 
     python export.py --ckpt runs/tiny --out exported/tiny
 

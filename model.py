@@ -2,7 +2,8 @@
 
 This file is what the model computes, one path per forward; how fast it runs is fastpaths.py's business
 (training) and generate.py's (decoding), each of which swaps a module here for a faster twin computing the
-same function, once, when a model is built. Attention and its masks are attention.py.
+same function, once, when a model is built. Attention and its masks are attention.py; which configs are refused,
+and why, model_checks.py.
 
 The default presets (configs/22m.toml to configs/126m.toml, the recipe in configs/recipes/record.toml) compute,
 for each of a micro-batch's (B, T) tokens:
@@ -35,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import attention as A
+from model_checks import check_config
 
 MLPKind = Literal["swiglu", "relu2"]
 # The fields that fix the weights' shapes and meaning: a checkpoint resumes only with the same values.
@@ -44,14 +46,6 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "attn_gate", "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows",
                 "bigram_signs", "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn", "xsa")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
-# The parts that act on another setting, which ModelConfig refuses without it: (part, what it needs, why).
-PART_NEEDS = (("key_offset", "rope_truncate", "it moves the dims truncated RoPE leaves unrotated"),
-              ("value_gate", "value_embeds", "it gates the value embeddings"),
-              ("bigram_signs", "bigram_rows", "it signs the bigram table's rows"),
-              ("paired_heads", "short_windows", "it pairs the heads of every other short layer"),
-              ("rope_yarn", "attn_window", "it stretches RoPE as the window grows"),
-              ("logit_shift", "logit_softcap", "it shifts the logits inside the soft-cap"),
-              ("logit_temperature", "logit_softcap", "it widens the soft-cap"))
 
 
 @dataclass
@@ -100,60 +94,7 @@ class ModelConfig:
     mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
     def __post_init__(self):
-        for name in ("rope_theta", "norm_eps", "logit_softcap", "logit_shift", "logit_temperature", "attn_scale",
-                     "mimetic_init"):  # NaN, inf pass "< 0"
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"model.{name}={getattr(self, name)!r} is not a finite number: give a real number")
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "context", "rope_theta", "norm_eps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.vocab_size > 2**16:  # onegpu's corpora are uint16 shards (data.py): a larger id would wrap
-            raise ValueError(f"model.vocab_size={self.vocab_size} is more than 65,536, the most a uint16 token shard "
-                             f"holds: pick a vocabulary of at most 65,536 (2**15 = 32,768 is the presets')")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
-                             f"pick n_heads that divides d_model (head size 64 means n_heads = d_model / 64)")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}: "
-                             f"each kv head serves a whole group of query heads, so pick a divisor of n_heads")
-        if self.head_dim % 2:
-            raise ValueError(f"head size d_model/n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
-                             f"dimensions: change model.d_model or model.n_heads so that the head size is even")
-        for name, zero in (("ffn_hidden", "0: automatic"), ("logit_softcap", "0: off"), ("attn_scale", "0: 1/sqrt(head size)"),
-                           ("logit_temperature", "0: the cap"), ("mimetic_init", "0: off"),
-                           ("attn_window", "0: attend over the whole context"),
-                           ("rope_yarn", "0: off")):
-            if getattr(self, name) < 0:
-                raise ValueError(f"model.{name} must be >= 0 ({zero}), got {getattr(self, name)}")
-        if not 0 <= self.value_embeds <= self.n_layers // 2:
-            raise ValueError(f"model.value_embeds={self.value_embeds}: the first and the last value_embeds layers each "
-                             f"take one table, so it must be in [0, n_layers/2 = {self.n_layers // 2}]")
-        if (self.attn_gate or self.smear or self.value_gate) and self.d_model < GATE_CHANNELS:
-            raise ValueError(f"model.attn_gate, smear and value_gate read {GATE_CHANNELS} channels, more than d_model="
-                             f"{self.d_model}: turn them off or use a wider model")
-        for part in ("mimetic_init", "paired_heads"):  # a value map per head; a pair of heads reads its own keys
-            if getattr(self, part) and self.n_kv_heads != self.n_heads:
-                raise ValueError(f"model.{part} needs a kv head per query head: set n_kv_heads = n_heads = {self.n_heads}")
-        if self.paired_heads and self.n_heads % 2:
-            raise ValueError(f"model.paired_heads pairs the heads, but model.n_heads={self.n_heads} is odd: make it even")
-        if self.short_windows and not self.windowed:
-            raise ValueError(f"model.short_windows halves model.attn_window on most layers, but attn_window="
-                             f"{self.attn_window} hides nothing in a context of {self.context}: set attn_window "
-                             f"below the context, or --no-short-windows")
-        if self.skip_attn_layer != -1 and not 0 < self.skip_attn_layer < self.n_layers:
-            raise ValueError(f"model.skip_attn_layer={self.skip_attn_layer} is not a layer after the first of "
-                             f"{self.n_layers}: pick one in [1, {self.n_layers - 1}] (modded-nanogpt: 7 of 12), or -1 for none")
-        if self.skip_attn_layer != -1 and self.value_table(self.skip_attn_layer) is not None:
-            raise ValueError(f"model.skip_attn_layer={self.skip_attn_layer} is a layer that mixes a value embedding "
-                             f"into its attention (model.value_embeds={self.value_embeds}): pick a middle layer")
-        if self.bigram_rows == 1 or self.bigram_rows < 0:
-            raise ValueError(f"model.bigram_rows={self.bigram_rows}: give 0 (no bigram table) or at least 2 rows")
-        for part, needs, why in PART_NEEDS:
-            if getattr(self, part) and not getattr(self, needs):
-                off = f"--no-{part}" if getattr(self, part) is True else f"--{part} 0"
-                raise ValueError(f"model.{part} needs model.{needs}: {why}; set it or use {off.replace('_', '-')}")
-        if self.mlp not in ("swiglu", "relu2"):
-            raise ValueError(f"model.mlp={self.mlp!r}: choose swiglu or relu2")
+        check_config(self, GATE_CHANNELS)  # every range and cross-field rule, each refusal one line
         if self.ffn_hidden == 0:
             # relu2 has two matrices to SwiGLU's three: 1.5x the width holds the same parameters
             self.ffn_hidden = swiglu_hidden(self.d_model) * (3 if self.mlp == "relu2" else 2) // 2

@@ -2,8 +2,9 @@
 
     model = AutoModelForCausalLM.from_pretrained("exported/run", trust_remote_code=True)
 
-The folder holds this file, and model.py and attention.py exactly as onegpu trains with them but for one line
-(model.py reads attention.py as a file of the same package: `from . import attention as A`). So the model
+The folder holds this file, and model.py, attention.py and model_checks.py exactly as onegpu trains with them but
+for two lines (model.py reads the other two as files of the same package: `from . import attention as A`, `from
+.model_checks import check_config`). So the model
 transformers runs is onegpu's own `model.Llama`, every recipe setting included; this file only adapts it:
   - OnegpuConfig carries the checkpoint's ModelConfig (`onegpu` in config.json) and the few names transformers'
     tools read (hidden_size, num_hidden_layers, ...), derived from it;

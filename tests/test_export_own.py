@@ -152,8 +152,9 @@ def test_the_export_names_its_source_and_says_how_to_load_it(run, capsys, tmp_pa
     hashes = json.loads((tmp_path / "again" / "config.json").read_text())["onegpu_source_sha256"]
     assert set(hashes) == set(CK.OWN_SOURCES) and all(len(h) == 64 for h in hashes.values())
     shipped = (tmp_path / "again" / "model.py").read_text()
-    assert CK.PACKAGE_IMPORT in shipped and shipped.replace(CK.PACKAGE_IMPORT, CK.FLAT_IMPORT) == \
-        (CK.ROOT / "model.py").read_text()
+    flat = (CK.ROOT / "model.py").read_text()
+    assert all(relative in shipped for relative in CK.PACKAGE_IMPORTS.values()) and shipped == CK.packaged(flat)
+    assert shipped != flat and (tmp_path / "again" / "model_checks.py").read_text() == (CK.ROOT / "model_checks.py").read_text()
 
 
 def test_left_padding_is_refused_in_one_line_and_right_padding_changes_nothing(run):
