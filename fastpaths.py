@@ -324,10 +324,10 @@ class FusedLoss(M.Output):
 class CheckpointedBlock(M.Block):
     """A block that keeps only its input for the backward pass and recomputes the rest there (training)."""
 
-    def forward(self, x, x0, rope, masks, ve=None):
+    def forward(self, x, x0, rope, masks, ve=None, attn_in=None):
         if not self.training:
-            return super().forward(x, x0, rope, masks, ve)
-        return torch.utils.checkpoint.checkpoint(super().forward, x, x0, rope, masks, ve, use_reentrant=False)
+            return super().forward(x, x0, rope, masks, ve, attn_in)
+        return torch.utils.checkpoint.checkpoint(super().forward, x, x0, rope, masks, ve, attn_in, use_reentrant=False)
 
 
 class RecomputedMLPBlock(M.Block):

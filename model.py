@@ -24,6 +24,7 @@ The norms have no gains (norm_gains = false) and the output projections and head
 to every block's input, its rows signed by pair (bigram_rows, bigram_signs), each embedding smeared with its
 predecessor's (smear), the long layers' keys offset by a token (key_offset), gated value embeddings (value_gate),
 paired heads in every other short layer (paired_heads) and the head reading x minus its 2/3-depth state (backout).
+With saved_attn_input the blocks after that 2/3-depth block attend over its output, not their own input (record #77).
 Every recipe option defaults to the article's Llama 2, so a config that names none computes that.
 """
 
@@ -44,7 +45,8 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "rope_theta", "norm_eps", "mlp", "qk_norm", "logit_softcap", "logit_shift", "logit_temperature",
                 "embed_norm", "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate",
                 "attn_gate", "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows",
-                "bigram_signs", "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn", "xsa")
+                "bigram_signs", "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn", "xsa",
+                "saved_attn_input")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -90,6 +92,7 @@ class ModelConfig:
     value_gate: bool = False  # each value embedding times a gate of the input, per token and kv head (record #55)
     paired_heads: bool = False  # every other short layer's heads attend in pairs over both heads' keys (record #58)
     xsa: bool = False  # each unpaired head's output less a learned share of its part along its own value (record #82)
+    saved_attn_input: bool = False  # the blocks after backout_layer attend over its output, not their own input (#77)
     rope_yarn: int = 0  # YaRN: RoPE first trained over this window (train.window_start), stretched as it grows (#31)
     mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
@@ -385,13 +388,13 @@ class Block(nn.Module):
         self.mlp = ReLU2(cfg) if cfg.mlp == "relu2" else SwiGLU(cfg)
         self.x0_mix = nn.Parameter(torch.empty(2)) if cfg.x0_mix else None  # (a, b), from (1, 0)
 
-    def forward(self, x, x0, rope, masks: A.Masks, ve=None):
+    def forward(self, x, x0, rope, masks: A.Masks, ve=None, attn_in=None):
         """x: (B, T, d) the stream; x0: the embedding it started from (x0_mix); ve: this layer's value
-        embedding (or None)."""
+        embedding (or None); attn_in: (B, T, d) what the attention reads in x's place (saved_attn_input), or None."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
         if self.attn is not None:
-            x = x + self.attn(self.attn_norm(x), rope, masks, ve)
+            x = x + self.attn(self.attn_norm(x if attn_in is None else attn_in), rope, masks, ve)
         return x + self.mlp_branch(x)
 
     def mlp_branch(self, x):
@@ -615,7 +618,7 @@ class Llama(nn.Module):
         x = self.embedded(idx, prev)
         rope, paired_rope = self.rope(T, masks.pos, x.dtype)
         xb = None if self.bigram is None else self.bigram_input(prev, idx)
-        x0, ve, skips = x, self.value_rows(idx), []
+        x0, ve, skips, saved = x, self.value_rows(idx), [], None
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output
@@ -623,11 +626,12 @@ class Llama(nn.Module):
             if xb is not None:
                 x = x + self.bigram_mix[i] * xb.type_as(x)
             table, rope_i = self.cfg.value_table(i), paired_rope if self.cfg.paired_layer(i) else rope
-            x = block(x, x0, rope_i, masks, ve[table] if table is not None else None)
+            x = block(x, x0, rope_i, masks, ve[table] if table is not None else None, saved)
             if i < n_skips:
                 skips.append(x)
             if i == self.cfg.backout_layer:
                 backout = x
+                saved = x if self.cfg.saved_attn_input else None
         if self.backout_mix is not None:
             x = x - self.backout_mix * backout
         x = self.norm(x)

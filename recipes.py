@@ -269,6 +269,9 @@ NEWEST = {
                       {"model__logit_softcap": 11.5, "model__logit_shift": 5.0, "model__logit_temperature": 15.0}),
     # each unpaired head's output less a learned share of its part along its own value, from 0 (#82)
     "xsa": ("+ gated XSA on the unpaired attention layers (#82)", {"model__xsa": True}),
+    # the blocks after the 2/3-depth one attend over its output, never over the last MLPs' (#77)
+    "saved-attn-input": ("+ the last blocks' attention over the 2/3-depth block's output (#77)",
+                         {"model__saved_attn_input": True}),
     "warmdown": ("+ the warm-down over the last 60% of the run, down to 0.15 of the peak rate (#72, #73)",
                  {"train__warmdown_fraction": 0.6, "train__min_lr_ratio": 0.15}),
     # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
@@ -449,7 +452,7 @@ def record_plan(preset: str, seeds: int, micro_batch: int) -> list[Recipe]:
 NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__backout": False, "model__smear": False,
               "model__key_offset": False, "model__value_gate": False, "model__mimetic_init": 0.0,
               "model__paired_heads": False, "model__rope_yarn": 0, "model__logit_shift": 0.0,
-              "model__logit_temperature": 0.0, "model__xsa": False,
+              "model__logit_temperature": 0.0, "model__xsa": False, "model__saved_attn_input": False,
               "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz", "train__muon_beta2": 0.0,
               "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
               "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,

@@ -672,7 +672,7 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                                              (True, {**RECORD_PARTS, "n_layers": 3, "skip_attn_layer": 1}),
                                              (True, {"attn_scale": 0.4, "attn_window": 6}),
                                              (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True,
-                                                     "key_offset": True, "value_gate": True}),
+                                                     "key_offset": True, "value_gate": True, "saved_attn_input": True}),
                                              (True, {**RECORD_PARTS, "n_layers": 4, "short_windows": True, "paired_heads": True,
                                                      "n_kv_heads": 4, "xsa": True})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
@@ -884,3 +884,31 @@ def test_gated_xsa_takes_each_heads_share_along_its_own_value_as_a_float64_refer
         share = math.tanh(attn.xsa[h].item()) * (y[:, :, h] * unit).sum(-1, keepdim=True)
         want[:, :, h] = y[:, :, h] - share * unit
     torch.testing.assert_close(attn.less_own_value(y, v), want, rtol=1e-12, atol=1e-12)
+
+
+def test_saved_attn_input_feeds_the_last_blocks_attention_the_two_thirds_blocks_output():
+    """saved_attn_input (record #77): every block after backout_layer normalises the output of block backout_layer
+    for its attention, where without it each normalises its own (x0-mixed) input; the blocks up to it are as
+    without it."""
+    parts = dict(n_layers=6, x0_mix=True, backout=True)
+    with_it, without = small_model(**parts, saved_attn_input=True), small_model(**parts)
+    with torch.no_grad():  # each block's x0 mix off its identity init, so its own input is not its predecessor's output
+        for name, p in with_it.named_parameters():
+            if name.endswith("x0_mix"):
+                p.copy_(torch.randn_like(p))
+    without.load_state_dict(with_it.state_dict())
+    assert with_it.cfg.backout_layer == 3
+    idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(8))
+    for model in (with_it, without):
+        model.seen, model.outputs = {}, {}
+        for i, block in enumerate(model.blocks):
+            block.attn_norm.register_forward_hook(lambda m, args, out, s=model.seen, i=i: s.__setitem__(i, args[0]))
+            block.register_forward_hook(lambda m, args, out, s=model.outputs, i=i: s.__setitem__(i, out))
+        with torch.no_grad():
+            model.logits = model(idx)
+    for i in range(4):
+        torch.testing.assert_close(with_it.seen[i], without.seen[i], rtol=0, atol=0)
+    for i in (4, 5):
+        torch.testing.assert_close(with_it.seen[i], with_it.outputs[3], rtol=0, atol=0)
+        assert (without.seen[i] - with_it.outputs[3]).abs().max() > 1e-3
+    assert (with_it.logits - without.logits).abs().max() > 1e-3
