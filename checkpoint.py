@@ -267,7 +267,8 @@ HF_CLASSES = {("swiglu", False): ("LlamaForCausalLM", "llama"), ("swiglu", True)
 
 RECORD_PARTS = ("embed_norm", "value_embeds", "value_scale", "unet_skips", "x0_mix", "rope_truncate", "attn_gate",
                 "attn_window", "bigram_rows", "bigram_signs", "backout", "smear", "key_offset", "value_gate",
-                "paired_heads", "rope_yarn", "xsa", "saved_attn_input")  # modded-nanogpt's parts: each changes what the network computes
+                "paired_heads", "rope_yarn", "xsa", "saved_attn_input",
+                "dense_last")  # modded-nanogpt's parts: each changes what the network computes
 
 
 def stock_gap(cfg: M.ModelConfig) -> str | None:

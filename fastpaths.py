@@ -79,9 +79,9 @@ def fast_path_applies(name: str, cfg: M.ModelConfig, speed: SpeedConfig) -> bool
     fused loss (the FP8 head for an untied head whose soft-cap is at most 1 steep), fast accumulation beside an
     FP8 path, the fused QK-norm +
     RoPE for a model with QK-norm (swap_in leaves paired layers plain); the decode kernel (and its split) outside
-    the key offset, the value gates, paired heads and XSA, which it does not compute; the decode MLP for the ReLU²
+    the key offset, the value gates, paired heads, XSA and dense_last's value addend, which it does not compute; the decode MLP for the ReLU²
     MLP."""
-    plain_attention = not (cfg.key_offset or cfg.value_gate or cfg.paired_heads or cfg.xsa)
+    plain_attention = not (cfg.key_offset or cfg.value_gate or cfg.paired_heads or cfg.xsa or cfg.dense_last)
     rules = {"fused_decode": plain_attention, "split_decode": speed.fused_decode and plain_attention,
              "decode_mlp": cfg.mlp == "relu2",
              "fused_swiglu": cfg.mlp == "swiglu", "fused_relu2": cfg.mlp == "relu2" and not speed.fp8,
@@ -324,10 +324,11 @@ class FusedLoss(M.Output):
 class CheckpointedBlock(M.Block):
     """A block that keeps only its input for the backward pass and recomputes the rest there (training)."""
 
-    def forward(self, x, x0, rope, masks, ve=None, attn_in=None):
+    def forward(self, x, x0, rope, masks, ve=None, attn_in=None, v_add=None):
         if not self.training:
-            return super().forward(x, x0, rope, masks, ve, attn_in)
-        return torch.utils.checkpoint.checkpoint(super().forward, x, x0, rope, masks, ve, attn_in, use_reentrant=False)
+            return super().forward(x, x0, rope, masks, ve, attn_in, v_add)
+        return torch.utils.checkpoint.checkpoint(super().forward, x, x0, rope, masks, ve, attn_in, v_add,
+                                                 use_reentrant=False)
 
 
 class RecomputedMLPBlock(M.Block):

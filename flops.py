@@ -23,7 +23,10 @@ def param_count(cfg: M.ModelConfig) -> int:
     skips = cfg.n_layers // 2 if cfg.unet_skips else 0
     bigram = cfg.bigram_rows * d + cfg.n_layers if cfg.bigram_rows else 0  # the table and a layer's mix each
     smear = M.GATE_CHANNELS + 1 if cfg.smear else 0
-    return embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips + bigram + cfg.backout + smear
+    # dense_last: two DenseMix of 64 hidden, (3 sources, 2 ways) and (2, 1): W1, W2 and its bias each
+    dense = sum(64 * d + (64 + 1) * n for n in (3 * 2, 2 * 1)) if cfg.dense_last else 0
+    return (embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips + bigram + cfg.backout + smear
+            + dense)
 
 
 def multiplied_params(cfg: M.ModelConfig) -> int:

@@ -24,7 +24,9 @@ The norms have no gains (norm_gains = false) and the output projections and head
 to every block's input, its rows signed by pair (bigram_rows, bigram_signs), each embedding smeared with its
 predecessor's (smear), the long layers' keys offset by a token (key_offset), gated value embeddings (value_gate),
 paired heads in every other short layer (paired_heads) and the head reading x minus its 2/3-depth state (backout).
-With saved_attn_input the blocks after that 2/3-depth block attend over its output, not their own input (record #77).
+With saved_attn_input the blocks after that 2/3-depth block attend over its output, not their own input (record #77);
+with dense_last the last two blocks' outputs gain per-token mixes of earlier streams, and the last block's values one
+(DenseMix, record #81).
 Every recipe option defaults to the article's Llama 2, so a config that names none computes that.
 """
 
@@ -46,7 +48,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
                 "embed_norm", "value_embeds", "value_scale", "norm_gains", "unet_skips", "x0_mix", "rope_truncate",
                 "attn_gate", "attn_window", "short_windows", "skip_attn_layer", "attn_scale", "bigram_rows",
                 "bigram_signs", "backout", "smear", "key_offset", "value_gate", "paired_heads", "rope_yarn", "xsa",
-                "saved_attn_input")
+                "saved_attn_input", "dense_last")
 GATE_CHANNELS = 12  # attn_gate reads this many channels of the block input (modded-nanogpt's attn_gate_dim)
 
 
@@ -93,6 +95,7 @@ class ModelConfig:
     paired_heads: bool = False  # every other short layer's heads attend in pairs over both heads' keys (record #58)
     xsa: bool = False  # each unpaired head's output less a learned share of its part along its own value (record #82)
     saved_attn_input: bool = False  # the blocks after backout_layer attend over its output, not their own input (#77)
+    dense_last: bool = False  # the last two blocks' outputs gain learned per-token mixes of earlier streams (MUDD, #81)
     rope_yarn: int = 0  # YaRN: RoPE first trained over this window (train.window_start), stretched as it grows (#31)
     mimetic_init: float = 0.0  # b: each attention's v and wo start at +-sqrt(b) I plus noise, wo v = -b I (#64: 0.05)
 
@@ -307,10 +310,13 @@ class Attention(nn.Module):
             return y
         return y * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS]))[..., None]
 
-    def forward(self, x, rope, masks: A.Masks, ve=None):
-        """x: (B, T, d) the normed stream; ve: this layer's value embedding (B, T, Hkv * hd) or None."""
+    def forward(self, x, rope, masks: A.Masks, ve=None, v_add=None):
+        """x: (B, T, d) the normed stream; ve: this layer's value embedding (B, T, Hkv * hd) or None; v_add: (B, T, d)
+        added to the values as they leave wqkv (dense_last: n_kv_heads = n_heads), or None."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        if v_add is not None:  # padded with zeros over the q and k heads
+            qkv = qkv + F.pad(v_add.view(B, T, self.n_kv_heads, self.head_dim), (0, 0, self.n_heads + self.n_kv_heads, 0))
         if self.ve_gate is not None:  # (B, T, Hkv) gates: each kv head's part of ve times 2 sigmoid(gate)
             ve = ve.view(B, T, self.n_kv_heads, -1) * 2 * torch.sigmoid(self.ve_gate(x[..., :GATE_CHANNELS]))[..., None]
         return self.wo(self.gated(self.attend(qkv, rope, masks, ve), x).reshape(B, T, -1))
@@ -388,13 +394,14 @@ class Block(nn.Module):
         self.mlp = ReLU2(cfg) if cfg.mlp == "relu2" else SwiGLU(cfg)
         self.x0_mix = nn.Parameter(torch.empty(2)) if cfg.x0_mix else None  # (a, b), from (1, 0)
 
-    def forward(self, x, x0, rope, masks: A.Masks, ve=None, attn_in=None):
+    def forward(self, x, x0, rope, masks: A.Masks, ve=None, attn_in=None, v_add=None):
         """x: (B, T, d) the stream; x0: the embedding it started from (x0_mix); ve: this layer's value
-        embedding (or None); attn_in: (B, T, d) what the attention reads in x's place (saved_attn_input), or None."""
+        embedding (or None); attn_in: (B, T, d) what the attention reads in x's place (saved_attn_input), or None;
+        v_add: (B, T, d) added to the attention's values (dense_last), or None."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
         if self.attn is not None:
-            x = x + self.attn(self.attn_norm(x if attn_in is None else attn_in), rope, masks, ve)
+            x = x + self.attn(self.attn_norm(x if attn_in is None else attn_in), rope, masks, ve, v_add)
         return x + self.mlp_branch(x)
 
     def mlp_branch(self, x):
@@ -423,6 +430,23 @@ class Smear(nn.Module):
 
     def forward(self, x, x_prev):
         return x + self.mix * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS])) * x_prev
+
+
+class DenseMix(nn.Module):
+    """A dense connection (dense_last; record #81, after MUDD, Xiao et al. 2025's multiway dynamic dense connections):
+    from the stream x (B, T, d), `ways` sums of `sources` earlier streams (each (B, T, d)), each token weighting them
+    by a small MLP of its own x, 0.2 / sqrt(sources) (gelu(x W1) W2 + b); W2 and b start at zero, so the connection
+    starts as nothing and learns its way in."""
+
+    def __init__(self, d: int, sources: int, ways: int, hidden: int = 64):
+        super().__init__()
+        self.sources, self.ways = sources, ways
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, ways * sources)
+
+    def forward(self, x, sources: list) -> list:
+        w = self.w2(F.gelu(self.w1(x))).unflatten(-1, (self.ways, self.sources)) * (0.2 / math.sqrt(self.sources))
+        return [sum(w[..., way, k, None] * s for k, s in enumerate(sources)) for way in range(self.ways)]
 
 
 class MultiTargets(NamedTuple):
@@ -472,6 +496,9 @@ class Llama(nn.Module):
         self.history = None  # an attention.TokenCache while generating with the bigram table (setup_cache)
         # Backout: the head reads x - b * (block backout_layer's output), b learned from 0.5.
         self.backout_mix = nn.Parameter(torch.empty(1)) if cfg.backout else None
+        # dense_last: after block L-2, to the last block's values and to the stream, from (x0, block backout_layer's
+        # output, its own); after block L-1, to the stream, from (x0, block L-2's output) (DenseMix, dense_step)
+        self.dense = nn.ModuleList([DenseMix(cfg.d_model, 3, 2), DenseMix(cfg.d_model, 2, 1)]) if cfg.dense_last else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_gains)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.output = Output(cfg)
@@ -522,7 +549,8 @@ class Llama(nn.Module):
             elif name.startswith("value_embeds.") or (name == "embed.weight" and unit_embedding):
                 nn.init.normal_(p, mean=0.0, std=1.0)
             elif ((output_projection or name == "head.weight") and self.cfg.zero_init
-                  or name.endswith(("attn.gate.weight", "attn.ve_gate.weight", "bigram.weight", "smear.gate.weight"))):
+                  or name.endswith(("attn.gate.weight", "attn.ve_gate.weight", "bigram.weight", "smear.gate.weight"))
+                  or name.startswith("dense.") and ".w2." in name):
                 nn.init.zeros_(p)
             elif p.dim() == 2:
                 std = 0.02
@@ -602,6 +630,15 @@ class Llama(nn.Module):
         """The blocks' attention modules (a skip_attn_layer block has none), first layer first."""
         return [block.attn for block in self.blocks if block.attn is not None]
 
+    def dense_step(self, x, x0, backout, late):
+        """dense_last (record #81) after block L-2 (late None): x plus a mix of (x0, block backout_layer's output, x),
+        1.15 times another for the last block's values, and x itself as late; after block L-1: x plus a mix of (x0,
+        late). Returns (x, the values' addend or None, late)."""
+        if late is None:
+            v_add, mix = self.dense[0](x, [x0, backout, x])
+            return x + mix, 1.15 * v_add, x
+        return x + self.dense[1](x, [x0, late])[0], None, late
+
     def forward(self, idx, targets=None, masks: A.Masks | None = None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab) or, given targets (B, T), the mean
         cross-entropy. masks: attention.masks() for packed documents and the window schedule, or
@@ -618,7 +655,7 @@ class Llama(nn.Module):
         x = self.embedded(idx, prev)
         rope, paired_rope = self.rope(T, masks.pos, x.dtype)
         xb = None if self.bigram is None else self.bigram_input(prev, idx)
-        x0, ve, skips, saved = x, self.value_rows(idx), [], None
+        x0, ve, skips, saved, v_add, late = x, self.value_rows(idx), [], None, None, None
         n_skips = len(self.skip_weights) if self.skip_weights is not None else 0
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - n_skips:  # the U-net's second half: add the mirrored block's output
@@ -626,12 +663,14 @@ class Llama(nn.Module):
             if xb is not None:
                 x = x + self.bigram_mix[i] * xb.type_as(x)
             table, rope_i = self.cfg.value_table(i), paired_rope if self.cfg.paired_layer(i) else rope
-            x = block(x, x0, rope_i, masks, ve[table] if table is not None else None, saved)
+            x = block(x, x0, rope_i, masks, ve[table] if table is not None else None, saved, v_add)
             if i < n_skips:
                 skips.append(x)
             if i == self.cfg.backout_layer:
                 backout = x
                 saved = x if self.cfg.saved_attn_input else None
+            if self.dense is not None and i >= len(self.blocks) - 2:
+                x, v_add, late = self.dense_step(x, x0, backout, late)
         if self.backout_mix is not None:
             x = x - self.backout_mix * backout
         x = self.norm(x)

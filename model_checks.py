@@ -63,7 +63,8 @@ def check_heads(cfg):
     if cfg.head_dim % 2:
         raise ValueError(f"head size d_model/n_heads = {cfg.head_dim} is odd, but RoPE rotates pairs of "
                          f"dimensions: change model.d_model or model.n_heads so that the head size is even")
-    for part in ("mimetic_init", "paired_heads"):  # a value map per head; a pair of heads reads its own keys
+    # a value map per head; a pair of heads reads its own keys; dense_last adds a (B, T, d) mix to the values
+    for part in ("mimetic_init", "paired_heads", "dense_last"):
         if getattr(cfg, part) and cfg.n_kv_heads != cfg.n_heads:
             raise ValueError(f"model.{part} needs a kv head per query head: set n_kv_heads = n_heads = {cfg.n_heads}")
     if cfg.paired_heads and cfg.n_heads % 2:
@@ -85,6 +86,12 @@ def check_parts(cfg, gate_channels: int):
     if cfg.skip_attn_layer != -1 and not 0 < cfg.skip_attn_layer < cfg.n_layers:
         raise ValueError(f"model.skip_attn_layer={cfg.skip_attn_layer} is not a layer after the first of "
                          f"{cfg.n_layers}: pick one in [1, {cfg.n_layers - 1}] (modded-nanogpt: 7 of 12), or -1 for none")
+    if cfg.dense_last and cfg.backout_layer >= cfg.n_layers - 2:
+        raise ValueError(f"model.dense_last mixes block {cfg.backout_layer}'s output (2/3 depth) into the last two "
+                         f"blocks', so it needs at least 4 layers; model.n_layers={cfg.n_layers}: add layers or turn it off")
+    if cfg.dense_last and not cfg.attends(cfg.n_layers - 1):
+        raise ValueError(f"model.dense_last adds to the last block's values, but model.skip_attn_layer="
+                         f"{cfg.skip_attn_layer} is that block: pick another layer to skip, or turn dense_last off")
     if cfg.skip_attn_layer != -1 and cfg.value_table(cfg.skip_attn_layer) is not None:
         raise ValueError(f"model.skip_attn_layer={cfg.skip_attn_layer} is a layer that mixes a value embedding "
                          f"into its attention (model.value_embeds={cfg.value_embeds}): pick a middle layer")

@@ -365,12 +365,12 @@ def stacked_rows(name: str, p: torch.Tensor, cfg: M.ModelConfig) -> list[int] | 
 def param_groups(model: M.Llama, shared_head: bool = False) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """(name, parameter) pairs by role: "matrices" are the block matrices (weight decay with AdamW,
     Muon's with muon); "embed" the value and bigram embeddings and an untied token embedding, "head" the head,
-    "scalars" the norm gains and mixing scalars. A token embedding that is also the head (tied, or shared_head:
+    "scalars" the norm gains and mixing scalars, "dense" dense_last's connections. A token embedding that is also the head (tied, or shared_head:
     train.untie_at) steps as the head does, as modded-nanogpt's records #51 and #53 step it. None of the last
     three has AdamW's decay: a rare token's row would shrink between the few steps that update it; decay would pull
     norm gains toward zero, not toward one (train.adam_weight_decay decays the first two, only where a step moves
     an entry toward zero anyway: CautiousAdamW)."""
-    groups = {"matrices": [], "embed": [], "head": [], "scalars": []}
+    groups = {"matrices": [], "embed": [], "head": [], "scalars": [], "dense": []}
     headlike = ("head.weight", "embed.weight") if model.cfg.tie_embeddings or shared_head else ("head.weight",)
     for name, p in model.named_parameters():
         if p.dim() == 2 and name.startswith("blocks."):
@@ -379,6 +379,8 @@ def param_groups(model: M.Llama, shared_head: bool = False) -> dict[str, list[tu
             role = "head"
         elif name in ("embed.weight", "bigram.weight") or name.startswith("value_embeds."):
             role = "embed"
+        elif name.startswith("dense."):
+            role = "dense"
         else:
             role = "scalars"
         groups[role].append((name, p))
@@ -388,15 +390,17 @@ def param_groups(model: M.Llama, shared_head: bool = False) -> dict[str, list[tu
 # train.adam_weight_decay's multiplier by role: modded-nanogpt's (records #50 on) for its head and token embedding
 # (150), its value and bigram tables (5) and its scalars (0). Our untied token embedding steps at the tables' rate
 # (embed_lr), where 150 would take a quarter of each row a step: it decays as they do.
-ADAM_DECAY = {"head": 150.0, "embed": 5.0, "scalars": 0.0}
+ADAM_DECAY = {"head": 150.0, "embed": 5.0, "scalars": 0.0, "dense": 0.0}
+# model.dense_last's connections (record #81): a quarter of AdamW's rate, betas (0.9, 0.99), no decay (the record's).
+DENSE_LR_RATIO, DENSE_BETAS = 0.25, (0.9, 0.99)
 
 
 def adamw_groups(groups: dict, cfg: C.TrainConfig) -> list[dict]:
     """AdamW's groups, one per role that has parameters, each at its own learning rate and betas; none has AdamW's
     own decay, some CautiousAdamW's (train.adam_weight_decay)."""
-    rates = {"embed": cfg.embed_lr, "head": cfg.head_lr, "scalars": cfg.scalar_lr}
+    rates = {"embed": cfg.embed_lr, "head": cfg.head_lr, "scalars": cfg.scalar_lr, "dense": DENSE_LR_RATIO * cfg.lr}
     betas = {"embed": (cfg.embed_beta1, 0.0), "head": (cfg.head_beta1, 0.0),
-             "scalars": (cfg.scalar_beta1, cfg.scalar_beta2)}
+             "scalars": (cfg.scalar_beta1, cfg.scalar_beta2), "dense": DENSE_BETAS}
     return [{"params": [p for _, p in groups[role]], "weight_decay": 0.0, "lr_ratio": (rate or cfg.lr) / cfg.lr,
              "betas": (betas[role][0] or cfg.beta1, betas[role][1] or cfg.beta2),
              "role": role, "cautious_decay": cfg.adam_weight_decay * ADAM_DECAY[role]}

@@ -272,6 +272,9 @@ NEWEST = {
     # the blocks after the 2/3-depth one attend over its output, never over the last MLPs' (#77)
     "saved-attn-input": ("+ the last blocks' attention over the 2/3-depth block's output (#77)",
                          {"model__saved_attn_input": True}),
+    # MUDD's trimmed connections into the last two blocks (#81); their value addend needs a kv head per query head
+    "dense": ("+ dense connections into the last two blocks (#81)",
+              lambda base, micro_batch: {"model__dense_last": True, "model__n_kv_heads": base.model.n_heads}),
     "warmdown": ("+ the warm-down over the last 60% of the run, down to 0.15 of the peak rate (#72, #73)",
                  {"train__warmdown_fraction": 0.6, "train__min_lr_ratio": 0.15}),
     # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
@@ -453,6 +456,7 @@ NEWEST_OFF = {"model__bigram_rows": 0, "model__bigram_signs": False, "model__bac
               "model__key_offset": False, "model__value_gate": False, "model__mimetic_init": 0.0,
               "model__paired_heads": False, "model__rope_yarn": 0, "model__logit_shift": 0.0,
               "model__logit_temperature": 0.0, "model__xsa": False, "model__saved_attn_input": False,
+              "model__dense_last": False,
               "train__mtp_tokens": 1, "train__muon_iteration": "newton-schulz", "train__muon_beta2": 0.0,
               "train__muon_weight_decay": 0.0, "train__muon_cautious": False, "train__batch_stages": 1,
               "train__prefix_weight": 0.0, "train__untie_at": 0.0, "train__adam_weight_decay": 0.0,

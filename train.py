@@ -829,7 +829,8 @@ def announce(r: Run, run_dir: Path, say) -> Meter:
                                     (f"paired heads in layers {', '.join(str(i) for i in range(m.n_layers) if m.paired_layer(i))}",
                                      m.paired_heads), (f"YaRN from a window of {m.rope_yarn}", m.rope_yarn),
                                     ("gated XSA on the unpaired layers", m.xsa),
-                                    (f"layers after {m.backout_layer} attending over its output", m.saved_attn_input)) if on]
+                                    (f"layers after {m.backout_layer} attending over its output", m.saved_attn_input),
+                                    ("dense connections into the last two blocks", m.dense_last)) if on]
     if parts:
         say(f"model parts: {', '.join(parts)}")
     say(f"optimizer: {optimizer_line(tcfg, r.optimizer)}")

@@ -39,6 +39,7 @@ def random_weights(cfg: M.ModelConfig, seed: int = 0) -> dict:
 # The newest record's parts, off in the presets until measured to pay: exported with the default preset's recipe.
 NEWEST_PARTS = {"126m+newest": "bigram_rows = 2560\nbigram_signs = true\nbackout = true\nsmear = true\nkey_offset = true\n"
                                "value_gate = true\npaired_heads = true\nrope_yarn = 32\nxsa = true\nsaved_attn_input = true\n"
+                               "dense_last = true\n"
                                "logit_softcap = 11.5\n"
                                "logit_shift = 5.0\nlogit_temperature = 15.0\n",
                 "126m+smear": "smear = true\n"}

@@ -209,21 +209,22 @@ def functions(module: str):
 
 
 def test_model_py_is_the_plain_model_a_person_reads():
-    """At most 660 lines (ModelConfig's checks are model_checks.py's since the model reached 715 lines with record
-    #82's gated XSA; what model.py gains next is what the model computes); no kernel module, FP8 or 'does this run here' test in it; Llama.forward of at most 40 lines and 4 parameters; ModelConfig of at most 39
+    """At most 700 lines (ModelConfig's checks are model_checks.py's since the model reached 715 lines with record
+    #82's gated XSA; 660 until record #81's dense connections); no kernel module, FP8 or 'does this run here' test in it; Llama.forward of at most 40 lines and 4 parameters; ModelConfig of at most 40
     fields (the house's 26 and room for the newest record's ideas, each a recipe field; 35 until the soft-cap's
-    shift and temperature, 37 until XSA, 38 until record #77's saved attention input): shape and recipe, no speed switch."""
+    shift and temperature, 37 until XSA, 38 until record #77's saved attention input, 39 until #81's dense
+    connections): shape and recipe, no speed switch."""
     import dataclasses
     import fastpaths as FP
     import model as M
     source = (ROOT / "model.py").read_text()
-    assert len(source.splitlines()) <= 660
+    assert len(source.splitlines()) <= 700
     assert "onegpu_kernels" not in source and "fp8" not in source.lower() and "is_grad_enabled" not in source
     llama = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Llama")
     forward = next(n for n in llama.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
     assert forward.end_lineno - forward.lineno + 1 <= 40 and len(forward.args.args) - 1 <= 4
     fields = {f.name for f in dataclasses.fields(M.ModelConfig)}
-    assert len(fields) <= 39 and not fields & set(FP.SPEED_FIELDS)
+    assert len(fields) <= 40 and not fields & set(FP.SPEED_FIELDS)
 
 
 def test_no_function_over_60_lines_outside_the_triton_kernels():

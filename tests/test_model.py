@@ -674,7 +674,7 @@ RECORD_PARTS = dict(mlp="relu2", qk_norm=True, tie_embeddings=False, embed_norm=
                                              (True, {**RECORD_PARTS, "n_layers": 3, "bigram_rows": 13, "backout": True, "smear": True,
                                                      "key_offset": True, "value_gate": True, "saved_attn_input": True}),
                                              (True, {**RECORD_PARTS, "n_layers": 4, "short_windows": True, "paired_heads": True,
-                                                     "n_kv_heads": 4, "xsa": True})],
+                                                     "n_kv_heads": 4, "xsa": True, "dense_last": True})],
                          ids=["whole-cache", "written-so-far", "record-parts", "short-windows", "attention-free",
                               "attention-scale", "bigram-backout-smear", "paired-heads-xsa"])
 def test_kv_cache_decode_equals_full_forward(windowed, parts):
@@ -686,7 +686,7 @@ def test_kv_cache_decode_equals_full_forward(windowed, parts):
     with torch.no_grad():  # a gate and a mix off their init, so a decode path that skips them fails
         for name, p in model.named_parameters():
             if name.endswith(("gate.weight", "v_mix", "x0_mix", "bigram.weight", "bigram_mix", "backout_mix", "smear.mix",
-                              "xsa")):
+                              "xsa")) or name.startswith("dense."):
                 p.copy_(torch.randn_like(p))
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4))
     window = (lambda end: end) if windowed else (lambda end: None)
@@ -912,3 +912,62 @@ def test_saved_attn_input_feeds_the_last_blocks_attention_the_two_thirds_blocks_
         torch.testing.assert_close(with_it.seen[i], with_it.outputs[3], rtol=0, atol=0)
         assert (without.seen[i] - with_it.outputs[3]).abs().max() > 1e-3
     assert (with_it.logits - without.logits).abs().max() > 1e-3
+
+
+def test_dense_mix_weights_its_sources_by_a_small_mlp_of_the_stream_as_a_float64_reference_does():
+    """DenseMix (record #81): way c of the output is sum_k w[c, k] s_k, w = (gelu(x W1) W2 + b) 0.2 / sqrt(sources)
+    per token."""
+    torch.manual_seed(0)
+    mix = M.DenseMix(8, sources=3, ways=2, hidden=5).double()
+    g = torch.Generator().manual_seed(9)
+    x, sources = torch.randn(2, 4, 8, generator=g, dtype=torch.float64), list(torch.randn(3, 2, 4, 8, generator=g,
+                                                                                         dtype=torch.float64))
+    with torch.no_grad():
+        mix.w2.weight.normal_(generator=g)
+        mix.w2.bias.normal_(generator=g)
+    hidden = torch.nn.functional.gelu(x @ mix.w1.weight.t())
+    w = (hidden @ mix.w2.weight.t() + mix.w2.bias).view(2, 4, 2, 3) * 0.2 / math.sqrt(3)
+    for way, out in enumerate(mix(x, sources)):
+        want = sum(w[..., way, k, None] * sources[k] for k in range(3))
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_dense_last_mixes_earlier_streams_into_the_last_two_blocks_and_the_last_values():
+    """dense_last: after block L-2 (h), the stream is h + mix0 way 1 of (x0, block backout_layer's output, h) and the
+    last block's attention adds 1.15 x way 0 to its values; after block L-1 (y), y + mix1 of (x0, h). From zero
+    W2 and b the model is the one without it."""
+    parts = dict(n_layers=5, n_kv_heads=4)
+    model, without = small_model(**parts, dense_last=True), small_model(**parts)
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        without.load_state_dict(model.state_dict(), strict=False)
+        torch.testing.assert_close(model(idx), without(idx), rtol=0, atol=0)
+        for name, p in model.named_parameters():
+            if name.startswith("dense."):
+                p.normal_(0.0, 0.5)
+    seen = {}
+    model.stream.register_forward_hook(lambda m, args, out: seen.__setitem__("x0", out))
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, out))
+        block.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(f"in{i}", args[0]))
+    model.blocks[4].attn.register_forward_pre_hook(lambda m, args: seen.__setitem__("v_add", args[4]))
+    model.norm.register_forward_pre_hook(lambda m, args: seen.__setitem__("final", args[0]))
+    with torch.no_grad():
+        model(idx)
+        x0, back, h, y = seen["x0"], seen[model.cfg.backout_layer], seen[3], seen[4]
+        v_add, into = model.dense[0](h, [x0, back, h])
+        torch.testing.assert_close(seen["in4"], h + into, rtol=0, atol=1e-12)
+        torch.testing.assert_close(seen["v_add"], 1.15 * v_add, rtol=0, atol=1e-12)
+        torch.testing.assert_close(seen["final"], y + model.dense[1](y, [x0, h])[0], rtol=0, atol=1e-12)
+    assert model.cfg.backout_layer == 2 and sum(p.numel() for p in model.parameters()) == FL.param_count(model.cfg)
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(n_layers=3), r"^model\.dense_last mixes block 1's output \(2/3 depth\) into the last two blocks', so it needs "
+                       r"at least 4 layers; model\.n_layers=3: add layers or turn it off$"),
+    (dict(n_layers=4, skip_attn_layer=3), r"^model\.dense_last adds to the last block's values, but model\.skip_attn_layer=3"),
+    (dict(n_layers=4, n_kv_heads=2), r"^model\.dense_last needs a kv head per query head: set n_kv_heads = n_heads = 4$"),
+])
+def test_dense_last_is_refused_where_its_sources_or_its_values_are_missing(values, message):
+    with pytest.raises(ValueError, match=message):
+        M.ModelConfig(**{**SMALL, "n_kv_heads": 4, "dense_last": True, **values})

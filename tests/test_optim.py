@@ -72,6 +72,21 @@ def test_each_adamw_group_steps_with_its_own_betas():
         "embed": (0.75, 0.95), "head": (0.8, 0.95), "scalars": (0.9, 0.95)}
 
 
+def test_dense_connections_step_in_their_own_adamw_group_at_the_records_rate_and_betas():
+    """dense_last's two connections (matrices outside the blocks) take neither Muon nor the scalars' rate: a quarter of
+    train.lr, betas (0.9, 0.99), no decay (record #81's), under Muon or AdamW alone."""
+    model = M.Llama(tiny_model_cfg(n_layers=4, n_heads=2, n_kv_heads=2, dense_last=True))
+    for muon in (True, False):
+        opt = O.configure_optimizer(model, C.TrainConfig(steps=1, muon=muon, lr=0.008, scalar_lr=0.04,
+                                                         adam_weight_decay=0.005, optimizer="for-loop"))
+        dense = next(g for g in O.inner_optimizers(opt)[-1].param_groups if g["role"] == "dense")
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        assert {by_id[id(p)] for p in dense["params"]} == {f"dense.{j}.{w}" for j in (0, 1)
+                                                           for w in ("w1.weight", "w2.weight", "w2.bias")}
+        assert dense["lr_ratio"] == pytest.approx(0.25) and dense["betas"] == (0.9, 0.99)
+        assert dense["cautious_decay"] == 0.0 and dense["weight_decay"] == 0.0
+
+
 def test_adamw_decays_only_the_block_matrices():
     model = M.Llama(tiny_model_cfg(n_layers=1))
     opt = O.configure_optimizer(model, C.TrainConfig(steps=1))

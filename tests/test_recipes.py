@@ -269,7 +269,7 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
     # decode off (it has no key offset, value gates or paired heads), and at the quarter batch evaluations and
     # checkpoints as many tokens apart as record #28's
     unadopted = ("batch-stages", "tied-head", "mimetic", "yarn", "momentum-cooldown", "adam-betas",
-                 "logit-rescale", "xsa", "saved-attn-input")
+                 "logit-rescale", "xsa", "saved-attn-input", "dense")
     ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key not in unadopted]
     adopted = {k: v for idea in ideas for k, v in idea.items() if k not in record or record[k] != v}
     rest = {"speed__fused_decode": False, "speed__split_decode": False, "train__eval_every": 1000,
