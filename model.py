@@ -435,8 +435,8 @@ class Smear(nn.Module):
 class DenseMix(nn.Module):
     """A dense connection (dense_last; record #81, after MUDD, Xiao et al. 2025's multiway dynamic dense connections):
     from the stream x (B, T, d), `ways` sums of `sources` earlier streams (each (B, T, d)), each token weighting them
-    by a small MLP of its own x, 0.2 / sqrt(sources) (gelu(x W1) W2 + b); W2 and b start at zero, so the connection
-    starts as nothing and learns its way in."""
+    by a small MLP of its own x, 0.2 / sqrt(sources) (gelu(x W1) W2 + b). reset_parameters starts W2 and b at zero:
+    the connection starts as nothing and learns its way in."""
 
     def __init__(self, d: int, sources: int, ways: int, hidden: int = 64):
         super().__init__()
