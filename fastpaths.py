@@ -79,8 +79,8 @@ def fast_path_applies(name: str, cfg: M.ModelConfig, speed: SpeedConfig) -> bool
     fused loss (the FP8 head for an untied head whose soft-cap is at most 1 steep), fast accumulation beside an
     FP8 path, the fused QK-norm +
     RoPE for a model with QK-norm (swap_in leaves paired layers plain); the decode kernel (and its split) outside
-    the key offset, the value gates, paired heads, XSA and dense_last's value addend, which it does not compute; the decode MLP for the ReLU²
-    MLP."""
+    the key offset, the value gates, paired heads, XSA and dense_last's value addend, which it does not compute;
+    the decode MLP for the ReLU² MLP."""
     plain_attention = not (cfg.key_offset or cfg.value_gate or cfg.paired_heads or cfg.xsa or cfg.dense_last)
     rules = {"fused_decode": plain_attention, "split_decode": speed.fused_decode and plain_attention,
              "decode_mlp": cfg.mlp == "relu2",

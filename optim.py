@@ -367,9 +367,9 @@ def param_groups(model: M.Llama, shared_head: bool = False) -> dict[str, list[tu
     Muon's with muon); "embed" the value and bigram embeddings and an untied token embedding, "head" the head,
     "scalars" the norm gains and mixing scalars, "dense" dense_last's connections. A token embedding that is also
     the head (tied, or shared_head: train.untie_at) steps as the head does, as modded-nanogpt's records #51 and #53
-    step it. None of the last four has AdamW's decay: a rare token's row would shrink between the few steps that update it; decay would pull
-    norm gains toward zero, not toward one (train.adam_weight_decay decays the first two, only where a step moves
-    an entry toward zero anyway: CautiousAdamW)."""
+    step it. None of the last four has AdamW's decay: a rare token's row would shrink between the few steps that
+    update it; decay would pull norm gains toward zero, not toward one (train.adam_weight_decay decays the first two,
+    only where a step moves an entry toward zero anyway: CautiousAdamW)."""
     groups = {"matrices": [], "embed": [], "head": [], "scalars": [], "dense": []}
     headlike = ("head.weight", "embed.weight") if model.cfg.tie_embeddings or shared_head else ("head.weight",)
     for name, p in model.named_parameters():
