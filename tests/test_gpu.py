@@ -482,6 +482,14 @@ def test_paired_heads_compile_and_match_eager_with_a_block_mask():
     assert_compiled_matches_eager_with_a_block_mask({**RECORD, **PAIRED})
 
 
+def test_the_screened_parts_compile_and_match_eager_with_a_block_mask():
+    """The parts screened on 2026-12-07 with paired heads and the record's: gated XSA (#82), the saved attention input
+    (#77), the dense connections (#81) and the shifted soft-cap (#54) through the FP8 head and the loss kernel."""
+    assert_compiled_matches_eager_with_a_block_mask({**RECORD, **PAIRED, "xsa": True, "saved_attn_input": True,
+                                                     "backout": True, "dense_last": True, "logit_softcap": 11.5,
+                                                     "logit_shift": 5.0, "logit_temperature": 15.0}, mtp=True)
+
+
 def test_paired_heads_block_mask_allows_what_their_boolean_mask_does():
     """The paired layers' FlexAttention block mask (documents and window over 2T keys) gives the logits of the boolean
     masks the CPU attends with."""
