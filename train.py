@@ -879,8 +879,9 @@ def write_log(r: Run, run_dir: Path, row: dict, boards: list = ()):
 
 
 def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int | None, resumed: bool) -> Session:
-    """Evaluate and save first (so the state on disk always matches the step counter), then stop,
-    then step and log, until the last step or a stop (Ctrl-C, SIGTERM, stop_after)."""
+    """Save and then evaluate first (so the state on disk always matches the step counter, and a stop during an
+    evaluation loses at most that evaluation, which a resume then runs), then stop, then step and log, until the
+    last step or a stop (Ctrl-C, SIGTERM, stop_after)."""
     tcfg, ckpt_path = r.cfg.train, run_dir / "ckpt.pt"  # r.steps, not a copy: train.seconds sizes it on the way
     fixed = r.train_loader.next_batch() if tcfg.overfit_batch else None
     next_batch = (lambda: fixed) if fixed is not None else r.train_loader.next_batch
@@ -892,23 +893,20 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     say = (lambda s: bar.write(s)) if r.rank == 0 else (lambda s: None)
     boards = BO.open_boards(tcfg, run_dir, p.step if resumed else None, r.cfg.to_dict()) if r.rank == 0 else []
     stopper, session = Stopper(say, ckpt_path), Session(p.step, p.tokens, first_seconds=p.train_seconds)
-    if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary: nothing to train
+    # a resumed step was saved; its evaluation is owed where a stop cut it short (none logged at an evaluation step)
+    owed = resumed and p.step > 0 and not logged_eval(run_dir / "log.jsonl", p.step)
+    if resumed and p.step == r.steps and not owed:  # stopped between its last checkpoint and its summary
         session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
     last_saved = p.step if resumed else None
     try:
         while True:
-            last_step, fresh = p.step == r.steps, p.step > session.first_step  # a resumed step was evaluated and saved
-            if fresh and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
-                session.last_eval = evaluations(r, p.step, token_bytes)
-                last = session.last_eval
-                say(f"step {p.step:>6} | val loss {last['val_loss']:.4f} | val bpb {last['val_bpb']:.4f}"
-                    + (f" | with whole windows {last['val_loss_whole']:.4f}" if r.whole_val_loader else "")
-                    + (f" | on plain 1,024-token windows {last['val_loss_1024']:.4f}" if r.plain_val_loader else ""))
-                write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3),
-                                       **last}, boards)
+            last_step, fresh = p.step == r.steps, p.step > session.first_step
             if fresh and (p.step % tcfg.ckpt_every == 0 or last_step):
                 save_checkpoint(r, p, ckpt_path)
                 last_saved = p.step
+            if (fresh or owed) and (p.step % tcfg.eval_every == 0 or last_step) and not tcfg.overfit_batch:
+                session.last_eval = logged_evaluation(r, p, run_dir, token_bytes, boards, say)
+            owed = False
             if last_step:
                 break
             if stopper.signal or p.step == stop_after:
@@ -936,6 +934,17 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
         finally:
             stopper.restore()
     return session
+
+
+def logged_evaluation(r: Run, p: Progress, run_dir: Path, token_bytes: torch.Tensor, boards: list, say) -> dict:
+    """Evaluate at p's step, say the losses in one line and log them; returns them."""
+    last = evaluations(r, p.step, token_bytes)
+    say(f"step {p.step:>6} | val loss {last['val_loss']:.4f} | val bpb {last['val_bpb']:.4f}"
+        + (f" | with whole windows {last['val_loss_whole']:.4f}" if r.whole_val_loader else "")
+        + (f" | on plain 1,024-token windows {last['val_loss_1024']:.4f}" if r.plain_val_loader else ""))
+    write_log(r, run_dir, {"step": p.step, "tokens": p.tokens, "train_seconds": round(p.train_seconds, 3), **last},
+              boards)
+    return last
 
 
 def sized_now(r: Run, p: Progress, session: Session, run_dir: Path, say) -> bool:

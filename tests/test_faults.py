@@ -238,6 +238,31 @@ def test_log_has_each_step_once_after_a_crash_and_resume(finished, tmp_path, mon
     assert (run / "loss.png").stat().st_size > 1000
 
 
+def test_a_run_killed_in_its_last_evaluation_keeps_its_training_and_a_resume_evaluates_it(finished, tmp_path,
+                                                                                          monkeypatch):
+    """A run stopped hard inside its final evaluation (a scheduler's second signal, a kill) has saved its last step
+    first: --resume trains nothing, runs the evaluation it owes and reports its losses, those of the run never
+    stopped."""
+    cfg, run = finished[0], tmp_path / "run"
+    real = TR.evaluate
+
+    def killed_at_the_end(*args, **kwargs):
+        if CK.load(run).step == 4:
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(TR, "evaluate", killed_at_the_end)
+    with pytest.raises(RuntimeError):
+        TR.train(cfg, run, **QUIET)
+    monkeypatch.undo()
+    assert CK.load(run).step == 4 and not TR.logged_eval(run / "log.jsonl", 4)
+    TR.train(cfg, run, resume=True, **QUIET)
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert TR.logged_eval(run / "log.jsonl", 4) == TR.logged_eval(finished[1] / "log.jsonl", 4) != {}
+    assert json.loads((run / "summary.json").read_text())["val_loss"] == pytest.approx(
+        json.loads((finished[1] / "summary.json").read_text())["val_loss"])
+
+
 def toml_config(cfg: C.Config, path: Path) -> Path:
     path.write_text(toml_of(cfg))
     return path
@@ -247,12 +272,12 @@ def ctrl_c():
     os.kill(os.getpid(), signal.SIGINT)
 
 
-@pytest.mark.parametrize("phase, first, kept", [("save", 3, 2), ("evaluation", 4, 2), ("plot", 3, 3)])
+@pytest.mark.parametrize("phase, first, kept", [("save", 3, 2), ("evaluation", 4, 4), ("plot", 3, 3)])
 def test_a_second_ctrl_c_while_the_run_stops_exits_130_in_one_line(finished, tmp_path, monkeypatch, capsys, phase,
                                                                     first, kept):
     """The first Ctrl-C arrives during step `first` (checkpoints every 2 steps); the second during
-    the stop's save, the evaluation the stop runs first at step 4, or the plot, each made slow
-    enough to hit by sending the signal from inside it."""
+    the stop's save, the evaluation at step 4 (after step 4's checkpoint, which is kept), or the plot, each made
+    slow enough to hit by sending the signal from inside it."""
     cfg = with_train(finished[0], steps=6)
     real_step, real_save, real_plot, real_eval = TR.train_step, CK.save, PL.plot_losses, TR.evaluate
     steps = []
