@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import socket
 
 import numpy as np
@@ -14,6 +15,11 @@ import fp8
 import model as M
 
 VOCAB = 512
+# The suite's PyTorch CPU ops run on one thread, and so do the scripts its tests start: its tensors are small, where a
+# second thread gains little, and on a 2-core machine the Triton interpreter's checks (tests/test_kernels.py) run
+# beside the tests on the other core, which a second thread here took from them (docs/LOG.md, 2026-12-07).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def cpu_rows_fp8() -> bool:
@@ -37,11 +43,15 @@ DEFAULT_PRESET_CASES = (*(pytest.param(p, marks=pytest.mark.slow) for p in ("22m
 
 def cpu_sized_preset(preset: str, data, path, model_lines: str = ""):
     """A config file that extends configs/<preset>.toml (its recipe and its [speed] section) and shrinks it to a
-    CPU's size: width 64, a 128-token context with 48-key windows (24 on the short layers), the test corpus (data), 3 steps of 512 tokens,
-    no compile; model_lines adds settings to its [model] section. Returns path."""
+    CPU's size: width 64, a 128-token context with 48-key windows (24 on the short layers), a bigram table (where
+    the preset has one) as many times the 512-token vocabulary as the preset's is its vocabulary, the test corpus
+    (data), 3 steps of 512 tokens, no compile; model_lines adds settings to its [model] section. Returns path."""
+    full = C.preset(preset).model
+    rows = "" if not full.bigram_rows or "bigram_rows" in model_lines else \
+        f"bigram_rows = {full.bigram_rows * 512 // full.vocab_size}\n"
     path.write_text(f'extends = "{C.PRESETS_DIR / (preset + ".toml")}"\n'
                     "[model]\nd_model = 64\nn_heads = 2\nn_kv_heads = 2\nffn_hidden = 128\nvocab_size = 512\n"
-                    f"context = 128\nattn_window = 48\n{model_lines}"
+                    f"context = 128\nattn_window = 48\n{rows}{model_lines}"
                     f"[data]\ncorpus = {json.dumps(data.corpus)}\ncache_dir = {json.dumps(data.cache_dir)}\n"
                     f"val_fraction = {data.val_fraction}\nmax_documents = {data.max_documents}\n"
                     f"tokenizer_documents = {data.tokenizer_documents}\n"

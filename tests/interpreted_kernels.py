@@ -147,12 +147,16 @@ def decode_check():
     assert torch.equal(out, K.decode_step(qkv, cos, sin, caches[2], caches[3], torch.tensor([150]), 64 ** -0.5))
     assert torch.equal(caches[0][:, :, 150], caches[2][:, :, 150])  # the cache write survives tracing
 
-    # Inside the model (fused_decode): the same logits as the plain path, prefill then 3 decode steps,
-    # for the article's Llama, for the Muon recipe, whose QK-norm the kernel computes (its gains off
-    # their init, so a kernel that skipped them would differ), and for the record recipe's attention:
-    # long and short sliding windows (8 and 4 keys) shorter than the 13 positions, value tables and the
-    # gate (both off their init too: the gate starts at zero, where every head's factor is 1/2), gainless
-    # QK-norm and half-truncated RoPE, all of which the kernel computes, its positions split (split_decode).
+
+def decode_model_check():
+    """Inside the model (fused_decode): the same logits as the plain path, prefill then 3 decode steps,
+    for the article's Llama, for the Muon recipe, whose QK-norm the kernel computes (its gains off
+    their init, so a kernel that skipped them would differ), and for the record recipe's attention:
+    long and short sliding windows (8 and 4 keys) shorter than the 13 positions, value tables and the
+    gate (both off their init too: the gate starts at zero, where every head's factor is 1/2), gainless
+    QK-norm and half-truncated RoPE, all of which the kernel computes, its positions split (split_decode); then the
+    decode step compiled whole (an Inductor compile for the CPU: the slow tier's)."""
+    g = torch.Generator().manual_seed(1)
     kernel = K.decode_step
     for recipe in ({}, RECORD, {"mlp": "relu2", "qk_norm": True}):  # the Muon one last: it is compiled below
         cfg = dict(**SMALL, **recipe)
