@@ -372,8 +372,9 @@ class FusedDecodeAttention(M.Attention):
 
     def forward(self, x, rope, masks: A.Masks, ve=None, v_add=None):
         B, T, _ = x.shape
-        if masks.pos is None or torch.is_grad_enabled() or T != 1 or v_add is not None:  # the kernel has no v_add
-            return super().forward(x, rope, masks, ve, v_add)
+        assert v_add is None  # fastpaths' rule keeps this kernel out of a model with dense_last
+        if masks.pos is None or torch.is_grad_enabled() or T != 1:
+            return super().forward(x, rope, masks, ve)
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         if not K.decode_step_supported(qkv, self.cache.k):
             return self.wo(self.gated(self.attend(qkv, rope, masks, ve), x).reshape(B, T, -1))

@@ -894,9 +894,10 @@ def run_loop(r: Run, p: Progress, meter: Meter, run_dir: Path, stop_after: int |
     boards = BO.open_boards(tcfg, run_dir, p.step if resumed else None, r.cfg.to_dict()) if r.rank == 0 else []
     stopper, session = Stopper(say, ckpt_path), Session(p.step, p.tokens, first_seconds=p.train_seconds)
     # a resumed step was saved; its evaluation is owed where a stop cut it short (none logged at an evaluation step)
-    owed = resumed and p.step > 0 and not logged_eval(run_dir / "log.jsonl", p.step)
-    if resumed and p.step == r.steps and not owed:  # stopped between its last checkpoint and its summary
-        session.last_eval = logged_eval(run_dir / "log.jsonl", p.step)
+    logged = logged_eval(run_dir / "log.jsonl", p.step) if resumed else {}
+    owed = resumed and p.step > 0 and not logged
+    if resumed and p.step == r.steps:  # stopped between its last checkpoint and its summary
+        session.last_eval = logged
     last_saved = p.step if resumed else None
     try:
         while True:
