@@ -25,8 +25,10 @@ def param_count(cfg: M.ModelConfig) -> int:
     smear = M.GATE_CHANNELS + 1 if cfg.smear else 0
     # dense_last: two DenseMix of 64 hidden, (3 sources, 2 ways) and (2, 1): W1, W2 and its bias each
     dense = sum(64 * d + (64 + 1) * n for n in (3 * 2, 2 * 1)) if cfg.dense_last else 0
+    # xsa: a gate a head in each layer that attends unpaired
+    xsa = cfg.n_heads * sum(cfg.attends(i) and not cfg.paired_layer(i) for i in range(cfg.n_layers)) if cfg.xsa else 0
     return (embed + cfg.n_layers * block - attention_free + d * gain + head + value + skips + bigram + cfg.backout + smear
-            + dense)
+            + dense + xsa)
 
 
 def multiplied_params(cfg: M.ModelConfig) -> int:

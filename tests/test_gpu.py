@@ -457,9 +457,10 @@ def assert_compiled_matches_eager_with_a_block_mask(parts: dict, mtp: bool = Fal
         loss.backward()
         out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert abs(out[0][0] - out[1][0]) < 2e-3 * out[0][0]
-    for name, grad in out[0][1].items():  # plus a floor: a scalar's gradient summed from cancelling terms (a skip
-        # weight's, 4e-6 with the newest parts) carries the terms' bf16 rounding, not a share of its own size
-        assert (out[1][1][name].float() - grad.float()).norm() < 3e-2 * grad.float().norm() + 2e-6, name
+    for name, grad in out[0][1].items():  # plus a floor: a scalar's gradient summed from cancelling terms carries
+        # the terms' bf16 rounding, not a share of its own size (the skip weights': 4e-6 apart with the newest parts,
+        # 5.6e-6 of 5.4e-5 with XSA, the saved input and the dense connections)
+        assert (out[1][1][name].float() - grad.float()).norm() < 3e-2 * grad.float().norm() + 1e-5, name
 
 
 def test_the_record_parts_compile_and_match_eager_with_a_block_mask():

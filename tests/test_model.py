@@ -476,11 +476,12 @@ def test_the_126m_preset_has_the_record_holders_parameter_count_and_the_newest_p
     """configs/126m.toml counted on the meta device (no memory): modded-nanogpt's 208.4M at record #28, its
     attention-free layer 7 and untied head included (modded's scalars are 64 whether used or not; ours are the used
     ones: 5 value scales among them, and like modded's its norms have no gains), plus the newest parts: the bigram
-    table (5 x 32,768 rows of 768) and 458 mixes and gates; the module's tensors agree with param_count."""
+    table (5 x 32,768 rows of 768), 458 mixes and gates and XSA's 42 (6 heads in 7 unpaired layers); the module's
+    tensors agree with param_count."""
     cfg = C.preset("126m").model
     with torch.device("meta"):
         model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg) == 208_405_319 + 163_840 * 768 + 458
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg) == 208_405_319 + 163_840 * 768 + 458 + 42
     assert model.blocks[7].attn is None and len(model.attentions()) == 11
 
 
@@ -494,8 +495,9 @@ def test_flops_per_token_count_matmuls_and_the_windows_keys():
     # x0 mixes, skips, v mixes, value scales (layers 3-6 and 8); the norms have no gains (norm_gains false)
     scalars = L * 2 + L // 2 + 3 * 2 * 2 + 5
     # the newest parts: a bigram mix a layer, backout's mix, smear's gate (12 channels) and mix, and a value gate
-    # (12 channels to each of the 6 kv heads) on each of the 6 layers with a value table; the table is a lookup
-    newest = L + 1 + 12 + 1 + 6 * 12 * H
+    # (12 channels to each of the 6 kv heads) on each of the 6 layers with a value table, and XSA's gate a head in
+    # the 7 unpaired layers with attention; the table is a lookup
+    newest = L + 1 + 12 + 1 + 6 * 12 * H + 7 * H
     long_layers = 3  # 0, 4 and 11; layer 7, modded's fourth long one, has no attention
     attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
     assert FL.flops_per_token(cfg) == 6 * (matmuls + scalars + newest) + attention
@@ -870,6 +872,8 @@ def test_gated_xsa_takes_each_heads_share_along_its_own_value_as_a_float64_refer
     parts = dict(n_layers=4, attn_window=6, short_windows=True, paired_heads=True, n_kv_heads=4, xsa=True)
     model = small_model(**parts)
     assert [b.attn.xsa is not None for b in model.blocks] == [True, False, True, True]  # layer 1 is paired
+    assert sum(p.numel() for p in model.parameters()) == FL.param_count(model.cfg) == FL.param_count(
+        replace(model.cfg, xsa=False)) + 3 * 4
     idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), small_model(**{**parts, "xsa": False})(idx), rtol=0, atol=0)
