@@ -22,7 +22,7 @@ import optim as O
 import sizing as SZ
 import plots as PL
 import train as TR
-from conftest import tiny_model_cfg, tiny_run_config, with_train
+from conftest import cpu_sized_preset, tiny_model_cfg, tiny_run_config, with_train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -910,6 +910,20 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe, free_port)
     train = {"batch_tokens": 512, "micro_batch": 2, "device": "cpu", "sample_tokens": 0, "warmup_steps": 2, **recipe[1]}
     toml += ["[train]"] + [f"{k} = {json.dumps(v)}" for k, v in train.items()]
     (tmp_path / "c.toml").write_text("\n".join(toml))  # JSON scalars are valid TOML values
+    assert_two_ranks_equal_one(common, tmp_path, free_port, steps=3)
+
+
+@pytest.mark.slow
+def test_the_126m_default_on_two_gloo_processes_equals_one(data_cfg, tmp_path, free_port):
+    """Every part and setting the 126m default adopted (at a CPU's size) trains the same on 2 ranks as on 1."""
+    path = cpu_sized_preset("126m", data_cfg, tmp_path / "c.toml")
+    assert_two_ranks_equal_one(["--config", str(path), "--runs-dir", str(tmp_path), "--device", "cpu"], tmp_path,
+                               free_port, steps=3)
+
+
+def assert_two_ranks_equal_one(common: list, tmp_path: Path, free_port: int, steps: int):
+    """train.py with `common` run twice at once, as one process and as torchrun's 2 CPU ranks: the same weights
+    after `steps` steps and the same losses on the way."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Both runs at once: each process uses one thread, so the one-process run takes the core the launcher leaves.
     running = [subprocess.Popen([sys.executable, *launcher, str(ROOT / "train.py"), *common, "--name", name], env=env,
@@ -927,7 +941,7 @@ def test_two_gloo_processes_equal_one(train_config, tmp_path, recipe, free_port)
         torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=5e-4 if k.startswith(lookups) else 1e-5)
     for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two")):
         assert a == pytest.approx(b, rel=1e-5)
-    assert len(losses(tmp_path / "two")) == 3
+    assert len(losses(tmp_path / "two")) == steps
 
 
 def test_a_warm_up_longer_than_half_the_run_is_shortened_and_said(train_config, tmp_path):
