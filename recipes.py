@@ -44,7 +44,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -280,7 +280,48 @@ NEWEST = {
     # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
     "momentum-cooldown": ("+ Muon's momentum back down over the last 50 steps (#39)",
                           {"train__muon_momentum_cooldown": 50}),
+    # the 22m and 88m defaults keep record #28's recipe until this rung is measured there
+    "stack": ("+ every idea the 126m default adopted that this shape can take", lambda base, mb: _stack(base, mb)),
 }
+
+
+def sized(key: str, base: C.Config, micro_batch: int) -> dict:
+    """NEWEST[key]'s overrides for `base` (an idea that depends on the config is sized on it)."""
+    change = NEWEST[key][1]
+    return change(base, micro_batch) if callable(change) else dict(change)
+
+
+def adopted(preset: str = "126m", micro_batch: int = 12) -> list[str]:
+    """The NEWEST ideas configs/<preset>.toml has taken (configs/recipes/newest.toml), in NEWEST's order: each whose
+    overrides, sized on the preset without the newest ideas, leave the preset as it is."""
+    base = C.preset(preset)
+    without = C.preset(preset, **newest_off(preset))
+    keys = []
+    for key in NEWEST:
+        if key == "stack":
+            continue
+        try:
+            has = C.preset(preset, **sized(key, without, micro_batch))
+        except ValueError:  # an idea this preset's shape cannot take
+            continue
+        if (has.model, has.train) == (base.model, base.train):
+            keys.append(key)
+    return keys
+
+
+def _stack(base: C.Config, micro_batch: int) -> dict:
+    """Every idea the 126m default adopted, each sized on base with the ones before it; an idea base's shape cannot
+    take (paired heads on 22m's three heads) is left out, as the rung's name says."""
+    values = {section: asdict(getattr(base, section)) for section in C.SECTIONS}
+    change = {}
+    for key in adopted():
+        step = sized(key, C.load_config(values=values, **change), micro_batch)
+        try:
+            C.load_config(values=values, **{**change, **step})
+        except ValueError:
+            continue
+        change.update(step)
+    return change
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
 SECONDS_WARMUP = 30
@@ -496,8 +537,7 @@ def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int
     base, off = C.preset(preset), newest_off(preset)
     rungs = lambda name, group, overrides: [Recipe(name, preset, group, dict(overrides), SEED + i) for i in range(seeds)]
     without = C.preset(preset, **off)
-    sized = lambda key, cfg: NEWEST[key][1](cfg, micro_batch) if callable(NEWEST[key][1]) else NEWEST[key][1]
-    changes = {key: sized(key, without) for key in keys}  # each idea on record #28's recipe
+    changes = {key: sized(key, without, micro_batch) for key in keys}  # each idea on record #28's recipe
     for key, change in changes.items():
         check_applies(preset, key, {**off, **change})
     if inside:
@@ -509,7 +549,7 @@ def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int
                 out.update({k: v for part in list(out) for k, v in NEEDS_IT.get(part, {}).items()})
                 plan += rungs(f"- {NEWEST[key][0][2:]}", "newest", out)
             else:  # sized on the preset as it is (its batch may be smaller than record #28's)
-                plan += rungs(NEWEST[key][0], "newest", sized(key, base))
+                plan += rungs(NEWEST[key][0], "newest", sized(key, base, micro_batch))
         return plan
     plan = rungs(WITHOUT_NEWEST, "default", off)
     for key, change in changes.items():

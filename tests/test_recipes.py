@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -441,3 +442,17 @@ def test_each_finished_rung_says_how_long_it_took_and_what_is_left(tmp_path, cap
     assert "2 rung(s) left" in lines[0] and "1 rung(s) left" in lines[1] and lines[2].endswith("none left")
     assert RE.progress_line("a", [200.0, 300.0], 5, 2) == \
         "finished: a in 300 s; 5 rung(s) left, about 12 min at 250 s a rung"  # 3 rounds of 250 s on 2 devices
+
+
+def test_the_stack_rung_is_the_126m_default_and_takes_what_each_shape_can():
+    """--newest stack: every idea the 126m default adopted, on a preset's record #28 recipe: at 126m the default
+    itself (but for the evaluations' spacing, which a study sets); on 22m's three heads all but paired heads."""
+    assert "xsa" in RE.adopted() and "dense" not in RE.adopted() and "stack" not in RE.adopted()
+    stack = RE.newest_plan("126m", 1, ("stack",), 12)[1].overrides
+    got, default = C.preset("126m", **stack), C.preset("126m")
+    assert got.model == default.model
+    assert replace(got.train, eval_every=1000, ckpt_every=1000) == default.train
+    small = C.preset("22m", **RE.newest_plan("22m", 1, ("stack",), 12)[1].overrides)
+    assert small.model.xsa and small.model.bigram_rows == 5 * small.model.vocab_size and not small.model.paired_heads
+    assert small.train.batch_tokens == C.preset("22m").train.batch_tokens // 4
+    assert C.preset("88m", **RE.newest_plan("88m", 1, ("stack",), 12)[1].overrides).model.paired_heads
