@@ -219,6 +219,21 @@ def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
     return {"train__batch_tokens": tokens, **_fitting_micro_batch(base, tokens, micro_batch, 1)}
 
 
+def _stack(base: C.Config, micro_batch: int) -> dict:
+    """Every idea the 126m default adopted, each sized on base with the ones before it; an idea base's shape cannot
+    take (paired heads on 22m's three heads) is left out, as the rung's name says."""
+    values = {section: asdict(getattr(base, section)) for section in C.SECTIONS}
+    change = {}
+    for key in adopted():
+        step = sized(key, C.load_config(values=values, **change), micro_batch)
+        try:
+            C.load_config(values=values, **{**change, **step})
+        except ValueError:
+            continue
+        change.update(step)
+    return change
+
+
 # The newest records' ideas (modded-nanogpt's records since #28, each README under records/track_1_short/): with
 # --newest, each on top of record #28's recipe (newest_off) alone, once per seed. One seed draws the same data and
 # the same first weights for every rung, so an idea's loss minus record #28's at the same seed (paired) shows its
@@ -281,7 +296,7 @@ NEWEST = {
     "momentum-cooldown": ("+ Muon's momentum back down over the last 50 steps (#39)",
                           {"train__muon_momentum_cooldown": 50}),
     # the 22m and 88m defaults keep record #28's recipe until this rung is measured there
-    "stack": ("+ every idea the 126m default adopted that this shape can take", lambda base, mb: _stack(base, mb)),
+    "stack": ("+ every idea the 126m default adopted that this shape can take", _stack),
 }
 
 
@@ -309,19 +324,6 @@ def adopted(preset: str = "126m", micro_batch: int = 12) -> list[str]:
     return keys
 
 
-def _stack(base: C.Config, micro_batch: int) -> dict:
-    """Every idea the 126m default adopted, each sized on base with the ones before it; an idea base's shape cannot
-    take (paired heads on 22m's three heads) is left out, as the rung's name says."""
-    values = {section: asdict(getattr(base, section)) for section in C.SECTIONS}
-    change = {}
-    for key in adopted():
-        step = sized(key, C.load_config(values=values, **change), micro_batch)
-        try:
-            C.load_config(values=values, **{**change, **step})
-        except ValueError:
-            continue
-        change.update(step)
-    return change
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
 # an H200 (its preset's 200 steps would be most of such a run).
 SECONDS_WARMUP = 30
