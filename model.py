@@ -23,11 +23,10 @@ The norms have no gains (norm_gains = false) and the output projections and head
 126m adds the newest records' parts (configs/recipes/newest.toml): a hashed (previous, current) token-pair table added
 to every block's input, its rows signed by pair (bigram_rows, bigram_signs), each embedding smeared with its
 predecessor's (smear), the long layers' keys offset by a token (key_offset), gated value embeddings (value_gate),
-paired heads in every other short layer (paired_heads), the head reading x minus its 2/3-depth state (backout), the
-blocks after that 2/3-depth block attending over its output, not their own input (saved_attn_input), each unpaired
-head's output less a learned share along its own value (xsa), and logits 11.5 tanh((x W + 5) / 15) (logit_shift,
-logit_temperature). With dense_last the last two blocks' outputs gain per-token mixes of earlier streams, and the last block's values one
-(DenseMix, record #81).
+paired heads in every other short layer (paired_heads), the head reading x minus its 2/3-depth state (backout), later
+blocks attending over that state, not their own input (saved_attn_input), each unpaired head's output less a learned
+share along its own value (xsa), and logits 11.5 tanh((x W + 5) / 15) (logit_shift, logit_temperature). With
+dense_last the last two blocks gain per-token mixes of earlier streams, the last block's values one (DenseMix, #81).
 Every recipe option defaults to the article's Llama 2, so a config that names none computes that.
 """
 

@@ -316,12 +316,17 @@ def adopted(preset: str = "126m", micro_batch: int = 12) -> list[str]:
         if key == "stack":
             continue
         try:
-            has = C.preset(preset, **sized(key, without, micro_batch))
+            if has_already(preset, sized(key, without, micro_batch), base):
+                keys.append(key)
         except ValueError:  # an idea this preset's shape cannot take
             continue
-        if (has.model, has.train) == (base.model, base.train):
-            keys.append(key)
     return keys
+
+
+def has_already(preset: str, change: dict, base: C.Config) -> bool:
+    """Whether configs/<preset>.toml (base) is as it is with `change` applied: it has taken that idea."""
+    has = C.preset(preset, **change)
+    return (has.model, has.train) == (base.model, base.train)
 
 
 # The Muon rung's warm-up under --seconds: about 10% of the 288 steps configs/126m-muon.toml takes in 150 s on
@@ -545,8 +550,7 @@ def newest_plan(preset: str, seeds: int, keys: tuple[str, ...], micro_batch: int
     if inside:
         plan = rungs(ADOPTED, "default", {})
         for key, change in changes.items():
-            has = C.preset(preset, **change)
-            if (has.model, has.train) == (base.model, base.train):  # adopted: the rung leaves it out
+            if has_already(preset, change, base):  # adopted: the rung leaves it out
                 out = {k: off[k] for k in change if k in off}
                 out.update({k: v for part in list(out) for k, v in NEEDS_IT.get(part, {}).items()})
                 plan += rungs(f"- {NEWEST[key][0][2:]}", "newest", out)
