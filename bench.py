@@ -906,7 +906,8 @@ def add_recipe_flags(recipes, here: str, cuda: bool):
                          help=f"with --seconds or --tokens: instead of the ladder, record #28's recipe, each of the newest "
                               f"records' ideas on top of it alone and the default where it adopted some, every one "
                               f"once per seed, with each seed's loss minus record #28's; no IDEA: all of "
-                              f"{', '.join(RE.NEWEST)}")
+                              f"{', '.join(RE.NEWEST)}; with --versus: each IDEA also on the default, timed to the "
+                              f"article's loss beside it (e.g. --newest stack)")
     recipes.add_argument("--inside", action="store_true",
                          help="with --newest: the default first, then each idea inside it (taken out where the default "
                               "has it, added where it has not), each seed's loss minus the default's")
@@ -933,9 +934,12 @@ def main(argv=None):
     if args.seconds is not None and (not args.recipes or args.versus or args.tokens or args.seconds <= 0):
         p.error(f"--seconds {args.seconds:g}: the record ladder's training seconds per rung, more than 0; give it "
                 f"with --recipes, without --versus or --tokens")
-    if args.newest is not None and not (args.recipes and (args.seconds or args.tokens)):
-        p.error("--newest: its ideas are measured at equal training seconds or equal tokens; add --recipes and "
-                "--seconds S (e.g. 70) or --tokens N")
+    if args.newest is not None and not (args.recipes and (args.seconds or args.tokens or args.versus)):
+        p.error("--newest: its ideas are measured at equal training seconds or equal tokens, or against the article; "
+                "add --recipes and --seconds S (e.g. 70), --tokens N or --versus")
+    if args.newest is not None and args.versus and (not args.newest or args.muon or args.inside):
+        p.error("--versus --newest: name the ideas to put on the default beside it (e.g. --newest stack), without "
+                "--muon or --inside")
     if args.inside and args.newest is None:
         p.error("--inside: it measures the newest ideas inside the default; add --newest (and --recipes --seconds S)")
     if args.at_once != 1 and (args.newest is None or args.seconds or args.at_once < 1):
@@ -1026,7 +1030,7 @@ def recipes_study(args, argv):
         budget = C.preset(f"{preset}-gpt3").train.tokens
         print(f"note: every rung trains {budget:,} tokens (--preset {preset}'s full budget) on the CPU, days of work "
               f"at a CPU's few thousand tokens/s; for a smoke test pass --tokens 16384, or --preset tiny", flush=True)
-    if args.newest is not None:
+    if args.newest is not None and not args.versus:
         found = RE.newest_study(preset, tuple(args.newest or RE.NEWEST), args.seeds, corpus, args.micro_batch,
                                 where["out"], args.timeout, args.resume, devices * args.at_once,
                                 seconds=args.seconds or 0.0, tokens=args.tokens or 0, inside=args.inside)
@@ -1037,7 +1041,8 @@ def recipes_study(args, argv):
         print(RE.report_record(found, preset, **where))
     else:
         found = RE.study(preset, args.tokens, args.seeds, corpus, args.micro_batch, where["out"], args.timeout,
-                         args.resume, args.versus, devices, tuple(args.fractions or RE.WHOLE_BUDGET), args.muon)
+                         args.resume, args.versus, devices, tuple(args.fractions or RE.WHOLE_BUDGET), args.muon,
+                         tuple(args.newest or ()))
         print(RE.report_ladder(found, preset, args.versus, **where))
 
 

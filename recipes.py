@@ -425,25 +425,32 @@ def same_tokens(config: str, article: str, micro_batch: int) -> dict:
 
 
 def versus_plan(preset: str, seeds: int, tokens: int = 0, fractions: tuple[float, ...] = WHOLE_BUDGET,
-                micro_batch: int = 1, muon: bool = False) -> list[Recipe]:
+                micro_batch: int = 1, muon: bool = False, newest: tuple[str, ...] = ()) -> list[Recipe]:
     """Per seed, the article against the default recipe on each fraction of the budget (1: all of it).
     A warm-down recipe reaches its lowest loss only at the end of its own schedule, so where its
     full-budget curve crosses the target is not the fastest it gets there: the shortest schedule
     whose final loss reaches the target is. Leaving 1 out saves the longest run of the default.
     With muon the other side is configs/<preset>-muon.toml. micro_batch: sequences of the article's
-    context per micro-batch; the other side takes as many tokens (same_tokens)."""
+    context per micro-batch; the other side takes as many tokens (same_tokens). newest: NEWEST ideas, each
+    also on top of the default on each fraction (`stack` asks whether the 126m default's ideas pay here, and
+    how much sooner they reach the article's loss, in one study)."""
     config = muon_preset(preset) if muon else preset
     name = "Muon recipe" if muon else "default recipe"
     own = same_tokens(config, f"{preset}-gpt3", micro_batch)
+    base = C.preset(config, **own)
+    ideas = {key: sized(key, base, base.train.micro_batch) for key in newest}
+    for key, change in ideas.items():
+        check_applies(config, key, {**own, **change})
 
-    def default(f, seed):
-        if f == 1:
-            return Recipe(name, config, "default", dict(own), seed=seed)
-        return Recipe(f"{name}, {f:.0%} of the tokens", config, "default",
-                      {**own, "train__tokens": int(tokens * f)}, seed)
+    def rungs(f, seed):
+        budget = {} if f == 1 else {"train__tokens": int(tokens * f)}
+        share = "" if f == 1 else f", {f:.0%} of the tokens"
+        return [Recipe(f"{name}{share}", config, "default", {**own, **budget}, seed),
+                *(Recipe(f"{name} {NEWEST[key][0]}{share}", config, "newest", {**own, **change, **budget}, seed)
+                  for key, change in ideas.items())]
     return [r for i in range(seeds)
             for r in (Recipe("article (GPT-3 2020)", f"{preset}-gpt3", "article", seed=SEED + i),
-                      *(default(f, SEED + i) for f in fractions))]
+                      *(r for f in fractions for r in rungs(f, SEED + i)))]
 
 
 def helped(rows: list[dict]) -> list[str]:
@@ -885,9 +892,9 @@ def budget_study(plan: list[Recipe], base: C.Config, preset: str, corpus: str, m
 
 def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch: int | None, out: Path,
           timeout: int, resume: bool, versus: bool, devices: list[str | None], fractions: tuple[float, ...],
-          muon: bool = False) -> dict:
-    """Run the ladder (or --versus, against the Muon recipe with muon) and return its rows, curves,
-    target and kept changes."""
+          muon: bool = False, newest: tuple[str, ...] = ()) -> dict:
+    """Run the ladder (or --versus, against the Muon recipe with muon, with the newest ideas on the default too)
+    and return its rows, curves, target and kept changes."""
     for name in (preset, f"{preset}-gpt3"):
         if not (C.PRESETS_DIR / f"{name}.toml").is_file():
             raise ValueError(f"--recipes --preset {preset}: configs/{name}.toml does not exist; the recipe ladder "
@@ -896,7 +903,7 @@ def study(preset: str, tokens: int | None, seeds: int, corpus: str, micro_batch:
     tokens = tokens or base.train.tokens or base.train.steps * base.train.batch_tokens
     fixed = fixed_settings(base, tokens, corpus, micro_batch)
     runs_dir = out / "recipes" / f"{preset}_{corpus}_{tokens}"  # --resume never mixes budgets or corpora
-    plan = (versus_plan(preset, seeds, tokens, fractions, fixed["train__micro_batch"], muon) if versus
+    plan = (versus_plan(preset, seeds, tokens, fractions, fixed["train__micro_batch"], muon, newest) if versus
             else ladder_plan(preset, seeds))
     cfg = check_and_prepare(plan, fixed)
     print(f"recipes: {preset} ({FL.param_count(cfg.model):,} parameters) on {corpus}, {tokens:,} tokens per rung, "

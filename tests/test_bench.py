@@ -287,6 +287,16 @@ def test_bench_without_a_study_names_the_studies_to_choose(capsys):
     assert "choose a study: --ladder, " in capsys.readouterr().err
 
 
+def test_versus_takes_newest_ideas_by_name_only(capsys, monkeypatch):
+    """--versus --newest puts named ideas on the default beside it; with no idea, --muon or --inside it is refused
+    in one line before anything runs."""
+    monkeypatch.setattr(B.RE, "study", lambda *a, **k: pytest.fail("the study ran"))
+    for extra in ([], ["stack", "--muon"], ["stack", "--inside"]):
+        with pytest.raises(SystemExit):
+            B.main(["--recipes", "--versus", "--preset", "tiny", "--newest", *extra])
+        assert "--versus --newest: name the ideas to put on the default beside it" in capsys.readouterr().err
+
+
 def test_budget_command_prints_table(capsys):
     B.main(["--budget", "--tok-s", "88m-muon=29408", "88m=29408"])
     out = capsys.readouterr().out

@@ -80,6 +80,27 @@ def test_versus_runs_the_default_on_each_fraction_of_the_budget_seed_by_seed():
     assert [r.name for r in only_short] == ["article (GPT-3 2020)", "default recipe, 40% of the tokens"]
 
 
+def test_versus_with_newest_puts_each_idea_on_the_default_beside_it_on_the_same_tokens():
+    """--versus --newest stack: per seed and fraction, the default and the default with the 126m default's ideas
+    (what this shape can take: 22m's three heads leave paired heads out), on the same tokens, each timed to the
+    article's loss; the idea's rung at the quarter batch holds a micro-batch that divides it."""
+    plan = RE.versus_plan("22m", 2, tokens=440_401_920, fractions=(0.4,), micro_batch=64, newest=("stack",))
+    stack = f"default recipe {RE.NEWEST['stack'][0]}, 40% of the tokens"
+    assert [(r.name, r.seed) for r in plan] == [
+        ("article (GPT-3 2020)", 1337), ("default recipe, 40% of the tokens", 1337), (stack, 1337),
+        ("article (GPT-3 2020)", 1338), ("default recipe, 40% of the tokens", 1338), (stack, 1338)]
+    fixed = RE.fixed_settings(C.preset("22m-gpt3"), tokens=440_401_920, corpus="python", micro_batch=64)
+    default, ideas = (RE.resolved(r, fixed)[0] for r in plan[1:3])
+    assert ideas.train.tokens == default.train.tokens == 176_160_768
+    adopted = C.preset("126m")
+    assert (ideas.model.xsa, ideas.model.bigram_rows, ideas.train.mtp_tokens) == (True, 163840, 3)
+    assert ideas.train.warmdown_fraction == adopted.train.warmdown_fraction and not ideas.model.paired_heads
+    assert (ideas.train.batch_tokens, ideas.train.micro_batch) == (98_304, 6)  # 12 sequences a step: 6 divides them
+    assert len({r.folder for r in plan}) == len(plan)
+    with pytest.raises(ValueError, match="--newest paired-heads does not apply to 22m"):
+        RE.versus_plan("22m", 1, tokens=440_401_920, fractions=(0.4,), micro_batch=64, newest=("paired-heads",))
+
+
 def test_versus_muon_runs_the_muon_recipe_against_the_article():
     """--versus --muon: the other side is configs/<preset>-muon.toml, on the article's 1,024-token windows at
     the same micro-batch, warming up over the same share of its steps as at its full budget."""
