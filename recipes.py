@@ -219,6 +219,18 @@ def _quarter_batch(base: C.Config, micro_batch: int) -> dict:
     return {"train__batch_tokens": tokens, **_fitting_micro_batch(base, tokens, micro_batch, 1)}
 
 
+def _first_block_dropped(base: C.Config, micro_batch: int) -> dict:
+    """One block fewer, as records #30 and #35 dropped their first block's MLP and attention (the record has 11 since):
+    the attention-free block keeps its place behind the one dropped; the long and paired layers, the value tables and
+    the 2/3-depth block follow model.ModelConfig's rules at the new depth, which place them as the record's do only
+    in part (126m at 11: long 0, 4, 10 where the record's are 3, 10)."""
+    m = base.model
+    change = {"model__n_layers": m.n_layers - 1}
+    if m.skip_attn_layer > 0:
+        change["model__skip_attn_layer"] = m.skip_attn_layer - 1
+    return change
+
+
 def _stack(base: C.Config, micro_batch: int) -> dict:
     """Every idea the 126m default adopted, each sized on base with the ones before it; an idea base's shape cannot
     take (paired heads on 22m's three heads) is left out, as the rung's name says."""
@@ -295,6 +307,8 @@ NEWEST = {
     # at the quarter batch a 70-s run takes about 350 steps: the record's 300-step warm-up is most of it
     "momentum-cooldown": ("+ Muon's momentum back down over the last 50 steps (#39)",
                           {"train__muon_momentum_cooldown": 50}),
+    # a block fewer: less work a step (a twelfth at 126m) for whatever the block learned (#30, #35)
+    "first-block": ("- the first block: one block fewer (#30, #35)", _first_block_dropped),
     # the 22m and 88m defaults keep record #28's recipe until this rung is measured there
     "stack": ("+ every idea the 126m default adopted that this shape can take", _stack),
 }

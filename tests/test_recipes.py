@@ -290,7 +290,8 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
     # configs/recipes/newest.toml is every idea's own setting but those not measured yet or not adopted, the fused
     # decode off (it has no key offset, value gates or paired heads), and at the quarter batch evaluations and
     # checkpoints as many tokens apart as record #28's
-    unadopted = ("batch-stages", "tied-head", "mimetic", "yarn", "momentum-cooldown", "adam-betas", "dense")
+    unadopted = ("batch-stages", "tied-head", "mimetic", "yarn", "momentum-cooldown", "adam-betas", "dense",
+                 "first-block")
     ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key not in unadopted]
     adopted = {k: v for idea in ideas for k, v in idea.items() if k not in record or record[k] != v}
     rest = {"speed__fused_decode": False, "speed__split_decode": False, "train__eval_every": 1000,
@@ -341,6 +342,10 @@ def test_inside_the_newest_ideas_leave_out_what_the_default_has_and_add_what_it_
     assert [r.seed for r in plan[:2]] == [1337, 1338]
     without = C.preset("126m", **plan[2].overrides)
     assert without.model.bigram_rows == 0 and without.train == C.preset("126m").train
+    # one block fewer: the attention-free block stays behind the one dropped (126m's 7 of 12 is 6 of 11)
+    fewer = RE.newest_plan("126m", 1, ("first-block",), 12, inside=True)[1]
+    assert fewer.overrides == {"model__n_layers": 11, "model__skip_attn_layer": 6}
+    assert RE.newest_plan("tiny", 1, ("first-block",), 12, inside=True)[1].overrides == {"model__n_layers": 3}
     # the quarter batch and the warm-down (adopted) out: record #28's; the batch stages added: sized on the preset's
     # own batch
     batch = RE.newest_plan("126m", 1, ("quarter-batch", "warmdown", "batch-stages"), 12, inside=True)
