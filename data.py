@@ -620,16 +620,19 @@ class ShardLoader:
         return np.cumsum(ids, axis=1, dtype=np.int32)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return t
-        if self.pin:
-            # Page-locked memory lets the copy queue behind the GPU's work instead of waiting for
-            # it (a pageable copy synchronizes). Only a contiguous tensor goes so: PyTorch sends a strided
-            # one through a contiguous copy of it in pageable memory, so the loader's tensors come here
-            # contiguous (a strided x did until 2026-12-04, docs/LOG.md). A fresh pinned tensor each time:
-            # the caching host allocator will not hand its memory out again until the copy has finished.
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return to_device(t, self.device, self.pin)
+
+
+def to_device(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """t, a CPU tensor, on `device`; with pin (CUDA only), through page-locked memory.
+    Page-locked memory lets the copy queue behind the GPU's work instead of waiting for it: a copy from pageable
+    memory waits for the stream's work to finish, so the GPU then idles while the host launches the next kernels.
+    Only a contiguous tensor goes so: PyTorch sends a strided one through a contiguous copy of it in pageable memory,
+    so the loader's tensors come here contiguous (a strided x did until 2026-12-04, docs/LOG.md). A fresh pinned
+    tensor each time: the caching host allocator will not hand its memory out again until the copy has finished."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
 
 
 def main(argv=None):

@@ -355,7 +355,10 @@ def multi_targets(y, weights: tuple[float, ...], prefix: tuple[torch.Tensor, flo
     if prefix is not None:
         table, weight = prefix
         ids, weights = ids + [table[y]], (*weights, weight)
-    return M.MultiTargets(torch.stack(ids, dim=-1), torch.tensor(weights, dtype=torch.float32, device=y.device))
+    # The weights change as they fade, so they cross to the GPU every micro-batch: pinned, so the copy does not
+    # stall the queue (data.to_device)
+    weights = D.to_device(torch.tensor(weights, dtype=torch.float32), y.device, pin=y.is_cuda)
+    return M.MultiTargets(torch.stack(ids, dim=-1), weights)
 
 
 def step_lr(step: int, tcfg: C.TrainConfig, steps: int) -> float:

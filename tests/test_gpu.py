@@ -507,6 +507,20 @@ def test_paired_heads_block_mask_allows_what_their_boolean_mask_does():
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
 
 
+def test_the_multi_token_loss_weights_cross_to_the_gpu_from_pinned_memory():
+    """A copy from pageable memory waits for the GPU's queued work, then the GPU idles while the host launches the next
+    kernels: the fading weights cross every micro-batch, so they go pinned (data.to_device)."""
+    import train as TR
+    from torch.profiler import ProfilerActivity, profile
+    y = torch.randint(0, 100, (2, 64), device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        targets = TR.multi_targets(y, (1.0, 0.5, 0.25))
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if e.name.startswith("Memcpy HtoD")]
+    assert copies and not [n for n in copies if "Pageable" in n], copies
+    assert targets.weights.tolist() == [1.0, 0.5, 0.25]
+
+
 @pytest.mark.parametrize("compiled,prefix,fp8_head", [(False, False, False), (True, False, False), (False, True, False),
                                                       (True, True, False), (True, True, True)])
 def test_the_multi_token_loss_kernel_matches_the_plain_loss_in_bf16(compiled, prefix, fp8_head):
