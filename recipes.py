@@ -308,7 +308,7 @@ NEWEST = {
     "momentum-cooldown": ("+ Muon's momentum back down over the last 50 steps (#39)",
                           {"train__muon_momentum_cooldown": 50}),
     # a block fewer: less work a step (a twelfth at 126m) for whatever the block learned (#30, #35)
-    "first-block": ("- the first block: one block fewer (#30, #35)", _first_block_dropped),
+    "first-block": ("+ one block fewer, the first dropped (#30, #35)", _first_block_dropped),
     # the 22m and 88m defaults keep record #28's recipe until this rung is measured there
     "stack": ("+ every idea the 126m default adopted that this shape can take", _stack),
 }

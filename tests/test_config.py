@@ -73,14 +73,14 @@ def test_every_flag_has_help_from_the_field_comment(capsys):
 
 def test_a_misspelled_config_file_suggests_the_preset_and_lists_them():
     with pytest.raises(FileNotFoundError, match=r"configs/88M.toml does not exist: did you mean configs/88m.toml\? "
-                                                r"the presets in .* are 126m, 126m-gpt3, 126m-muon, 22m,"):
+                                                r"the presets in .* are 126m, 126m-gpt3, 126m-muon, 126m-record, 22m,"):
         C.load_config("configs/88M.toml")
     with pytest.raises(FileNotFoundError, match=r"nothing.toml does not exist: the presets in"):
         C.load_config("nothing.toml")
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '126m-muon', '22m'"):
+    with pytest.raises(ValueError, match=r"preset '99m' does not exist: choose one of \['126m', '126m-gpt3', '126m-muon', '126m-record', '22m'"):
         C.preset("99m")
 
 
@@ -163,19 +163,23 @@ OWN_SETTINGS = {"model": {"n_layers", "n_heads", "n_kv_heads", "value_embeds", "
                 "speed": {"fp8", "fused_qk_norm_rope"}, "train": {"micro_batch"}}
 
 
-@pytest.mark.parametrize("name", ["22m", "47m", "88m", "126m"])
+@pytest.mark.parametrize("name", ["22m", "47m", "88m", "126m-record"])
 def test_each_default_preset_is_its_muon_preset_plus_the_one_shared_record_recipe(name):
-    """A change of the default recipe edits configs/recipes/record.toml alone (and newest.toml, for the presets that
-    adopted the newest records' ideas: 126m); a preset adds only its shape."""
+    """A change of the default recipe edits configs/recipes/record.toml alone; a preset adds only its shape."""
     import tomllib
     raw = tomllib.loads((C.PRESETS_DIR / f"{name}.toml").read_text())
-    newest = ["recipes/newest.toml"] if name == "126m" else []
-    assert raw.pop("extends") == [f"{name}-muon", "recipes/record.toml", *newest]
+    assert raw.pop("extends") == [f"{name.split('-')[0]}-muon", "recipes/record.toml"]
     assert set(raw) <= set(OWN_SETTINGS) and all(set(raw[s]) <= OWN_SETTINGS[s] for s in raw)
-    later = {(section, key) for n in newest for section, table in C.read_toml(C.PRESETS_DIR / n).items() for key in table}
-    assert_holds(C.preset(name), "record.toml", skip=later)  # newest.toml wins where it sets a key too
-    for n in newest:
-        assert_holds(C.preset(name), n.split("/")[1])
+    assert_holds(C.preset(name), "record.toml")
+
+
+def test_the_126m_default_is_record_28s_preset_plus_the_newest_ideas_and_nothing_of_its_own():
+    """A change of the newest ideas 126m adopted edits configs/recipes/newest.toml alone: 126m.toml says nothing
+    else, so record #28's recipe at 126m (126m-record.toml) is the default with that file left out."""
+    import tomllib
+    assert tomllib.loads((C.PRESETS_DIR / "126m.toml").read_text()) == {"extends": ["126m-record", "recipes/newest.toml"]}
+    assert_holds(C.preset("126m"), "newest.toml")
+    assert C.preset("126m").model.n_layers == C.preset("126m-record").model.n_layers - 1
 
 
 def test_tiny_keeps_the_muon_recipe():

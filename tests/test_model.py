@@ -472,33 +472,41 @@ def test_backout_subtracts_a_multiple_of_the_two_thirds_stream_before_the_head()
     assert sum(p.numel() for p in model.parameters()) == FL.param_count(model.cfg)
 
 
-def test_the_126m_preset_has_the_record_holders_parameter_count_and_the_newest_parts():
-    """configs/126m.toml counted on the meta device (no memory): modded-nanogpt's 208.4M at record #28, its
+def test_the_126m_presets_have_the_record_holders_parameter_counts_and_the_newest_parts():
+    """Counted on the meta device (no memory). configs/126m-record.toml: modded-nanogpt's 208.4M at record #28, its
     attention-free layer 7 and untied head included (modded's scalars are 64 whether used or not; ours are the used
-    ones: 5 value scales among them, and like modded's its norms have no gains), plus the newest parts: the bigram
-    table (5 x 32,768 rows of 768), 458 mixes and gates and XSA's 42 (6 heads in 7 unpaired layers); the module's
-    tensors agree with param_count."""
-    cfg = C.preset("126m").model
-    with torch.device("meta"):
-        model = M.Llama(cfg)
-    assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg) == 208_405_319 + 163_840 * 768 + 458 + 42
-    assert model.blocks[7].attn is None and len(model.attentions()) == 11
+    ones: 5 value scales among them, and like modded's its norms have no gains). configs/126m.toml: that less a
+    block with attention (its matrices and its gate's 12 x 6) and its 4 scalars (two x0 mixes, a skip, a value
+    scale), plus the newest parts: the bigram table (5 x 32,768 rows of 768), 457 mixes and gates and XSA's 36 (6
+    heads in 6 unpaired layers). The modules' tensors agree with param_count."""
+    def count(preset: str) -> tuple[M.Llama, int]:
+        cfg = C.preset(preset).model
+        with torch.device("meta"):
+            model = M.Llama(cfg)
+        assert sum(p.numel() for p in model.parameters()) == FL.param_count(cfg)
+        return model, FL.param_count(cfg)
+    record, n = count("126m-record")
+    assert n == 208_405_319 and record.blocks[7].attn is None
+    block = 4 * 768 * 768 + 2 * 768 * 3072 + 12 * 6
+    model, n = count("126m")
+    assert n == 208_405_319 - block - 4 + 163_840 * 768 + 457 + 36
+    assert model.blocks[6].attn is None and len(model.attentions()) == 10
 
 
 def test_flops_per_token_count_matmuls_and_the_windows_keys():
     """6N over the weights that multiply (no lookup tables) plus 12*H*Q per layer times the keys it
     may see, min(T, 2w) with a window w: configs/126m.toml at 8,192 tokens, written out."""
     cfg = C.preset("126m").model
-    d, L, H, hd, V, f = 768, 12, 6, 128, 32768, 3072
-    # blocks (q, k, v, o, the MLP, the gate) and the head; layer 7 has no attention (its q, k, v, o and gate)
+    d, L, H, hd, V, f = 768, 11, 6, 128, 32768, 3072
+    # blocks (q, k, v, o, the MLP, the gate) and the head; layer 6 has no attention (its q, k, v, o and gate)
     matmuls = L * (4 * d * d + 2 * d * f + 12 * H) - (4 * d * d + 12 * H) + V * d
-    # x0 mixes, skips, v mixes, value scales (layers 3-6 and 8); the norms have no gains (norm_gains false)
-    scalars = L * 2 + L // 2 + 3 * 2 * 2 + 5
+    # x0 mixes, skips, v mixes, value scales (layers 3-5 and 7); the norms have no gains (norm_gains false)
+    scalars = L * 2 + L // 2 + 3 * 2 * 2 + 4
     # the newest parts: a bigram mix a layer, backout's mix, smear's gate (12 channels) and mix, and a value gate
     # (12 channels to each of the 6 kv heads) on each of the 6 layers with a value table, and XSA's gate a head in
-    # the 7 unpaired layers with attention; the table is a lookup
-    newest = L + 1 + 12 + 1 + 6 * 12 * H + 7 * H
-    long_layers = 3  # 0, 4 and 11; layer 7, modded's fourth long one, has no attention
+    # the 6 unpaired layers with attention (paired: 1, 3, 7, 9); the table is a lookup
+    newest = L + 1 + 12 + 1 + 6 * 12 * H + 6 * H
+    long_layers = 3  # 0, 4 and 10
     attention = 12 * H * hd * (long_layers * 2 * 1792 + (L - long_layers - 1) * 2 * 896)
     assert FL.flops_per_token(cfg) == 6 * (matmuls + scalars + newest) + attention
     assert FL.flops_per_token(replace(cfg, paired_heads=True)) == FL.flops_per_token(cfg)  # 2T queries, H/2 heads

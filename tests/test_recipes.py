@@ -272,7 +272,8 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
         (RE.ADOPTED, 1337), (RE.ADOPTED, 1338)]
     record = RE.newest_off("126m")  # 126m took the newest recipe's quarter batch, warm-down and soft-cap: record #28's
     assert record == {**RE.NEWEST_OFF, "train__batch_tokens": 393216, "train__eval_every": 250, "train__ckpt_every": 250,
-                      "train__warmdown_fraction": 0.45, "train__min_lr_ratio": 0.1, "model__logit_softcap": 15.0}
+                      "train__warmdown_fraction": 0.45, "train__min_lr_ratio": 0.1, "model__logit_softcap": 15.0,
+                      "model__n_layers": 12, "model__skip_attn_layer": 7}
     assert RE.newest_off("22m") == RE.NEWEST_OFF
     assert plan[2].overrides == {**record, "model__bigram_rows": 5 * 32768}
     assert plan[4].overrides == {**record, "train__mtp_tokens": 3} and plan[-1].overrides == {}
@@ -290,9 +291,9 @@ def test_the_newest_ideas_run_each_on_record_28_alone_and_compare_by_seed():
     # configs/recipes/newest.toml is every idea's own setting but those not measured yet or not adopted, the fused
     # decode off (it has no key offset, value gates or paired heads), and at the quarter batch evaluations and
     # checkpoints as many tokens apart as record #28's
-    unadopted = ("batch-stages", "tied-head", "mimetic", "yarn", "momentum-cooldown", "adam-betas", "dense",
-                 "first-block")
-    ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST if key not in unadopted]
+    unadopted = ("batch-stages", "tied-head", "mimetic", "yarn", "momentum-cooldown", "adam-betas", "dense")
+    ideas = [RE.newest_plan("126m", 1, (key,), 12)[1].overrides for key in RE.NEWEST
+             if key not in unadopted and key != "stack"]
     adopted = {k: v for idea in ideas for k, v in idea.items() if k not in record or record[k] != v}
     rest = {"speed__fused_decode": False, "speed__split_decode": False, "train__eval_every": 1000,
             "train__ckpt_every": 1000}
@@ -342,9 +343,12 @@ def test_inside_the_newest_ideas_leave_out_what_the_default_has_and_add_what_it_
     assert [r.seed for r in plan[:2]] == [1337, 1338]
     without = C.preset("126m", **plan[2].overrides)
     assert without.model.bigram_rows == 0 and without.train == C.preset("126m").train
-    # one block fewer: the attention-free block stays behind the one dropped (126m's 7 of 12 is 6 of 11)
+    # one block fewer (adopted): taken out, record #28's 12 blocks with the attention-free one at 7; added to a
+    # preset without it, the attention-free block stays behind the one dropped (126m-record's 7 of 12 is 6 of 11)
     fewer = RE.newest_plan("126m", 1, ("first-block",), 12, inside=True)[1]
-    assert fewer.overrides == {"model__n_layers": 11, "model__skip_attn_layer": 6}
+    assert (fewer.name, fewer.overrides) == ("- one block fewer, the first dropped (#30, #35)",
+                                             {"model__n_layers": 12, "model__skip_attn_layer": 7})
+    assert RE.sized("first-block", C.preset("126m-record"), 12) == {"model__n_layers": 11, "model__skip_attn_layer": 6}
     assert RE.newest_plan("tiny", 1, ("first-block",), 12, inside=True)[1].overrides == {"model__n_layers": 3}
     # the quarter batch and the warm-down (adopted) out: record #28's; the batch stages added: sized on the preset's
     # own batch

@@ -819,13 +819,13 @@ def test_flags_override_file_override_defaults(tmp_path):
 # steps no worse, two seeds a side). Since 2026-12-06 the newest records' ideas, measured together at 70 s
 # (configs/recipes/newest.toml), with the fused decode off: it has no key offset or value gates; since 2026-12-07
 # the quarter batch with five more ideas, and the newer records' warm-down; then the shifted soft-cap, gated XSA and
-# the saved attention input, together.
+# the saved attention input, together; then the first block dropped (the record's 11 blocks).
 NEWEST_FLAGS = ("--bigram-rows 163840 --backout --smear --key-offset --value-gate --mtp-tokens 3 "
                 "--muon-iteration polar-express --muon-beta2 0.95 --muon-weight-decay 0.013 --muon-cautious "
                 "--no-fused-decode --no-split-decode --batch-tokens 98304 --bigram-signs --paired-heads "
                 "--adam-weight-decay 0.005 --untie-at 0.6667 --prefix-weight 0.25 --eval-every 1000 --ckpt-every 1000 "
                 "--warmdown-fraction 0.6 --min-lr-ratio 0.15 --logit-softcap 11.5 --logit-shift 5 --logit-temperature 15 "
-                "--xsa --saved-attn-input")
+                "--xsa --saved-attn-input --n-layers 11 --skip-attn-layer 6")
 RECORD_FLAGS = ("--no-tie-embeddings --embed-norm --logit-softcap 15 --lr 0.008 --embed-lr 0.6 --head-lr 0.008 "
                 "--scalar-lr 0.04 --beta1 0.8 --adam-eps 2.5e-16 --value-scale --muon-lr 0.05 --muon-momentum-warmup 300 "
                 "--warmup-steps 0 --warmdown-fraction 0.45 --min-lr-ratio 0.1 --value-embeds 3 --unet-skips --x0-mix "
