@@ -41,6 +41,7 @@ windows.
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -748,10 +749,15 @@ def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[st
         if not (resume and done.exists()) and r.folder not in {t[0].folder for t in todo}:
             todo.append((r, command(r, overrides, runs_dir, resume)))
     running, free = {}, list(devices)
+    previous = signal.signal(signal.SIGTERM, _terminated)  # `kill` or `timeout` stops the rungs as Ctrl-C does
     try:
         _run_queue(todo, running, free, results, runs_dir, timeout)
     except KeyboardInterrupt:
         stop_children(running, runs_dir)
+    except Terminated:
+        stop_children(running, runs_dir, "SIGTERM")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for r in recipes:
         results.setdefault(r.folder, read_run(runs_dir / r.folder))
     return results
@@ -760,11 +766,20 @@ def run_all(recipes: list[Recipe], fixed: dict, runs_dir: Path, devices: list[st
 STOP_GRACE = 120  # seconds a stopped rung may take to save its checkpoint (train.py saves on SIGINT)
 
 
-def stop_children(running: dict, runs_dir: Path):
-    """Ctrl-C (or SIGINT) during the ladder: pass SIGINT on to every rung still training, so each saves
-    a checkpoint as train.py does, wait for them, then leave in one line with Ctrl-C's exit code.
-    Without this a rung started by bench would train on alone after bench had gone."""
-    import signal
+class Terminated(Exception):
+    """SIGTERM reached bench during the ladder."""
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends bench at once; the rungs have theirs
+    raise Terminated
+
+
+def stop_children(running: dict, runs_dir: Path, name: str = "SIGINT"):
+    """Ctrl-C (SIGINT) or SIGTERM during the ladder: pass SIGINT on to every rung still training, so each saves
+    a checkpoint as train.py does, wait for them, then leave in one line with train.py's exit code for a stop.
+    Each rung runs in a session of its own, so without this it would train on alone after bench had gone,
+    holding its card and its folder."""
     for proc, *_ in running.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -778,7 +793,7 @@ def stop_children(running: dict, runs_dir: Path):
         out.close()
     saved = sorted(f for f in running if (runs_dir / f / "ckpt.pt").exists())
     done = sorted(p.parent.name for p in runs_dir.glob("*/summary.json"))
-    print(f"SIGINT: stopped; {len(done)} finished rung(s) and {len(saved)} interrupted one(s) with a checkpoint "
+    print(f"{name}: stopped; {len(done)} finished rung(s) and {len(saved)} interrupted one(s) with a checkpoint "
           f"({', '.join(saved) or 'none'}) are kept in {runs_dir}: run the same command with --resume to go on",
           file=sys.stderr)
     raise SystemExit(130)

@@ -2,6 +2,8 @@
 end to end on the tiny preset in the slow tier."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -377,22 +379,51 @@ def test_seconds_belong_to_the_record_ladder(capsys):
     assert "--seconds 150: the record ladder's training seconds per rung" in capsys.readouterr().err
 
 
-def test_ctrl_c_passes_one_sigint_to_each_rung_waits_for_its_save_and_says_what_is_kept(tmp_path, capsys):
-    """A rung stands in for train.py: on SIGINT it writes its checkpoint and exits 130."""
-    folder = tmp_path / "rung-s1337"
+# A rung stands in for train.py: on SIGINT it writes its checkpoint and exits 130.
+RUNG = ("import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *a: (pathlib.Path('ckpt.pt').write_text('saved'), sys.exit(130)))\n"
+        "pathlib.Path('started').write_text('')\n"
+        "time.sleep(60)\n")
+
+
+def started_rung(folder: Path) -> subprocess.Popen:
     folder.mkdir()
-    child = ("import pathlib, signal, sys, time\n"
-             "signal.signal(signal.SIGINT, lambda *a: (pathlib.Path('ckpt.pt').write_text('saved'), sys.exit(130)))\n"
-             "pathlib.Path('started').write_text('')\n"
-             "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", child], cwd=folder)
+    proc = subprocess.Popen([sys.executable, "-c", RUNG], cwd=folder, start_new_session=True)  # as _run_queue's
     while not (folder / "started").exists():
         time.sleep(0.01)
+    return proc
+
+
+def test_ctrl_c_passes_one_sigint_to_each_rung_waits_for_its_save_and_says_what_is_kept(tmp_path, capsys):
+    folder = tmp_path / "rung-s1337"
+    proc = started_rung(folder)
     out = open(folder / "stdout.log", "w")
     with pytest.raises(SystemExit) as stop:
         RE.stop_children({"rung-s1337": (proc, None, 0.0, out)}, tmp_path)
     assert stop.value.code == 130 and proc.returncode == 130 and (folder / "ckpt.pt").read_text() == "saved"
     assert "1 interrupted one(s) with a checkpoint (rung-s1337)" in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_rungs_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    """`kill` or `timeout` sends bench SIGTERM: each rung (in a session of its own, which a signal to bench does not
+    reach) gets its SIGINT and saves, where it used to train on alone, holding its card and its folder."""
+    def queue(todo, running, free, results, runs_dir, timeout):
+        folder = runs_dir / "rung-s1337"
+        running["rung-s1337"] = (started_rung(folder), None, 0.0, open(folder / "stdout.log", "w"))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    def unheard(signum, frame):
+        raise RuntimeError("SIGTERM reached the handler run_all found, not its own")
+    monkeypatch.setattr(RE, "_run_queue", queue)
+    before = signal.signal(signal.SIGTERM, unheard)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            RE.run_all([], {}, tmp_path, [None], 60, False)
+        assert signal.getsignal(signal.SIGTERM) is unheard  # run_all's handler is gone when it is
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stop.value.code == 130 and (tmp_path / "rung-s1337" / "ckpt.pt").read_text() == "saved"
+    assert "SIGTERM: stopped; 0 finished rung(s) and 1 interrupted one(s)" in capsys.readouterr().err
 
 
 def test_a_cut_off_summary_or_log_is_named_in_one_line(tmp_path):
