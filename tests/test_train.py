@@ -936,9 +936,14 @@ def assert_two_ranks_equal_one(common: list, tmp_path: Path, free_port: int, ste
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     lookups = ("embed.weight", "bigram.weight", "value_embeds.")
     for k in one:
-        # Adam steps an entry of a rarely seen table row by about its lr whatever its gradient's size, so there the
-        # ranks' summation order shows more (up to 1.7e-4 seen at lr 0.05); every matrix and scalar stays close
-        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=5e-4 if k.startswith(lookups) else 1e-5)
+        if not k.startswith(lookups):  # every matrix and scalar stays close
+            torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-5)
+            continue
+        # Adam steps an entry of a rarely seen table row by about its lr whatever its gradient's size, so an entry
+        # whose gradient is the ranks' summation noise may step either way (one of a value table's 32,768 entries,
+        # by 5.5e-3, at the 126m default's 11 blocks); a wrong sum would move every row the batch saw
+        apart = (one[k] - two[k]).abs()
+        assert (apart > 5e-4).sum() <= max(1, apart.numel() // 1000) and apart.max() < 0.05, (k, apart.max())
     for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two")):
         assert a == pytest.approx(b, rel=1e-5)
     assert len(losses(tmp_path / "two")) == steps
